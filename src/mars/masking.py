@@ -1,0 +1,104 @@
+"""The two-stream MARS training layout as pure tensor functions.
+
+A training sequence ``x`` (length ``L``) is fed together with a copy ``x~`` whose response tokens
+are replaced by the mask token: ``z = [x ; x~]`` (length ``2L``), both copies with position ids
+``0..L-1``.  Positions are grouped into blocks ``block(t) = t // B``.  Attention rules (query ``i``,
+key ``j``, ``p()`` = position inside its own copy):
+
+* clean -> clean: ``p(j) <= p(i)`` (ordinary causal attention)
+* noisy -> noisy: same block and ``p(j) <= p(i)`` (``bidirectional``: same block only)
+* noisy -> clean: ``block(j) < block(i)``
+* clean -> noisy: never
+
+Nothing here touches a model, so every rule is unit-testable on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INTRA_BLOCK_PATTERNS = ("causal", "bidirectional")
+
+
+def _check_block(length: int, block_size: int, intra_block: str) -> None:
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if intra_block not in INTRA_BLOCK_PATTERNS:
+        raise ValueError(f"intra_block must be one of {INTRA_BLOCK_PATTERNS}, got {intra_block!r}")
+
+
+def mars_attention_mask(
+    length: int, block_size: int, intra_block: str = "causal", device: torch.device | str | None = None
+) -> torch.BoolTensor:
+    """Boolean attention mask of shape ``[2*length, 2*length]``; True = query (row) may attend key (column).
+
+    The clean copy comes first (rows/columns ``0..length-1``), the noisy copy second.
+    ``intra_block="bidirectional"`` gives the Block Diffusion baseline (noisy tokens see their whole block).
+    """
+    _check_block(length, block_size, intra_block)
+    pos = torch.arange(length, device=device)
+    blk = pos // block_size
+    causal = pos[None, :] <= pos[:, None]
+    same_block = blk[None, :] == blk[:, None]
+    clean_clean = causal
+    noisy_noisy = same_block & causal if intra_block == "causal" else same_block
+    noisy_clean = blk[None, :] < blk[:, None]
+    clean_noisy = torch.zeros_like(causal)
+    top = torch.cat([clean_clean, clean_noisy], dim=1)
+    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def two_stream_position_ids(length: int, device: torch.device | str | None = None) -> torch.LongTensor:
+    """Position ids ``[0..L-1, 0..L-1]``: both copies share positions."""
+    pos = torch.arange(length, device=device)
+    return torch.cat([pos, pos])
+
+
+def noisy_copy(input_ids: torch.Tensor, mask_positions: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """``x~``: ``input_ids`` with ``mask_positions`` (bool, same shape) replaced by the mask token."""
+    return torch.where(mask_positions, torch.full_like(input_ids, mask_token_id), input_ids)
+
+
+def shifted_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Right-shifted targets: the output at ``t`` predicts ``x[t+1]``; positions whose target
+    carries no loss (prompt, padding, or the last position) get ``ignore_index``."""
+    targets = torch.full_like(input_ids, ignore_index)
+    targets[:, :-1] = torch.where(loss_mask[:, 1:].bool(), input_ids[:, 1:], ignore_index)
+    return targets
+
+
+def response_positions_to_mask(
+    loss_mask: torch.Tensor, ratio: float | torch.Tensor = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Which response tokens to mask in the noisy copy.
+
+    ``ratio=1`` (the paper's ``full`` schedule) masks every response token; a ratio below one masks
+    each response token independently with that probability (a scalar, or one ratio per row).
+    """
+    response = loss_mask.bool()
+    if isinstance(ratio, (int, float)) and ratio >= 1.0:
+        return response
+    ratio_t = torch.as_tensor(ratio, dtype=torch.float32, device=loss_mask.device)
+    if ratio_t.ndim == 1:
+        ratio_t = ratio_t[:, None]
+    draws = torch.rand(loss_mask.shape, generator=generator, device=loss_mask.device)
+    return response & (draws < ratio_t)
+
+
+def attention_mask_for(
+    bool_mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Turn a ``[Q, K]`` boolean mask into the 4D form an HF attention backend expects.
+
+    SDPA takes booleans (True = attend); the eager path adds the mask to the scores, so it needs
+    an additive float mask (it would misread booleans).
+    """
+    mask4d = bool_mask[None, None]
+    if attn_implementation == "eager":
+        zero = torch.zeros((), dtype=dtype, device=bool_mask.device)
+        neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=bool_mask.device)
+        return torch.where(mask4d, zero, neg)
+    return mask4d

