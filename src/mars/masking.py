@@ -102,3 +102,62 @@ def attention_mask_for(
         neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=bool_mask.device)
         return torch.where(mask4d, zero, neg)
     return mask4d
+
+
+# ------------------------------------------------------------------------------------------
+# Mask schedules: how many response tokens of the noisy copy are masked at a given step
+# ------------------------------------------------------------------------------------------
+MASK_SCHEDULES = ("full", "random_ratio", "linear_ramp")
+
+
+def mask_ratio(
+    schedule: str,
+    step: int,
+    total_steps: int,
+    batch_size: int,
+    *,
+    min_ratio: float = 0.0,
+    max_ratio: float = 1.0,
+    start_ratio: float = 0.25,
+    ramp_fraction: float = 0.5,
+    generator: torch.Generator | None = None,
+) -> float | torch.Tensor:
+    """Masking ratio for the noisy copy.
+
+    * ``full`` (the paper): every response token is masked.
+    * ``random_ratio``: one ratio per sequence drawn from U(min_ratio, max_ratio) (diffusion-style noise levels).
+    * ``linear_ramp``: a curriculum from ``start_ratio`` to 1 over the first ``ramp_fraction`` of training,
+      so early steps see mostly clean context before the full multi-token task.
+    """
+    if schedule == "full":
+        return 1.0
+    if schedule == "random_ratio":
+        if not 0.0 <= min_ratio <= max_ratio <= 1.0:
+            raise ValueError(f"random_ratio needs 0 <= min_ratio <= max_ratio <= 1, got {min_ratio}, {max_ratio}")
+        return min_ratio + (max_ratio - min_ratio) * torch.rand(batch_size, generator=generator)
+    if schedule == "linear_ramp":
+        if not 0.0 <= start_ratio <= 1.0 or not 0.0 < ramp_fraction <= 1.0:
+            raise ValueError(f"linear_ramp needs start_ratio in [0, 1] and ramp_fraction in (0, 1], "
+                             f"got {start_ratio}, {ramp_fraction}")
+        progress = min(1.0, step / max(1.0, ramp_fraction * total_steps))
+        return start_ratio + (1.0 - start_ratio) * progress
+    raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
+
+
+def flex_mask_mod(length: int, block_size: int, intra_block: str = "causal"):
+    """The same rules as :func:`mars_attention_mask`, as a FlexAttention ``mask_mod`` (GPU path)."""
+    _check_block(length, block_size, intra_block)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_noisy, k_noisy = q_idx >= length, kv_idx >= length
+        qp = q_idx - q_noisy.long() * length
+        kp = kv_idx - k_noisy.long() * length
+        qb, kb = qp // block_size, kp // block_size
+        causal = kp <= qp
+        in_block = (qb == kb) & causal if intra_block == "causal" else (qb == kb)
+        clean_clean = ~q_noisy & ~k_noisy & causal
+        noisy_noisy = q_noisy & k_noisy & in_block
+        noisy_clean = q_noisy & ~k_noisy & (kb < qb)
+        return clean_clean | noisy_noisy | noisy_clean
+
+    return mask_mod
