@@ -156,13 +156,13 @@ class LengthGroupedSampler(Sampler[int]):
     """Shuffled order in which neighbours have similar lengths (less padding), reproducible per epoch.
 
     Indices are shuffled, cut into mega-batches of ``batch_size * group``, sorted by length inside each
-    and the resulting batches shuffled.  ``skip_batches`` resumes mid-epoch after a restart.
+    and the resulting batches shuffled.  ``resume_at`` resumes mid-epoch after a restart.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, group: int = 32):
         self.lengths, self.batch_size, self.seed, self.group = lengths, batch_size, seed, group
         self.epoch = 0
-        self.skip_batches = 0
+        self.resume_at: tuple[int, int] | None = None  # (epoch, batches already trained) after a restart
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -181,7 +181,10 @@ class LengthGroupedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
-        skip, self.skip_batches = self.skip_batches * self.batch_size, 0
+        skip = 0
+        if self.resume_at is not None and self.resume_at[0] == self.epoch:
+            skip = self.resume_at[1] * self.batch_size
+        self.resume_at = None
         return iter(order[skip:])
 
     def __len__(self) -> int:
@@ -234,7 +237,7 @@ class InstructionDataModule(L.LightningDataModule):
         self.sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed)
         if self._resume is not None:
             self.sampler.set_epoch(self._resume["epoch"])
-            self.sampler.skip_batches = self._resume["batches_done"]
+            self.sampler.resume_at = (self._resume["epoch"], self._resume["batches_done"])
             self._resume = None
         pad = self.tokenizer.pad_token_id
         return DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
@@ -243,7 +246,7 @@ class InstructionDataModule(L.LightningDataModule):
     # Saved in every Lightning checkpoint: which epoch and how many of its batches were trained on,
     # so a killed run resumes on the next unseen batch instead of replaying the epoch.
     def state_dict(self) -> dict[str, int]:
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -58,14 +59,15 @@ class MarsModule(L.LightningModule):
             raise ValueError(f"optim.lr must be > 0, got {lr}")
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {warmup_ratio}")
-        self.model = model
+        self.model = model.train()  # from_pretrained returns eval mode; Lightning keeps module modes as found
         self.mask_token_id = int(mask_token_id)
         self.block_size = int(block_size)
         self.objective = objective
         self.mask_schedule = dict(mask_schedule or {"name": "full"})
         self.lr, self.weight_decay, self.betas, self.warmup_ratio = lr, weight_decay, tuple(betas), warmup_ratio
         self.seed = seed
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters(ignore=["model", "objective"])
+        self.hparams["objective"] = asdict(objective)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False

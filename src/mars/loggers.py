@@ -1,0 +1,46 @@
+"""Experiment loggers from the ``logger`` config group (wandb | csv | none)."""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+
+def wandb_mode(requested: str = "auto") -> str:
+    """``online`` only with credentials; ``offline`` otherwise, so W&B never prompts for a key."""
+    if requested in ("online", "offline", "disabled"):
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def build_logger(cfg: dict[str, Any] | None, save_dir: str | os.PathLike, run_name: str, config: dict | None = None):
+    """A Lightning logger, or False for ``none``."""
+    cfg = dict(cfg or {"name": "none"})
+    name = cfg.get("name", "none")
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    if name == "none":
+        return False
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir, name="csv", version="")
+    if name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = wandb_mode(cfg.get("mode", "auto"))
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return WandbLogger(project=cfg.get("project", "mars"), entity=cfg.get("entity"), group=cfg.get("group"),
+                           tags=list(cfg.get("tags") or []), name=run_name, save_dir=str(save_dir), mode=mode,
+                           config=config)
+    raise ValueError(f"logger must be one of wandb | csv | none, got {name!r}")
