@@ -31,13 +31,13 @@ OFFLINE_DATA = REPO_ROOT / "data" / "offline_sft"
 # ------------------------------------------------------------------------------------------
 def to_messages(row: dict[str, Any], index: int | None = None) -> list[dict[str, str]]:
     """Normalise one row to chat messages, or fail naming the row and the fields it has."""
-    if "messages" in row and row["messages"]:
+    # JSON loaders unify columns across rows, so a missing field shows up as None
+    row = {k: v for k, v in row.items() if v is not None}
+    response = row.get("response", row.get("completion"))
+    if row.get("messages"):
         messages = row["messages"]
-    elif "prompt" in row and ("response" in row or "completion" in row):
-        messages = [
-            {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": row.get("response", row.get("completion"))},
-        ]
+    elif "prompt" in row and response is not None:
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": response}]
     else:
         where = f"row {index}" if index is not None else "a row"
         raise ValueError(

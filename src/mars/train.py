@@ -144,12 +144,13 @@ def run(cfg: DictConfig) -> Path:
     callbacks = [
         ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True,
                         save_top_k=0),
-        LearningRateMonitor(logging_interval="step"),
         TQDMProgressBar(refresh_rate=1),
         history,
     ]
     logger = build_logger(OmegaConf.to_container(cfg.logger), out_dir, cfg.run_name,
                           OmegaConf.to_container(cfg, resolve=True))
+    if logger:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=logger, default_root_dir=out_dir,
                         enable_checkpointing=True, **trainer_cfg)
     start = time.perf_counter()

@@ -1,0 +1,34 @@
+"""Shared fixtures: compose the Hydra configs exactly as the entry points do."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+TINY_SFT = REPO / "tests" / "data" / "tiny_sft.jsonl"
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg("train", [overrides]) -> DictConfig, with Hydra's global state cleaned up."""
+
+    def _compose(name: str, overrides: list[str] | None = None):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(config_name=name, overrides=list(overrides or []))
+
+    return _compose
+
+
+@pytest.fixture
+def tiny_train_overrides(tmp_path):
+    return [
+        "model=tiny-random",
+        "data=jsonl",
+        f"data.path={TINY_SFT}",
+        "data.batch_size=4",
+        "trainer.precision=32-true",
+        "logger=none",
+        f"output_dir={tmp_path / 'run'}",
+    ]
