@@ -190,6 +190,7 @@ def ensure_mask_token(
     def use(token: str, how: str) -> MaskToken:
         tokenizer.mask_token = token
         tid = tokenizer.convert_tokens_to_ids(token)
+        rows = model.get_input_embeddings().weight.shape[0]
         if tid is None or tid >= rows:
             raise ValueError(f"mask token {token!r} maps to id {tid}, outside the {rows} embedding rows")
         log.info("mask token %r (id %d): %s", token, tid, how)
