@@ -1,0 +1,112 @@
+"""The acceptance rule: pick a token for every window position and accept left to right while the
+model's confidence meets the threshold.  Pure tensor functions, vectorised over the batch.
+
+Metrics (the confidence of the distribution at each window position):
+
+- ``probability``: probability of the chosen token (the top token under greedy decoding); accept while ``>= tau``.
+- ``entropy``: entropy of the distribution in nats; accept while ``<= tau``.
+- ``margin``: top-1 minus top-2 probability; accept while ``>= tau``.
+
+The first position is always accepted (it is the exact AR prediction from the last real token), so
+every step makes progress; ``cap`` bounds the count (``max_accept``, the remaining token budget, a
+cache-block end, or 0 for a row that must wait).
+
+Exact-AR thresholds: ``tau >= 1.0`` for probability/margin and ``tau <= 0`` for entropy mean "accept
+only when certain", which in exact arithmetic is the greedy AR output.  In floating point a softmax can
+round to exactly 1.0 (entropy to 0.0) for a token the model is not truly certain of, so such rows are
+capped at one token per step: the output is then token-for-token greedy AR by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+METRICS = ("probability", "entropy", "margin")
+
+
+def validate_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"unknown acceptance metric {metric!r}; choose one of {list(METRICS)}")
+
+
+def validate_threshold(threshold: float, metric: str) -> None:
+    validate_metric(metric)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ValueError(f"threshold must be a number, got {threshold!r}")
+    if metric == "entropy":
+        if not threshold >= 0:  # also rejects NaN
+            raise ValueError(f"threshold {threshold!r} is invalid for metric 'entropy': it must be >= 0 (nats)")
+    elif not 0 < threshold <= 1:
+        raise ValueError(f"threshold {threshold!r} is invalid for metric {metric!r}: it must lie in (0, 1]")
+
+
+def thresholds_tensor(
+    threshold: float | Sequence[float], batch: int, metric: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """One threshold per row (a scalar is broadcast), validated, as float32."""
+    values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * batch
+    if len(values) != batch:
+        raise ValueError(f"got {len(values)} thresholds for {batch} prompts; give one number or one per prompt")
+    for value in values:
+        validate_threshold(value, metric)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def exact_ar_rows(thresholds: torch.Tensor, metric: str) -> torch.Tensor:
+    """Rows whose threshold means "accept only certain tokens": capped at one token per step."""
+    return thresholds <= 0 if metric == "entropy" else thresholds >= 1.0
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    metric: str,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and confidence scores for logits ``[batch, positions, vocab]``.
+
+    Temperature 0 is greedy (argmax).  Temperature > 0 samples by the Gumbel-max trick from
+    ``softmax(logits / T)`` and scores the same tempered distribution, so the acceptance rule is unchanged.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        uniform = torch.rand(logp.shape, device=logp.device, generator=generator, dtype=logp.dtype)
+        gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0)).clamp_min(1e-20))
+        tokens = torch.argmax(logp + gumbel, dim=-1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
+    if metric == "probability":
+        score = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
+    elif metric == "entropy":
+        probs = logp.exp()
+        score = -(torch.special.xlogy(probs, probs)).sum(-1)
+    elif metric == "margin":
+        top2 = torch.topk(logp, 2, dim=-1).values.exp()
+        score = top2[..., 0] - top2[..., 1]
+    else:
+        validate_metric(metric)
+    return tokens, score
+
+
+def accept_counts(score: torch.Tensor, thresholds: torch.Tensor, metric: str, cap: torch.Tensor) -> torch.Tensor:
+    """How many leading positions each row accepts: the run of positions meeting its threshold,
+    at least one, at most ``cap`` (``cap`` 0 accepts nothing)."""
+    thr = thresholds.to(score.device, score.dtype).unsqueeze(1)
+    meets = score <= thr if metric == "entropy" else score >= thr
+    meets[:, 0] = True
+    run = torch.cumprod(meets.to(torch.int32), dim=1).sum(dim=1)
+    return torch.minimum(run.to(torch.long), cap.to(torch.long))
+
+
+def cut_at_eos(tokens: torch.Tensor, counts: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shorten each row's accepted run to end at its first EOS (the EOS itself is kept, as in
+    ``transformers.generate``); also returns which rows accepted an EOS."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    is_eos = torch.isin(tokens, eos_ids) & (positions.unsqueeze(0) < counts.unsqueeze(1))
+    hit = is_eos.any(dim=1)
+    first = torch.where(hit, is_eos.to(torch.int8).argmax(dim=1), tokens.shape[1])
+    return torch.minimum(counts, first + 1), hit

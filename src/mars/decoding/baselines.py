@@ -1,0 +1,70 @@
+"""The AR baseline: ``transformers`` ``generate`` with its KV cache, under the same stop rules."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from .stats import DecodeStats
+from .stopping import StopStrings
+
+
+def generate_ar(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    stops: StopStrings,
+    temperature: float = 0.0,
+) -> tuple[list[list[int]], DecodeStats]:
+    """Greedy (or plain-sampling) AR decoding of left-padded ``prompts``; returns the raw generated
+    ids per row (the caller applies the shared stop rules) and statistics (one forward per step)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[b, width - len(p) :] = 1
+    # A fresh config so that nothing in the checkpoint's generation defaults (repetition penalty,
+    # top-k, ...) makes the baseline differ from plain greedy decoding.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        num_beams=1,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+        stop_strings=list(stops.strings) or None,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            generation_config=config,
+            tokenizer=tokenizer if stops else None,
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    new = out[:, width:].cpu()
+    steps = new.shape[1]
+    raw = [row.tolist() for row in new]
+    stats = DecodeStats(
+        forwards=steps,
+        generated_tokens=0,
+        seconds=seconds,
+        per_row_tokens=[],
+        per_row_forwards=[],
+        decoder="ar",
+    )
+    return raw, stats

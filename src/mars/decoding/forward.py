@@ -1,0 +1,55 @@
+"""One model forward that returns logits only at the columns the decoder reads.
+
+The LM head is a large matmul (49k x 576 for SmolLM2, 152k x 3584 for Qwen2.5-7B); running it on every
+input column (prompt, recomputed block, padding) would waste a large share of each step, so the
+decoder gathers the hidden states of the window columns first and applies the head to those only.
+Models whose head is more than a linear layer (logit soft-capping, scaling) fall back to the full
+forward and gather the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        special_head = any(
+            getattr(config, name, None) not in (None, 1.0, 0.0)
+            for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+        )
+        self.base = base if (base is not None and base is not model and head is not None and not special_head) else None
+        self.head = head
+        self.device = next(model.parameters()).device
+        self.num_layers = config.num_hidden_layers
+        self.context_length = getattr(config, "max_position_embeddings", None)
+
+    def logits_at(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        columns: torch.Tensor,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``)."""
+        kwargs = dict(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        if self.base is not None:
+            hidden = self.base(**kwargs).last_hidden_state
+            picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            return self.head(picked)
+        logits = self.model(**kwargs).logits
+        return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))

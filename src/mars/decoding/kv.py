@@ -1,0 +1,81 @@
+"""A per-row ("ragged") KV cache for multi-token decoding with rows of different lengths.
+
+Every layer holds one static buffer ``[batch, kv_heads, capacity, head_dim]``; row ``b`` keeps its
+committed tokens at buffer positions ``0 .. committed[b]-1`` (no left padding, so a row's buffer
+position is also its RoPE position).  Before each forward the engine tells the cache where every
+column of the step's input goes (``write_positions[b, i] = committed[b] + i``); ``update`` scatters
+the new keys/values there and returns the buffer up to ``kv_length``.  The engine passes a 4D boolean
+mask (True = attend) that is causal in buffer positions, which is all the masking a row needs: keys
+below ``committed[b]`` are its committed tokens, keys from there up to the query are this step's
+columns of the same row.  Columns past the real tokens (masks, padding) land in the row's free space
+and are simply overwritten later, so "committing" a step's real tokens is just advancing
+``committed[b]`` — the masks' K/V are never copied or kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class RaggedKVLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "RaggedKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        cap = self.owner.capacity
+        self.keys = key_states.new_zeros((batch, heads, cap, key_states.shape[-1]))
+        self.values = value_states.new_zeros((batch, heads, cap, value_states.shape[-1]))
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        pos = self.owner.write_positions  # [batch, q]
+        self.keys.scatter_(2, pos[:, None, :, None].expand_as(key_states), key_states)
+        self.values.scatter_(2, pos[:, None, :, None].expand_as(value_states), value_states)
+        n = self.owner.kv_length
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.kv_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.kv_length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, rows)
+            self.values = self.values.index_select(0, rows)
+
+
+class RaggedKVCache(Cache):
+    """Static per-layer buffers with per-row lengths; see the module docstring."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = int(capacity)
+        self.write_positions: torch.Tensor | None = None
+        self.kv_length = 0
+        super().__init__(layers=[RaggedKVLayer(self) for _ in range(num_layers)])
+
+    def prepare_step(self, write_positions: torch.Tensor, kv_length: int) -> None:
+        """Where this step's input columns go, and how much of the buffer the attention reads."""
+        if kv_length > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {kv_length} positions, capacity {self.capacity}")
+        self.write_positions = write_positions
+        self.kv_length = int(kv_length)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (drop finished ones from the batch)."""
+        for layer in self.layers:
+            layer.select_rows(rows)

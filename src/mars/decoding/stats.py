@@ -1,0 +1,70 @@
+"""What a decoding run returns: texts, token ids and run statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DecodeStats:
+    """Run statistics of one ``generate`` call.
+
+    ``generated_tokens`` counts generated tokens only (an EOS that ends a row counts, as in
+    ``transformers.generate``; prompt tokens, padding and tokens past a stop string never count).
+    ``forwards`` counts batched model forward passes (one batched forward is one pass, whatever the
+    batch size), so ``tokens_per_forward = generated_tokens / forwards`` is the batch's throughput per
+    pass; ``mean_row_tokens_per_forward`` averages each row's own tokens / forwards it took part in,
+    which is the paper's "tokens accepted per forward pass" for a single request.
+    """
+
+    forwards: int
+    generated_tokens: int
+    seconds: float
+    per_row_tokens: list[int]
+    per_row_forwards: list[int]
+    decoder: str = "mars"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_row_tokens_per_forward(self) -> float:
+        rates = [t / f for t, f in zip(self.per_row_tokens, self.per_row_forwards) if f]
+        return sum(rates) / len(rates) if rates else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decoder": self.decoder,
+            "forwards": self.forwards,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_forward": self.tokens_per_forward,
+            "mean_row_tokens_per_forward": self.mean_row_tokens_per_forward,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "per_row_tokens": list(self.per_row_tokens),
+            "per_row_forwards": list(self.per_row_forwards),
+            **self.extra,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """Per prompt (in input order): the generated ``texts`` (special tokens skipped, cut before a stop
+    string) and ``token_ids`` (generated ids only, up to and including the EOS or the token that
+    completed a stop string); ``stats`` for the whole call; ``finish_reasons`` per row
+    (``eos`` | ``stop`` | ``length``)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    stats: DecodeStats
+    finish_reasons: list[str]
+
+    def __len__(self) -> int:
+        return len(self.texts)
