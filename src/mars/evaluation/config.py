@@ -1,0 +1,223 @@
+"""Turn an ``evaluate.yaml`` config into a checked plan, before any model is loaded.
+
+Everything that can be wrong with the request fails here with a message naming the bad value: a
+threshold outside (0, 1], an unknown task, a checkpoint folder without a mask token, a results folder
+written by a different configuration.  This module imports neither torch nor lm-eval at import time
+(evaluate.py imports it to register the run-name resolver).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+DEFAULT_BLOCK_SIZE = 4
+METRICS = ("probability", "entropy", "margin")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+class ThresholdError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------------
+def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """The MARS metadata of a checkpoint folder written by train.py, checked for a usable mask token."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder")
+    meta_file = p / "mars_config.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    mask = meta.get("mask_token")
+    if not mask:
+        tok_cfg = p / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            mask = json.loads(tok_cfg.read_text()).get("mask_token")
+            if isinstance(mask, dict):  # AddedToken serialised
+                mask = mask.get("content")
+    if not mask:
+        raise CheckpointError(
+            f"checkpoint={path} has no mask token: neither mars_config.json nor the tokenizer names one. "
+            "MARS decoding appends mask tokens after the context; evaluate a checkpoint exported by train.py "
+            "(or `python -m mars.export`), or a base model with model=<config> instead."
+        )
+    meta["mask_token"] = mask
+    return meta
+
+
+def _checkpoint_label(path: str) -> str:
+    p = Path(path).expanduser().resolve()
+    # train.py exports to outputs/train/<run>/hf: the run's name is the useful label
+    return p.parent.name if p.name in ("hf", "export", "final") else p.name
+
+
+def block_size_for(cfg: DictConfig | dict) -> int:
+    """``decoding.block_size`` if given, else the checkpoint's training block size, else 4."""
+    dec = cfg.get("decoding") or {}
+    if dec.get("block_size") is not None:
+        value = dec.get("block_size")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"decoding.block_size must be an integer >= 1, got {value!r}")
+        return value
+    if cfg.get("checkpoint"):
+        meta = checkpoint_metadata(cfg["checkpoint"])
+        if meta.get("block_size"):
+            return int(meta["block_size"])
+    return DEFAULT_BLOCK_SIZE
+
+
+def model_label(cfg: DictConfig | dict) -> str:
+    if cfg.get("checkpoint"):
+        return _checkpoint_label(str(cfg["checkpoint"]))
+    model = cfg.get("model") or {}
+    return str(model.get("id") or Path(str(model.get("name_or_path", "model"))).name.replace(":", "-"))
+
+
+def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any) -> str:
+    """``<model or checkpoint>-b<block>-<suite>``: the default results folder name (a Hydra resolver)."""
+    label = _checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
+    if block_size is None and checkpoint:
+        try:
+            block_size = checkpoint_metadata(checkpoint).get("block_size")
+        except CheckpointError:
+            block_size = None  # reported properly by prepare(); a name is all we need here
+    block = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
+    return f"{label}-b{block}-{benchmarks}"
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("mars_eval_name"):
+        OmegaConf.register_new_resolver("mars_eval_name", run_name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Thresholds
+# ------------------------------------------------------------------------------------------------
+def reference_threshold(metric: str) -> float:
+    """The threshold at which MARS decoding is exactly greedy AR decoding."""
+    return 0.0 if metric == "entropy" else 1.0
+
+
+def check_threshold(value: Any, metric: str) -> float:
+    if metric not in METRICS:
+        raise ValueError(f"decoding.metric must be one of {list(METRICS)}, got {metric!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+        raise ThresholdError(f"threshold must be a number, got {value!r}")
+    value = float(value)
+    if metric == "entropy":
+        if value < 0:
+            raise ThresholdError(f"threshold {value!r} is invalid for metric 'entropy': it must be >= 0 (nats)")
+    elif not 0 < value <= 1:
+        raise ThresholdError(f"threshold {value!r} is outside (0, 1]: for metric {metric!r} a threshold must lie in (0, 1]")
+    return value
+
+
+def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
+    """The thresholds to run, reference (AR) point first, and whether the reference was added.
+
+    ``thresholds`` (a sweep) wins over ``threshold``; a sweep always includes the reference point
+    (1.0; 0.0 for entropy) because accuracy deltas and agreement are measured against it.
+    """
+    metric = str((cfg.get("decoding") or {}).get("metric", "probability"))
+    sweep = cfg.get("thresholds")
+    if sweep is not None and not isinstance(sweep, (list, tuple)) and not OmegaConf.is_list(sweep):
+        sweep = [sweep]
+    if sweep:
+        values = [check_threshold(v, metric) for v in sweep]
+        ref = reference_threshold(metric)
+        added = ref not in values
+        values = sorted(set(values) | {ref}, reverse=(metric != "entropy"))
+        return values, added
+    if cfg.get("threshold") is None:
+        raise ThresholdError("set threshold=<value> or thresholds=[...]")
+    return [check_threshold(cfg.get("threshold"), metric)], False
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    thresholds: list[float]
+    reference_added: bool
+    block_size: int
+    model_label: str
+    output_dir: Path
+    suite: Any  # tasks.Suite with leaves expanded
+    decoding: dict[str, Any]
+    fingerprint: dict[str, Any]
+    resolved: dict[str, Any]
+    checkpoint_meta: dict[str, Any] | None = None
+    compare: list[Path] = field(default_factory=list)
+
+    @property
+    def curve_label(self) -> str:
+        return f"{self.model_label} B={self.block_size}"
+
+
+def fingerprint_of(resolved: dict, block_size: int, suite) -> dict[str, Any]:
+    """The part of the config that changes results: a results folder holds one fingerprint only."""
+    model = dict(resolved.get("model") or {})
+    decoding = dict(resolved.get("decoding") or {})
+    decoding["block_size"] = block_size
+    # batch size changes timings, never outputs (the decoder's batch invariance): resuming with
+    # another batch size is allowed, and each point records the batch size it ran with
+    decoding.pop("batch_size", None)
+    return {
+        "model": {k: model.get(k) for k in ("name_or_path", "mask_token", "allow_new_embedding_row", "tiny")},
+        "checkpoint": str(Path(resolved["checkpoint"]).expanduser().resolve()) if resolved.get("checkpoint") else None,
+        "decoding": decoding,
+        "benchmarks": resolved.get("benchmarks"),
+        "tasks": suite.leaves,
+        "limit": resolved.get("limit"),
+        "dtype": resolved.get("dtype"),
+        "seed": resolved.get("seed"),
+    }
+
+
+def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
+    """Validate the config and build the plan: cheap checks first, lm-eval's task index last."""
+    from mars.evaluation.store import ResultsDir
+    from mars.evaluation.tasks import expand_suite, resolve_path, suite_from_config
+
+    resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    resolved.pop("hydra", None)
+    thresholds, added = thresholds_for(resolved)
+    checkpoint_meta = checkpoint_metadata(resolved["checkpoint"]) if resolved.get("checkpoint") else None
+    block = block_size_for(resolved)
+    limit = resolved.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        raise ValueError(f"limit must be a positive number of samples per task (or a fraction < 1), got {limit!r}")
+    decoding = dict(resolved.get("decoding") or {})
+    decoding["block_size"] = block
+    for key in ("max_new_tokens", "batch_size"):
+        if decoding.get(key) is not None and (not isinstance(decoding[key], int) or decoding[key] < 1):
+            raise ValueError(f"decoding.{key} must be an integer >= 1, got {decoding[key]!r}")
+    suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
+    expand_suite(suite)
+    out = resolved.get("output_dir") or f"outputs/eval/{run_name(model_label(resolved), resolved.get('checkpoint'), block, suite.name)}"
+    output_dir = Path(out).expanduser()
+    fingerprint = fingerprint_of(resolved, block, suite)
+    if check_results_dir:
+        ResultsDir(output_dir).check_compatible(fingerprint)
+    compare = [resolve_path(p) for p in (resolved.get("compare") or [])]
+    for p in compare:
+        if not (p / "points.json").is_file():
+            raise FileNotFoundError(f"compare: {p} holds no points.json (run evaluate.py there first)")
+    return Plan(
+        thresholds=thresholds, reference_added=added, block_size=block, model_label=model_label(resolved),
+        output_dir=output_dir, suite=suite, decoding=decoding, fingerprint=fingerprint, resolved=resolved,
+        checkpoint_meta=checkpoint_meta, compare=compare,
+    )

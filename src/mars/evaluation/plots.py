@@ -1,0 +1,97 @@
+"""Pareto plots: accuracy against tokens per forward, one PNG per task plus the average.
+
+One curve per model/block label (this run, plus the runs named in ``compare``), each point labelled
+with its threshold, and a dashed horizontal line at each curve's tau = 1.0 (AR) accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mars.evaluation.aggregate import AVERAGE
+from mars.evaluation.config import Plan
+from mars.evaluation.report import fmt_threshold
+from mars.evaluation.store import ResultsDir, atomic_write_bytes
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower() or "task"
+
+
+def plot_file_name(task: str) -> str:
+    return f"pareto_{_slug(task)}.png"
+
+
+def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
+    """PNG bytes of one task's plot; ``curves`` maps a curve label to its points."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, pts) in enumerate(sorted(curves.items())):
+        pts = [p for p in pts if p.get("tokens_per_forward") is not None and p.get("accuracy") is not None]
+        if not pts:
+            continue
+        color = colors[i % len(colors)]
+        pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
+        xs = [p["tokens_per_forward"] for p in pts]
+        ys = [100 * p["accuracy"] for p in pts]
+        ax.plot(xs, ys, "-o", color=color, label=label, markersize=5)
+        for p, x, y in zip(pts, xs, ys):
+            ax.annotate(f"τ={fmt_threshold(p['threshold'])}", (x, y), textcoords="offset points", xytext=(4, 5),
+                        fontsize=7, color=color)
+        ref = [p for p in pts if p.get("is_reference")]
+        if ref:
+            ax.axhline(100 * ref[0]["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
+                       label=f"{label}: AR (τ=1.0)")
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{task}: accuracy vs tokens per forward")
+    ax.grid(True, alpha=0.3)
+    lo, hi = ax.get_xlim()
+    lo, hi = min(lo, 0.95), max(hi, 1.05)
+    ax.set_xlim(lo, hi + 0.1 * (hi - lo))  # room for the threshold labels of the rightmost points
+    lo, hi = ax.get_ylim()
+    if hi - lo < 2:  # a flat curve (e.g. a random model at 0%) still gets a readable axis
+        mid = (hi + lo) / 2
+        ax.set_ylim(max(-1, mid - 5), mid + 5)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _curves(plan: Plan, points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    runs = [points]
+    for other in plan.compare:
+        runs.append(json.loads((Path(other) / "points.json").read_text()))
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        for p in run:
+            curves.setdefault(p["label"], []).append(p)
+    return curves
+
+
+def plot_pareto(plan: Plan, store: ResultsDir, points: list[dict[str, Any]]) -> list[Path]:
+    """Write ``pareto_<task>.png`` for each task and the average; returns the paths."""
+    curves = _curves(plan, points)
+    tasks = [spec.label for spec in plan.suite.tasks] + ([AVERAGE] if len(plan.suite.tasks) > 1 else [])
+    paths = []
+    for task in tasks:
+        per_curve = {label: [p for p in pts if p["task"] == task] for label, pts in curves.items()}
+        if not any(per_curve.values()):
+            continue
+        path = store.root / plot_file_name(task)
+        atomic_write_bytes(path, render_pareto(task, per_curve))
+        paths.append(path)
+    return paths

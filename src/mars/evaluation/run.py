@@ -1,0 +1,216 @@
+"""``evaluate.py``'s body: a threshold sweep over a benchmark suite with the model loaded once.
+
+For every threshold (the AR reference point first) the leaf tasks whose samples file is not complete
+run through lm-eval with the MARS adapter; each finished (threshold, task) point is written at once,
+so an interrupted sweep resumes where it stopped.  Then the folder's points are aggregated into
+points.json/csv, the paper-style table and the Pareto plots, and optionally sent to W&B.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mars.evaluation.config import Plan, prepare, reference_threshold
+from mars.evaluation.store import ResultsDir, threshold_key
+from mars.evaluation.tasks import primary_metric, task_manager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalOutcome:
+    plan: Plan
+    output_dir: Path
+    points: list[dict]
+    table: str
+    plots: list[Path]
+    computed: list[tuple[float, str]]  # (threshold, task) points computed by this call
+    lm: Any = None
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    if name in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _dtype(name: str | None, device: str) -> str:
+    if name in (None, "auto"):
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return name
+
+
+def load_for_plan(plan: Plan):
+    """The model of the plan (a checkpoint overrides ``model.name_or_path``)."""
+    from mars.models import load_model
+
+    model_cfg = dict(plan.resolved.get("model") or {})
+    device = _device(plan.resolved.get("device"))
+    name = str(plan.resolved.get("checkpoint") or model_cfg["name_or_path"])
+    mask_token = (plan.checkpoint_meta or {}).get("mask_token") or model_cfg.get("mask_token")
+    return load_model(
+        name,
+        tiny=model_cfg.get("tiny") if not plan.resolved.get("checkpoint") else None,
+        mask_token=mask_token,
+        allow_new_row=bool(model_cfg.get("allow_new_embedding_row", False)),
+        dtype=_dtype(plan.resolved.get("dtype"), device),
+        attn_implementation=model_cfg.get("attn_implementation") or "sdpa",
+        device=device,
+    )
+
+
+def build_lm(plan: Plan, loaded):
+    from mars.evaluation.adapter import MarsLM
+
+    decoding = dict(plan.decoding)
+    return MarsLM(
+        model=loaded.model, tokenizer=loaded.tokenizer, mask_token_id=loaded.mask.id,
+        threshold=plan.thresholds[0], decoding=decoding,
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
+    """One lm-eval pass over ``leaves`` at the adapter's current threshold."""
+    from lm_eval.evaluator import evaluate
+
+    suite = plan.suite
+    seed = int(plan.resolved.get("seed") or 0)
+    _seed_everything(seed)  # before loading: some tasks shuffle choices while loading (GPQA)
+    if suite.confirm_run_unsafe_code:
+        os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
+    loaded = task_manager(suite).load(leaves)
+    for name, task in loaded["tasks"].items():
+        override = suite.spec_of_leaf(name).num_fewshot
+        if override is not None:
+            task.set_config(key="num_fewshot", value=int(override))
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=seed)
+    lm.reset_records()
+    return evaluate(
+        lm=lm,
+        task_dict=loaded,
+        limit=plan.resolved.get("limit"),
+        bootstrap_iters=0,
+        log_samples=True,
+        system_instruction=suite.system_instruction,
+        apply_chat_template=suite.apply_chat_template,
+        fewshot_as_multiturn=suite.fewshot_as_multiturn,
+        confirm_run_unsafe_code=suite.confirm_run_unsafe_code,
+    )
+
+
+def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: str | None) -> list[dict]:
+    """One row per document: prompt, raw output, per-filter extracted answers and metrics, decoder stats."""
+    by_doc: dict[int, dict] = {}
+    for s in logged:
+        doc_id = int(s["doc_id"])
+        row = by_doc.setdefault(doc_id, {
+            "doc_id": doc_id,
+            "prompt": s["arguments"][0][0] if s.get("arguments") else None,
+            "output": s["resps"][0][0] if s.get("resps") and s["resps"][0] else None,
+            "target": s.get("target"),
+            "filtered": {},
+            "metrics": {},
+        })
+        key = s.get("filter", "none")
+        row["filtered"][key] = s.get("filtered_resps", [None])[0]
+        row["metrics"][key] = {m: s.get(m) for m in s.get("metrics", [])}
+    rows = []
+    for doc_id in sorted(by_doc):
+        row = by_doc[doc_id]
+        f = filt if filt in row["metrics"] else next(iter(row["metrics"]), None)
+        values = row["metrics"].get(f, {})
+        m = metric if metric in values else next(iter(values), None)
+        row["score"] = values.get(m)
+        record = lm.records.get((task, doc_id))
+        if record is not None:
+            row.update(tokens=record.tokens, forwards=record.forwards, finish_reason=record.finish_reason)
+        rows.append(row)
+    return rows
+
+
+def _write_points(plan: Plan, store: ResultsDir, threshold: float, leaves: list[str], results: dict, lm,
+                  seconds: float) -> None:
+    for leaf in leaves:
+        spec = plan.suite.spec_of_leaf(leaf)
+        task_results = results["results"].get(leaf, {})
+        key, value = primary_metric(task_results, spec.metric, spec.filter)
+        stats = lm.task_stats.get(leaf)
+        rows = _sample_rows(leaf, results.get("samples", {}).get(leaf, []), lm, *key.split(",", 1))
+        summary = {
+            "task": leaf,
+            "threshold": threshold,
+            "metric": key,
+            "accuracy": value,
+            "lm_eval": {k: v for k, v in task_results.items() if k != "alias"},
+            "decoder": stats.as_dict() if stats else None,
+            "batch_size": lm.batch_size,
+            "lm_eval_seconds_all_tasks": seconds,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        store.write_point(threshold, leaf, rows, summary)
+
+
+def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
+    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an adapter (tests, notebooks)."""
+    from mars.evaluation.aggregate import collect_points
+    from mars.evaluation.plots import plot_pareto
+    from mars.evaluation.report import write_reports
+
+    plan = prepare(cfg)
+    store = ResultsDir(plan.output_dir)
+    store.write_config(plan.resolved, plan.fingerprint)
+    todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
+    for thr, leaves in todo.items():
+        done = len(plan.suite.leaves) - len(leaves)
+        if done:
+            log.info("threshold %s: %d of %d tasks already complete in %s, skipped", threshold_key(thr), done,
+                     len(plan.suite.leaves), store.root)
+
+    computed: list[tuple[float, str]] = []
+    if any(todo.values()):
+        if lm is None:
+            lm = build_lm(plan, load_for_plan(plan))
+        for thr, leaves in todo.items():
+            if not leaves:
+                continue
+            lm.set_threshold(thr)
+            log.info("threshold %s: running %s", threshold_key(thr), ", ".join(leaves))
+            t0 = time.perf_counter()
+            results = _run_lm_eval(plan, lm, leaves)
+            _write_points(plan, store, thr, leaves, results, lm, time.perf_counter() - t0)
+            computed.extend((thr, leaf) for leaf in leaves)
+
+    points = collect_points(plan, store)
+    table = write_reports(plan, store, points)
+    plots = plot_pareto(plan, store, points) if plan.resolved.get("plots", True) else []
+    logger_cfg = dict(plan.resolved.get("logger") or {})
+    if logger_cfg.get("name") == "wandb":
+        from mars.evaluation.wandb_log import log_to_wandb
+
+        log_to_wandb(plan, store, points, table, plots, logger_cfg)
+    return EvalOutcome(plan, store.root, points, table, plots, computed, lm)
+
+
+__all__ = ["run", "EvalOutcome", "reference_threshold"]

@@ -1,0 +1,177 @@
+"""Benchmark suites: which lm-eval tasks to run, with which settings, scored by which metric.
+
+A suite (``conf/benchmarks/*.yaml``) names lm-eval tasks or groups.  Each entry is a table column;
+its leaf tasks are the unit of work and of resume (one samples file per leaf and threshold), and a
+group's score is the size-weighted mean of its leaves (lm-eval's ``weight_by_size``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class UnknownTaskError(ValueError):
+    pass
+
+
+@dataclass
+class TaskSpec:
+    name: str  # lm-eval task or group name, as in the suite
+    label: str  # column title
+    metric: str | None = None  # primary metric; None = the first one lm-eval reports
+    filter: str | None = None  # lm-eval filter of the primary metric; None = the first one
+    num_fewshot: int | None = None  # None = the task's own default
+    leaves: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Suite:
+    name: str
+    tasks: list[TaskSpec]
+    include_path: list[str]
+    include_defaults: bool = True
+    apply_chat_template: bool = True
+    fewshot_as_multiturn: bool = True
+    system_instruction: str | None = None
+    confirm_run_unsafe_code: bool = False
+
+    @property
+    def leaves(self) -> list[str]:
+        return [leaf for spec in self.tasks for leaf in spec.leaves]
+
+    def spec_of_leaf(self, leaf: str) -> TaskSpec:
+        for spec in self.tasks:
+            if leaf in spec.leaves:
+                return spec
+        raise KeyError(leaf)
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A path from a config: absolute, else relative to the working directory, else to the repo."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    if (Path.cwd() / p).exists():
+        return Path.cwd() / p
+    return REPO_ROOT / p
+
+
+def _entry_spec(entry: Any) -> TaskSpec:
+    if isinstance(entry, str):
+        return TaskSpec(name=entry, label=entry)
+    entry = dict(entry)
+    if "name" not in entry:
+        raise ValueError(f"a benchmarks task entry needs a 'name' (lm-eval task or group), got {entry}")
+    return TaskSpec(
+        name=str(entry["name"]),
+        label=str(entry.get("label") or entry["name"]),
+        metric=entry.get("metric"),
+        filter=entry.get("filter"),
+        num_fewshot=entry.get("num_fewshot"),
+    )
+
+
+def suite_from_config(cfg: dict) -> Suite:
+    """Read a ``benchmarks`` config into a Suite (leaves not yet expanded)."""
+    tasks = [_entry_spec(e) for e in (cfg.get("tasks") or [])]
+    if not tasks:
+        raise ValueError(f"benchmarks={cfg.get('name')!r} names no tasks")
+    include = cfg.get("include_path") or []
+    if isinstance(include, str):
+        include = [include]
+    return Suite(
+        name=str(cfg.get("name", "custom")),
+        tasks=tasks,
+        include_path=[str(resolve_path(p)) for p in include],
+        include_defaults=bool(cfg.get("include_defaults", True)),
+        apply_chat_template=bool(cfg.get("apply_chat_template", True)),
+        fewshot_as_multiturn=bool(cfg.get("fewshot_as_multiturn", True)),
+        system_instruction=cfg.get("system_instruction"),
+        confirm_run_unsafe_code=bool(cfg.get("confirm_run_unsafe_code", False)),
+    )
+
+
+def task_manager(suite: Suite):
+    """lm-eval's TaskManager over the suite's folders (indexes YAMLs; loads no data)."""
+    from lm_eval.tasks import TaskManager
+
+    for path in suite.include_path:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"benchmarks={suite.name}: include_path {path} is not a folder")
+    return TaskManager(include_path=suite.include_path or None, include_defaults=suite.include_defaults)
+
+
+def _expand(name: str, index: dict, seen: tuple[str, ...] = ()) -> list[str]:
+    from lm_eval.tasks._index import Kind
+
+    entry = index.get(name)
+    if entry is None:
+        raise KeyError(name)
+    if name in seen:
+        raise ValueError(f"task group cycle: {' -> '.join(seen + (name,))}")
+    if entry.kind in (Kind.TASK, Kind.PY_TASK):
+        return [name]
+    if entry.kind == Kind.TAG:
+        return sorted(leaf for member in entry.tags for leaf in _expand(member, index, seen + (name,)))
+    if entry.kind == Kind.GROUP:
+        children = (entry.cfg or {}).get("task") or []
+        if isinstance(children, str):
+            children = [children]
+        leaves: list[str] = []
+        for child in children:
+            if not isinstance(child, str):
+                raise ValueError(
+                    f"group {name!r} defines an inline task config; name its tasks in their own YAML files "
+                    "so each can be run and resumed on its own"
+                )
+            leaves.extend(_expand(child, index, seen + (name,)))
+        return leaves
+    raise KeyError(name)
+
+
+def expand_suite(suite: Suite, manager=None) -> Suite:
+    """Check every task name against lm-eval's index and fill in the leaf tasks (before any model load)."""
+    manager = manager or task_manager(suite)
+    index = manager.task_index
+    for spec in suite.tasks:
+        try:
+            spec.leaves = _expand(spec.name, index)
+        except KeyError as missing:
+            known = sorted(index)
+            close = difflib.get_close_matches(spec.name, known, n=5, cutoff=0.6)
+            where = ", ".join(suite.include_path) or "lm-eval's built-in tasks"
+            hint = f"; did you mean {close}?" if close else ""
+            raise UnknownTaskError(
+                f"benchmarks={suite.name}: unknown lm-eval task or group {spec.name!r} (missing: {missing}) "
+                f"in {where}{' and the built-in tasks' if suite.include_defaults and suite.include_path else ''}{hint}"
+            ) from None
+    seen: dict[str, str] = {}
+    for spec in suite.tasks:
+        for leaf in spec.leaves:
+            if leaf in seen:
+                raise ValueError(f"task {leaf!r} appears in both {seen[leaf]!r} and {spec.name!r}")
+            seen[leaf] = spec.name
+    return suite
+
+
+def primary_metric(task_results: dict[str, Any], metric: str | None, filt: str | None) -> tuple[str, float]:
+    """Pick the suite's metric out of lm-eval's ``results[task]`` (keys ``"<metric>,<filter>"``)."""
+    keys = [k for k in task_results if "," in k and not k.split(",")[0].endswith("_stderr")]
+    for key in keys:
+        name, key_filter = key.split(",", 1)
+        if (metric is None or name == metric) and (filt is None or key_filter == filt):
+            value = task_results[key]
+            return key, float(value) if value is not None else float("nan")
+    raise KeyError(
+        f"metric {metric!r} with filter {filt!r} is not among lm-eval's results {sorted(keys)}; "
+        "fix 'metric'/'filter' of this task in the benchmarks config"
+    )

@@ -1,0 +1,66 @@
+"""Send an evaluation's points, table and plots to Weights & Biases.
+
+Offline (``WANDB_MODE=offline``, sync later with ``wandb sync``) unless credentials exist, so it never
+prompts; see ``mars.loggers.wandb_mode``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from mars.evaluation.aggregate import FIELDS
+from mars.evaluation.config import Plan
+from mars.evaluation.report import fmt_threshold
+from mars.evaluation.store import ResultsDir
+
+
+def log_to_wandb(plan: Plan, store: ResultsDir, points: list[dict[str, Any]], table_md: str, plots: list[Path],
+                 logger_cfg: dict[str, Any] | None = None, save_dir: str | os.PathLike | None = None):
+    """One W&B run per results folder: a ``points`` table, metrics per threshold (x axis = threshold
+    step in sweep order), the markdown table and the Pareto PNGs.  Returns the finished run's directory."""
+    import wandb
+
+    from mars.loggers import wandb_mode
+
+    cfg = dict(logger_cfg or {})
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(
+        project=cfg.get("project") or "mars",
+        entity=cfg.get("entity"),
+        group=cfg.get("group"),
+        tags=list(cfg.get("tags") or []) + ["evaluate"],
+        name=store.root.name,
+        dir=str(save_dir or store.root),
+        mode=wandb_mode(cfg.get("mode", "auto")),
+        config={"fingerprint": plan.fingerprint, "thresholds": plan.thresholds},
+        job_type="evaluate",
+        reinit="finish_previous",
+    )
+    columns = list(FIELDS)
+    run.log({"points": wandb.Table(columns=columns, data=[[p.get(c) for c in columns] for p in points])})
+    run.define_metric("threshold")
+    run.define_metric("*/*", step_metric="threshold")  # plot every task metric against the threshold
+    for thr in sorted({p["threshold"] for p in points}, reverse=True):
+        metrics: dict[str, Any] = {"threshold": thr}
+        for p in points:
+            if p["threshold"] != thr:
+                continue
+            for key in ("accuracy", "accuracy_delta", "tokens_per_forward", "tokens_per_second", "agreement"):
+                if p.get(key) is not None:
+                    metrics[f"{p['task']}/{key}"] = p[key]
+        run.log(metrics)
+    run.log({"table": wandb.Html(f"<pre>{_escape(table_md)}</pre>")})
+    run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in plots})
+    for p in points:
+        if p.get("task") == "Average":
+            run.summary[f"average/accuracy@{fmt_threshold(p['threshold'])}"] = p["accuracy"]
+            run.summary[f"average/tokens_per_forward@{fmt_threshold(p['threshold'])}"] = p["tokens_per_forward"]
+    run_dir = Path(run.dir).parent
+    run.finish()
+    return run_dir
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
