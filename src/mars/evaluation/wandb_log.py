@@ -41,7 +41,8 @@ def log_to_wandb(plan: Plan, store: ResultsDir, points: list[dict[str, Any]], ta
     columns = list(FIELDS)
     run.log({"points": wandb.Table(columns=columns, data=[[p.get(c) for c in columns] for p in points])})
     run.define_metric("threshold")
-    run.define_metric("*/*", step_metric="threshold")  # plot every task metric against the threshold
+    for task in dict.fromkeys(p["task"] for p in points):
+        run.define_metric(f"{task}/*", step_metric="threshold")  # plot every task metric against the threshold
     for thr in sorted({p["threshold"] for p in points}, reverse=True):
         metrics: dict[str, Any] = {"threshold": thr}
         for p in points:
