@@ -421,3 +421,19 @@ def test_evaluate_py_end_to_end_on_embedded_model(tmp_path):
     assert all(p["agreement"] == 1.0 for p in points if p["threshold"] == 1.0)
     assert (out / "table.md").read_text().count("tok/fwd") == 2
     assert list(out.glob("pareto_*.png"))
+
+
+def test_registered_with_lm_eval_as_mars(fixture_task):
+    """lm-eval's own entry point builds the adapter from an argument string."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import mars.evaluation.adapter  # noqa: F401  (registers "mars")
+
+    res = lm_eval.simple_evaluate(
+        model="mars", model_args="pretrained=tiny-random,threshold=0.5,block_size=2,max_new_tokens=6,batch_size=4",
+        tasks=["fx_qa"], task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
+        apply_chat_template=True, bootstrap_iters=0,
+    )
+    assert res["results"]["fx_qa"]["exact_match,none"] == 0.0
+    assert res["config"]["threshold"] == 0.5 and res["config"]["block_size"] == 2
