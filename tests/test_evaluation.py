@@ -437,3 +437,13 @@ def test_registered_with_lm_eval_as_mars(fixture_task):
     )
     assert res["results"]["fx_qa"]["exact_match,none"] == 0.0
     assert res["config"]["threshold"] == 0.5 and res["config"]["block_size"] == 2
+
+
+def test_sweep_always_starts_at_the_ar_reference():
+    from mars.evaluation.config import thresholds_for
+
+    assert thresholds_for({"thresholds": [0.5, 0.9, 0.9]}) == ([1.0, 0.9, 0.5], True)
+    assert thresholds_for({"thresholds": [0.7, 1.0]}) == ([1.0, 0.7], False)
+    assert thresholds_for({"threshold": 0.9, "thresholds": None}) == ([0.9], False)
+    # entropy accepts while H <= tau: its AR point is tau = 0
+    assert thresholds_for({"thresholds": [0.5, 2.0], "decoding": {"metric": "entropy"}}) == ([0.0, 0.5, 2.0], True)

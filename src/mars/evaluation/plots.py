@@ -51,7 +51,7 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
         ref = [p for p in pts if p.get("is_reference")]
         if ref:
             ax.axhline(100 * ref[0]["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
-                       label=f"{label}: AR (τ=1.0)")
+                       label=f"{label}: AR (τ={fmt_threshold(ref[0]['threshold'])})")
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{task}: accuracy vs tokens per forward")
