@@ -124,3 +124,16 @@ def test_bad_objectives_fail_fast(bad, match):
 def test_block_zero_fails_fast():
     with pytest.raises(ValueError, match="block must be >= 1"):
         make_module(block=0)
+
+
+@pytest.mark.slow
+def test_flex_attention_block_mask_gives_the_same_losses_as_the_dense_mask():
+    """The GPU path (FlexAttention BlockMask) against SDPA with the dense mask; forward only (no CPU backward)."""
+    dense, flex = make_module(block=4), make_module(block=4, attn="flex_attention")
+    flex.model.load_state_dict(dense.model.state_dict())
+    ids, loss_mask = batch(16, 4)
+    with torch.no_grad():
+        a = dense.losses({"input_ids": ids, "loss_mask": loss_mask})
+        b = flex.losses({"input_ids": ids, "loss_mask": loss_mask})
+    for key in ("loss_mask", "loss_ar"):
+        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
