@@ -127,3 +127,18 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     assert summary["global_step"] == 2
     assert read_mars_metadata(out / "hf")["complete"]
     assert "world_size=2" in proc.stderr or "distributed_backend=gloo" in proc.stderr or "Initializing distributed" in proc.stderr
+
+
+def test_wandb_logger_runs_offline_without_credentials(compose_cfg, tiny_train_overrides, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    from mars.models import cache_root
+
+    monkeypatch.setenv("MARS_CACHE", str(cache_root()))  # keep the converted model cache when HOME moves
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: must not prompt
+    overrides = [o for o in tiny_train_overrides if not o.startswith("logger=")]
+    cfg = compose_cfg("train", overrides + ["logger=wandb", "trainer.max_steps=2"])
+    run(cfg)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
