@@ -447,3 +447,44 @@ def test_sweep_always_starts_at_the_ar_reference():
     assert thresholds_for({"threshold": 0.9, "thresholds": None}) == ([0.9], False)
     # entropy accepts while H <= tau: its AR point is tau = 0
     assert thresholds_for({"thresholds": [0.5, 2.0], "decoding": {"metric": "entropy"}}) == ([0.0, 0.5, 2.0], True)
+
+
+def test_paper_suite_names_real_lm_eval_tasks_filters_and_metrics():
+    """conf/benchmarks/paper.yaml against lm-eval's built-in task index (no data is loaded)."""
+    from mars.evaluation.tasks import expand_suite, suite_from_config, task_manager
+
+    cfg = yaml.safe_load((REPO / "conf" / "benchmarks" / "paper.yaml").read_text())
+    suite_ = suite_from_config(cfg)
+    manager = task_manager(suite_)
+    expand_suite(suite_, manager)
+    sizes = {spec.label: len(spec.leaves) for spec in suite_.tasks}
+    assert sizes == {"IFEval": 1, "BBH": 27, "MMLU-Pro": 14, "GPQA": 1, "GSM8K": 1, "HumanEval": 1}
+    shots = {spec.label: spec.num_fewshot for spec in suite_.tasks}
+    assert shots == {"IFEval": 0, "BBH": 3, "MMLU-Pro": 0, "GPQA": 0, "GSM8K": 0, "HumanEval": 0}
+    assert suite_.apply_chat_template
+    for spec in suite_.tasks:
+        for leaf in spec.leaves:
+            task_cfg = manager.task_index[leaf].cfg or {}
+            filters = [f["name"] for f in task_cfg.get("filter_list") or []] or ["none"]
+            assert spec.filter in filters, (leaf, spec.filter, filters)
+            metrics = [m["metric"] for m in task_cfg.get("metric_list") or []
+                       if isinstance(m.get("metric"), str) and "/" not in m["metric"]]  # skip !function metrics
+            if metrics:
+                assert spec.metric in metrics, (leaf, spec.metric, metrics)
+
+
+def test_pareto_overlays_compared_runs(tmp_path):
+    from types import SimpleNamespace
+
+    from mars.evaluation.plots import _curves, render_pareto
+
+    def pts(label, accs, tpfs):
+        return [{"label": label, "task": "GSM8K", "threshold": t, "accuracy": a, "tokens_per_forward": x,
+                 "is_reference": t == 1.0} for t, a, x in zip((1.0, 0.9, 0.7), accs, tpfs)]
+
+    other = tmp_path / "other"
+    write_json(other / "points.json", pts("0.5b B=8", [0.33, 0.30, 0.25], [1.0, 1.7, 2.1]))
+    curves = _curves(SimpleNamespace(compare=[other]), pts("0.5b B=4", [0.33, 0.31, 0.27], [1.0, 1.5, 1.9]))
+    assert sorted(curves) == ["0.5b B=4", "0.5b B=8"]
+    png = render_pareto("GSM8K", curves)
+    assert png[:4] == b"\x89PNG" and len(png) > 10_000

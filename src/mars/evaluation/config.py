@@ -161,6 +161,7 @@ class Plan:
     resolved: dict[str, Any]
     checkpoint_meta: dict[str, Any] | None = None
     compare: list[Path] = field(default_factory=list)
+    task_manager: Any = field(default=None, repr=False)
 
     @property
     def curve_label(self) -> str:
@@ -190,7 +191,7 @@ def fingerprint_of(resolved: dict, block_size: int, suite) -> dict[str, Any]:
 def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
     """Validate the config and build the plan: cheap checks first, lm-eval's task index last."""
     from mars.evaluation.store import ResultsDir
-    from mars.evaluation.tasks import expand_suite, resolve_path, suite_from_config
+    from mars.evaluation.tasks import expand_suite, resolve_path, suite_from_config, task_manager
 
     resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     resolved.pop("hydra", None)
@@ -206,7 +207,8 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
         if decoding.get(key) is not None and (not isinstance(decoding[key], int) or decoding[key] < 1):
             raise ValueError(f"decoding.{key} must be an integer >= 1, got {decoding[key]!r}")
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
-    expand_suite(suite)
+    manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
+    expand_suite(suite, manager)
     out = resolved.get("output_dir") or f"outputs/eval/{run_name(model_label(resolved), resolved.get('checkpoint'), block, suite.name)}"
     output_dir = Path(out).expanduser()
     fingerprint = fingerprint_of(resolved, block, suite)
@@ -219,5 +221,5 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
     return Plan(
         thresholds=thresholds, reference_added=added, block_size=block, model_label=model_label(resolved),
         output_dir=output_dir, suite=suite, decoding=decoding, fingerprint=fingerprint, resolved=resolved,
-        checkpoint_meta=checkpoint_meta, compare=compare,
+        checkpoint_meta=checkpoint_meta, compare=compare, task_manager=manager,
     )

@@ -98,7 +98,7 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
     _seed_everything(seed)  # before loading: some tasks shuffle choices while loading (GPQA)
     if suite.confirm_run_unsafe_code:
         os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
-    loaded = task_manager(suite).load(leaves)
+    loaded = (plan.task_manager or task_manager(suite)).load(leaves)
     for name, task in loaded["tasks"].items():
         override = suite.spec_of_leaf(name).num_fewshot
         if override is not None:
@@ -189,6 +189,10 @@ def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
                      len(plan.suite.leaves), store.root)
 
     computed: list[tuple[float, str]] = []
+    if plan.resolved.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(plan.resolved["threads"]))
     if any(todo.values()):
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
