@@ -100,7 +100,8 @@ class MarsLM(TemplateLM):
 
             loaded = load_model(str(pretrained), device=device or "cpu")
             model, tokenizer, mask_token_id = loaded.model, loaded.tokenizer, loaded.mask.id
-            if loaded.metadata and loaded.metadata.get("block_size") and "block_size" not in decoding_kwargs:
+            explicit = decoding_kwargs.get("block_size") or (decoding or {}).get("block_size")
+            if loaded.metadata and loaded.metadata.get("block_size") and not explicit:
                 decoding_kwargs["block_size"] = int(loaded.metadata["block_size"])
         if tokenizer is None:
             raise ValueError("MarsLM needs the model's tokenizer")
@@ -109,7 +110,8 @@ class MarsLM(TemplateLM):
         self.mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
         settings = dict(decoding or {})
         settings.update({k: v for k, v in decoding_kwargs.items() if v is not None})
-        self.batch_size = int(batch_size or settings.pop("batch_size", None) or 8)
+        batch = batch_size or settings.pop("batch_size", None) or 8
+        self.batch_size = int(batch) if str(batch).isdigit() else 8  # lm-eval's "auto" means nothing here
         settings.pop("batch_size", None)
         self.max_new_tokens = int(max_new_tokens or settings.pop("max_new_tokens", None) or 256)
         settings.pop("max_new_tokens", None)

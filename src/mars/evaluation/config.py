@@ -85,8 +85,9 @@ def model_label(cfg: DictConfig | dict) -> str:
     return str(model.get("id") or Path(str(model.get("name_or_path", "model"))).name.replace(":", "-"))
 
 
-def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any) -> str:
-    """``<model or checkpoint>-b<block>-<suite>``: the default results folder name (a Hydra resolver)."""
+def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any, decoding: Any = "mars") -> str:
+    """``<model or checkpoint>-b<block>-<suite>[-<decoding>]``: the default results folder name (a Hydra
+    resolver); the decoding config's name is added when it is not the default ``mars``."""
     label = _checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
     if block_size is None and checkpoint:
         try:
@@ -94,7 +95,8 @@ def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any) -
         except CheckpointError:
             block_size = None  # reported properly by prepare(); a name is all we need here
     block = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
-    return f"{label}-b{block}-{benchmarks}"
+    suffix = f"-{decoding}" if decoding and str(decoding) != "mars" else ""
+    return f"{label}-b{block}-{benchmarks}{suffix}"
 
 
 def register_resolvers() -> None:
@@ -165,7 +167,8 @@ class Plan:
 
     @property
     def curve_label(self) -> str:
-        return f"{self.model_label} B={self.block_size}"
+        name = str(self.decoding.get("name") or "mars")
+        return f"{self.model_label} B={self.block_size}" + ("" if name == "mars" else f" ({name})")
 
 
 def fingerprint_of(resolved: dict, block_size: int, suite) -> dict[str, Any]:
@@ -209,7 +212,8 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
     manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
     expand_suite(suite, manager)
-    out = resolved.get("output_dir") or f"outputs/eval/{run_name(model_label(resolved), resolved.get('checkpoint'), block, suite.name)}"
+    out = resolved.get("output_dir") or "outputs/eval/" + run_name(
+        model_label(resolved), resolved.get("checkpoint"), block, suite.name, decoding.get("name"))
     output_dir = Path(out).expanduser()
     fingerprint = fingerprint_of(resolved, block, suite)
     if check_results_dir:
