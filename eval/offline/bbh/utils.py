@@ -64,7 +64,7 @@ def _choice(text: str, labels: list[str], options: list[str]) -> str | None:
     m = re.search(r"\(([A-Z])\)", text)
     if m and m.group(1) in letters:
         hits.append((m.start(), f"({m.group(1)})"))
-    m = re.match(r"\s*\**\s*([A-Z])(?:[).:]|\s*$)", text)  # "B", "B)", "B." at the start (not the article "A ...")
+    m = re.match(r"\s*\**\s*([A-Z])\**(?:[).:]|\s*$)", text)  # "B", "B)", "B." at the start (not the article "A ...")
     if m and m.group(1) in letters:
         hits.append((m.start(1), f"({m.group(1)})"))
     lowered = text.lower()
