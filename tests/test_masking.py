@@ -45,7 +45,8 @@ def test_mask_matches_every_rule(length, block, intra):
 def test_flex_mask_mod_equals_dense_mask(length, block):
     q = torch.arange(2 * length)[:, None]
     k = torch.arange(2 * length)[None, :]
-    dense = flex_mask_mod(length, block)(0, 0, q, k)
+    positions = torch.cat([torch.arange(length), torch.arange(length)])[None]
+    dense = flex_mask_mod(positions, length, block)(0, 0, q, k)
     assert torch.equal(dense, mars_attention_mask(length, block))
 
 

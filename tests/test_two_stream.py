@@ -6,28 +6,28 @@ import torch
 from mars.masking import noisy_copy, response_positions_to_mask
 from mars.models import build_tiny_random
 from mars.module import MarsModule, two_stream_attention
-from mars.masking import two_stream_position_ids
 from mars.objectives import Objective
 
 MASK_ID = 3
 
 
-def make_module(arch="llama", block=4, objective="mars", intra="causal", attn="sdpa", **obj):
+def make_module(arch="llama", block=4, objective="mars", intra="causal", attn="sdpa", crop=True, **obj):
     model = build_tiny_random(arch=arch, vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=64, attn_implementation=attn)
     weights = {"ar": dict(mask_weight=0.0, alpha=1.0), "mars": {}, "mars_no_sft": dict(alpha=0.0),
                "block_diffusion": dict(alpha=0.0)}[objective]
-    return MarsModule(model, MASK_ID, block_size=block, objective=Objective(objective, intra_block=intra,
-                                                                            **{**weights, **obj}))
+    return MarsModule(model, MASK_ID, block_size=block, crop_noisy_prompt=crop,
+                      objective=Objective(objective, intra_block=intra, **{**weights, **obj}))
 
 
 def two_stream_logits(module, ids, loss_mask):
-    n, length = ids.shape
-    masked = response_positions_to_mask(loss_mask)
-    z = torch.cat([ids, noisy_copy(ids, masked, MASK_ID)], dim=1)
-    pos = two_stream_position_ids(length).expand(n, -1)
-    attn = two_stream_attention(length, module.block_size, module.objective.intra_block,
-                                module._attn_impl(), torch.float32, ids.device)
+    """Logits of the full layout z = [x ; x~] (noisy stream not cropped), both copies at positions 0..L-1."""
+    module.crop_noisy_prompt = False
+    length = ids.shape[1]
+    z, pos, _ = module.two_stream_inputs(ids, loss_mask, response_positions_to_mask(loss_mask))
+    assert torch.equal(pos[:, length:], pos[:, :length])
+    attn = two_stream_attention(pos, length, module.block_size, module.objective.intra_block,
+                                module._attn_impl(), torch.float32)
     with torch.no_grad():
         hidden = module._hidden(z, pos, attn)
         return module.model.get_output_embeddings()(hidden)
@@ -95,6 +95,32 @@ def test_objectives_differ_only_in_loss_terms():
     with torch.no_grad():
         half = alpha_half.losses({"input_ids": ids, "loss_mask": loss_mask})
     torch.testing.assert_close(half["loss"], out["mars"]["loss_mask"] + 0.5 * out["mars"]["loss_ar"])
+
+
+@pytest.mark.parametrize("block", [1, 3, 4])
+@pytest.mark.parametrize("objective,intra", [("mars", "causal"), ("block_diffusion", "bidirectional")])
+def test_cropping_prompt_only_noisy_blocks_changes_no_loss_or_gradient(block, objective, intra):
+    """Ragged prompts and right padding: the cropped noisy stream gives the full layout's losses and gradients."""
+    full, crop = make_module(block=block, objective=objective, intra=intra, crop=False), \
+        make_module(block=block, objective=objective, intra=intra, crop=True)
+    crop.model.load_state_dict(full.model.state_dict())
+    ids, loss_mask = batch(20, 0, n=4, seed=3)
+    for row, (prompt, end) in enumerate([(3, 20), (9, 15), (13, 18), (6, 11)]):
+        loss_mask[row] = 0
+        loss_mask[row, prompt:end] = 1
+        ids[row, end:] = 2  # right padding
+    b = {"input_ids": ids, "loss_mask": loss_mask}
+    out_full, out_crop = full.losses(b), crop.losses(b)
+    for key in ("loss_mask", "loss_ar", "loss"):
+        torch.testing.assert_close(out_full[key], out_crop[key], atol=1e-5, rtol=1e-5)
+    out_full["loss"].backward()
+    out_crop["loss"].backward()
+    for (name, p), q in zip(full.model.named_parameters(), crop.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # and the cropped input really is shorter: each row starts at the block before its response
+    z, pos, _ = crop.two_stream_inputs(ids, loss_mask, response_positions_to_mask(loss_mask))
+    starts = [((p - 1) // block) * block for p in (3, 9, 13, 6)]
+    assert pos[:, 20].tolist() == starts and z.shape[1] == 20 + 20 - min(starts)
 
 
 def test_a_few_mars_steps_lower_the_mask_loss():

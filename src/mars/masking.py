@@ -29,6 +29,21 @@ def _check_block(length: int, block_size: int, intra_block: str) -> None:
         raise ValueError(f"intra_block must be one of {INTRA_BLOCK_PATTERNS}, got {intra_block!r}")
 
 
+def allowed(q_pos, k_pos, q_noisy, k_noisy, block_size: int, intra_block: str = "causal"):
+    """The four rules on (broadcastable) tensors of positions and stream flags; True = may attend.
+
+    Written on positions rather than indices so that the same rules serve the full layout, a noisy
+    stream that starts later (prompt-only blocks dropped) and FlexAttention's ``mask_mod``.
+    """
+    q_blk, k_blk = q_pos // block_size, k_pos // block_size
+    causal = k_pos <= q_pos
+    in_block = (q_blk == k_blk) & causal if intra_block == "causal" else (q_blk == k_blk)
+    clean_clean = ~q_noisy & ~k_noisy & causal
+    noisy_noisy = q_noisy & k_noisy & in_block
+    noisy_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
+    return clean_clean | noisy_noisy | noisy_clean
+
+
 def mars_attention_mask(
     length: int, block_size: int, intra_block: str = "causal", device: torch.device | str | None = None
 ) -> torch.BoolTensor:
@@ -38,17 +53,27 @@ def mars_attention_mask(
     ``intra_block="bidirectional"`` gives the Block Diffusion baseline (noisy tokens see their whole block).
     """
     _check_block(length, block_size, intra_block)
-    pos = torch.arange(length, device=device)
-    blk = pos // block_size
-    causal = pos[None, :] <= pos[:, None]
-    same_block = blk[None, :] == blk[:, None]
-    clean_clean = causal
-    noisy_noisy = same_block & causal if intra_block == "causal" else same_block
-    noisy_clean = blk[None, :] < blk[:, None]
-    clean_noisy = torch.zeros_like(causal)
-    top = torch.cat([clean_clean, clean_noisy], dim=1)
-    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
-    return torch.cat([top, bottom], dim=0)
+    pos = two_stream_position_ids(length, device=device)
+    noisy = torch.arange(2 * length, device=device) >= length
+    return allowed(pos[:, None], pos[None, :], noisy[:, None], noisy[None, :], block_size, intra_block)
+
+
+def two_stream_mask(positions: torch.Tensor, clean_length: int, block_size: int,
+                    intra_block: str = "causal") -> torch.BoolTensor:
+    """Per-row mask ``[N, T, T]`` for inputs ``[clean (clean_length) | noisy]`` with position ids ``[N, T]``."""
+    _check_block(clean_length, block_size, intra_block)
+    noisy = torch.arange(positions.shape[1], device=positions.device) >= clean_length
+    return allowed(positions[:, :, None], positions[:, None, :], noisy[:, None], noisy[None, :],
+                   block_size, intra_block)
+
+
+def noisy_window_starts(loss_mask: torch.Tensor, block_size: int) -> torch.LongTensor:
+    """Where each row's noisy stream may start: the block holding the position just before its first
+    response token (the first noisy position with a target).  Earlier noisy blocks hold prompt tokens
+    only, carry no loss and are attended by nothing outside themselves, so dropping them changes no loss."""
+    has = loss_mask.bool().any(dim=1)
+    first = torch.where(has, loss_mask.bool().long().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
+    return ((first - 1).clamp(min=0) // block_size) * block_size
 
 
 def two_stream_position_ids(length: int, device: torch.device | str | None = None) -> torch.LongTensor:
@@ -91,12 +116,12 @@ def response_positions_to_mask(
 def attention_mask_for(
     bool_mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Turn a ``[Q, K]`` boolean mask into the 4D form an HF attention backend expects.
+    """Turn a ``[Q, K]`` (or per-row ``[N, Q, K]``) boolean mask into the 4D form an HF attention backend expects.
 
     SDPA takes booleans (True = attend); the eager path adds the mask to the scores, so it needs
     an additive float mask (it would misread booleans).
     """
-    mask4d = bool_mask[None, None]
+    mask4d = bool_mask[:, None] if bool_mask.ndim == 3 else bool_mask[None, None]
     if attn_implementation == "eager":
         zero = torch.zeros((), dtype=dtype, device=bool_mask.device)
         neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=bool_mask.device)
@@ -144,20 +169,12 @@ def mask_ratio(
     raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
 
 
-def flex_mask_mod(length: int, block_size: int, intra_block: str = "causal"):
-    """The same rules as :func:`mars_attention_mask`, as a FlexAttention ``mask_mod`` (GPU path)."""
-    _check_block(length, block_size, intra_block)
+def flex_mask_mod(positions: torch.Tensor, clean_length: int, block_size: int, intra_block: str = "causal"):
+    """The rules of :func:`two_stream_mask` as a FlexAttention ``mask_mod`` (GPU path); ``positions`` is ``[N, T]``."""
+    _check_block(clean_length, block_size, intra_block)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_noisy, k_noisy = q_idx >= length, kv_idx >= length
-        qp = q_idx - q_noisy.long() * length
-        kp = kv_idx - k_noisy.long() * length
-        qb, kb = qp // block_size, kp // block_size
-        causal = kp <= qp
-        in_block = (qb == kb) & causal if intra_block == "causal" else (qb == kb)
-        clean_clean = ~q_noisy & ~k_noisy & causal
-        noisy_noisy = q_noisy & k_noisy & in_block
-        noisy_clean = q_noisy & ~k_noisy & (kb < qb)
-        return clean_clean | noisy_noisy | noisy_clean
+        return allowed(positions[b, q_idx], positions[b, kv_idx], q_idx >= clean_length, kv_idx >= clean_length,
+                       block_size, intra_block)
 
     return mask_mod

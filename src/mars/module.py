@@ -14,27 +14,28 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 from mars.masking import (
     attention_mask_for,
     flex_mask_mod,
-    mars_attention_mask,
     mask_ratio,
     noisy_copy,
+    noisy_window_starts,
     response_positions_to_mask,
     shifted_targets,
-    two_stream_position_ids,
+    two_stream_mask,
 )
 from mars.objectives import Objective
 
 IGNORE = -100
 
 
-def two_stream_attention(length: int, block_size: int, intra_block: str, attn_implementation: str,
-                         dtype: torch.dtype, device: torch.device):
-    """The 4D mask (or FlexAttention BlockMask) for a ``[clean | noisy]`` input of ``2 * length``."""
+def two_stream_attention(positions: torch.Tensor, clean_length: int, block_size: int, intra_block: str,
+                         attn_implementation: str, dtype: torch.dtype):
+    """The per-row 4D mask (or FlexAttention BlockMask) for ``[clean | noisy]`` inputs with ``positions``."""
     if attn_implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        return create_block_mask(flex_mask_mod(length, block_size, intra_block), None, None,
-                                 2 * length, 2 * length, device=device)
-    return attention_mask_for(mars_attention_mask(length, block_size, intra_block, device=device),
+        n, t = positions.shape
+        return create_block_mask(flex_mask_mod(positions, clean_length, block_size, intra_block), n, None, t, t,
+                                 device=positions.device)
+    return attention_mask_for(two_stream_mask(positions, clean_length, block_size, intra_block),
                               attn_implementation, dtype)
 
 
@@ -45,13 +46,16 @@ class MarsModule(L.LightningModule):
     the mask schedule), runs ONE forward with the structured mask and shared position ids, and scores
     right-shifted logits: ``L = mask_weight * L_mask(noisy) + alpha * L_AR(clean)``.
     Logits are computed only at positions that carry loss, which keeps the vocabulary projection of a
-    ``2L`` sequence from dominating memory.
+    ``2L`` sequence from dominating memory, and (``crop_noisy_prompt``) each row's noisy copy starts at
+    the block before its response: prompt-only noisy blocks carry no loss and nothing outside them
+    attends to them, so dropping them changes no loss and saves their compute (prompts are often longer
+    than responses in instruction data).
     """
 
     def __init__(self, model: PreTrainedModel, mask_token_id: int, *, block_size: int, objective: Objective,
                  mask_schedule: dict[str, Any] | None = None, lr: float = 5e-6, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), warmup_ratio: float = 0.03,
-                 gradient_checkpointing: bool = False, seed: int = 0):
+                 gradient_checkpointing: bool = False, crop_noisy_prompt: bool = True, seed: int = 0):
         super().__init__()
         if block_size < 1:
             raise ValueError(f"block must be >= 1, got {block_size}")
@@ -66,6 +70,7 @@ class MarsModule(L.LightningModule):
         self.mask_schedule = dict(mask_schedule or {"name": "full"})
         self.lr, self.weight_decay, self.betas, self.warmup_ratio = lr, weight_decay, tuple(betas), warmup_ratio
         self.seed = seed
+        self.crop_noisy_prompt = crop_noisy_prompt
         self.save_hyperparameters(ignore=["model", "objective"])
         self.hparams["objective"] = asdict(objective)
         if gradient_checkpointing:
@@ -90,9 +95,22 @@ class MarsModule(L.LightningModule):
         logits = self.model.get_output_embeddings()(hidden[sel]).float()
         return F.cross_entropy(logits, targets[sel])
 
-    def noisy_targets(self, input_ids, loss_mask, masked):
-        """Targets of the noisy stream: ``x[t+1]`` where that token is a masked response token."""
-        return shifted_targets(input_ids, loss_mask.bool() & masked)
+    def two_stream_inputs(self, ids: torch.Tensor, loss_mask: torch.Tensor, masked: torch.Tensor):
+        """``z = [x ; x~]``, its position ids and the noisy stream's targets.
+
+        The noisy stream of row ``r`` covers positions ``s_r .. s_r + W - 1`` (``s_r = 0`` without cropping);
+        its target at position ``t`` is ``x[t+1]`` where that token is a masked response token.
+        """
+        n, length = ids.shape
+        starts = noisy_window_starts(loss_mask, self.block_size) if self.crop_noisy_prompt else ids.new_zeros(n)
+        width = int((length - starts).max())
+        npos = starts[:, None] + torch.arange(width, device=ids.device)
+        inside = npos < length  # rows whose window runs past their end get filler: no loss, attended by nothing
+        idx = npos.clamp(max=length - 1)
+        noisy = noisy_copy(ids, masked, self.mask_token_id).gather(1, idx).masked_fill(~inside, self.mask_token_id)
+        targets = shifted_targets(ids, loss_mask.bool() & masked).gather(1, idx).masked_fill(~inside, IGNORE)
+        positions = torch.cat([torch.arange(length, device=ids.device).expand(n, -1), npos], dim=1)
+        return torch.cat([ids, noisy], dim=1), positions, targets
 
     def losses(self, batch: dict[str, torch.Tensor], ratio: float | torch.Tensor = 1.0,
                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -107,12 +125,11 @@ class MarsModule(L.LightningModule):
             out["loss"] = self.objective.alpha * out["loss_ar"]
             return out
         masked = response_positions_to_mask(loss_mask, ratio, generator=generator)
-        z = torch.cat([ids, noisy_copy(ids, masked, self.mask_token_id)], dim=1)
-        pos = two_stream_position_ids(length, device=ids.device).expand(n, -1)
-        attn = two_stream_attention(length, self.block_size, self.objective.intra_block, self._attn_impl(),
-                                    self.model.dtype, ids.device)
+        z, pos, noisy_targets = self.two_stream_inputs(ids, loss_mask, masked)
+        attn = two_stream_attention(pos, length, self.block_size, self.objective.intra_block, self._attn_impl(),
+                                    self.model.dtype)
         hidden = self._hidden(z, pos, attn)
-        out["loss_mask"] = self._ce(hidden[:, length:], self.noisy_targets(ids, loss_mask, masked))
+        out["loss_mask"] = self._ce(hidden[:, length:], noisy_targets)
         out["loss_ar"] = self._ce(hidden[:, :length], ar_targets)
         out["loss"] = self.objective.mask_weight * out["loss_mask"] + self.objective.alpha * out["loss_ar"]
         return out

@@ -136,7 +136,7 @@ def run(cfg: DictConfig) -> Path:
                         mask_schedule=OmegaConf.to_container(cfg.mask_schedule), lr=cfg.optim.lr,
                         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
                         warmup_ratio=cfg.optim.warmup_ratio, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed)
+                        crop_noisy_prompt=cfg.get("crop_noisy_prompt", True), seed=cfg.seed)
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     strategy = build_strategy(trainer_cfg, loaded.model)
