@@ -74,7 +74,8 @@ def choose_tokens(
     if temperature > 0:
         logp = torch.log_softmax(logits / temperature, dim=-1)
         uniform = torch.rand(logp.shape, device=logp.device, generator=generator, dtype=logp.dtype)
-        gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0)).clamp_min(1e-20))
+        exponential = -torch.log(uniform.clamp_min(1e-20))
+        gumbel = -torch.log(exponential.clamp_min(1e-20))
         tokens = torch.argmax(logp + gumbel, dim=-1)
     else:
         logp = torch.log_softmax(logits, dim=-1)

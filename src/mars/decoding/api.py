@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .acceptance import exact_ar_rows, thresholds_tensor, validate_metric
+from .attention import packed_gqa
 from .baselines import generate_ar
 from .engine import CACHES, EngineConfig, MultiTokenDecoder
 from .forward import ModelRunner
@@ -66,6 +67,7 @@ def generate(
     decoder: str = "mars",
     seed: int | None = None,
     progress: bool = False,
+    full_window: bool = False,
 ) -> GenerationResult:
     """Generate continuations of ``prompts``; see the package docstring for every argument.
 
@@ -73,6 +75,8 @@ def generate(
     (entropy) caps that row at one token per step, which makes the output exactly greedy AR.
     ``decoder="ar"`` runs ``transformers`` ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the
     training-free Jacobi iteration, both under the same stop rules and statistics.
+    ``full_window=True`` appends the masks even when no row can accept them (threshold 1.0); it
+    changes no output and exists to measure what the masks cost.
     """
     # ---- validation, before any model work ----
     if decoder not in DECODERS:
@@ -139,6 +143,7 @@ def generate(
             max_accept=max_accept,
             temperature=float(temperature),
             proposal="jacobi" if decoder == "jacobi" else "mask",
+            full_window=full_window,
         )
         ar_rows = exact_ar_rows(thresholds, metric) if decoder == "mars" else torch.zeros(len(ids), dtype=torch.bool)
         engine = MultiTokenDecoder(
@@ -150,7 +155,7 @@ def generate(
             generator=generator,
             progress=progress,
         )
-        with torch.inference_mode():
+        with torch.inference_mode(), packed_gqa(model):
             raw, stats = engine.run(ids, thresholds, ar_rows)
 
     texts, token_ids, reasons = [], [], []

@@ -62,6 +62,8 @@ class EngineConfig:
     max_accept: int | None
     temperature: float
     proposal: str = "mask"  # mask | jacobi
+    # Append masks even when no row can accept more than one token (only to measure their cost).
+    full_window: bool = False
 
 
 class MultiTokenDecoder:
@@ -106,6 +108,7 @@ class MultiTokenDecoder:
         thr = thresholds.to(dev)
         max_acc = cfg.max_accept if cfg.max_accept is not None else W
         row_cap = torch.where(ar_rows.to(dev), torch.ones_like(n), torch.full_like(n, max_acc))
+        row_cap_h = row_cap.cpu().numpy()
         # Jacobi guesses for the W-1 columns after the last real token (the last prompt token repeated).
         guess = seq.gather(1, (n - 1).unsqueeze(1)).expand(B, max(W - 1, 0)).clone()
 
@@ -128,7 +131,7 @@ class MultiTokenDecoder:
             if cfg.cache == "block" and not first:
                 full = u_h >= cfg.cache_block
                 commit = bool(full.all())
-                waiting = full & ~commit
+                waiting = full & (not commit)
             # Predictions per row (P_b) and masks per row (P_b - 1).
             if self.fill_window:
                 room = np.full(A, cfg.cache_block) if commit else cfg.cache_block - u_h
@@ -136,6 +139,13 @@ class MultiTokenDecoder:
                 waiting |= room <= 0
             else:
                 P_h = np.full(A, W)
+            # Predictions a row cannot accept are dead weight: a waiting row needs only its AR column,
+            # and a row capped at k tokens (threshold 1.0, max_accept, the end of its budget) needs
+            # only k.  At threshold 1.0 no masks are appended at all and MARS costs what AR costs.
+            if not cfg.full_window:
+                cap_h = np.minimum(row_cap_h, plen[rows] + cfg.max_new_tokens - n_h)
+                P_h = np.minimum(P_h, np.maximum(cap_h, 1))
+            P_h = np.where(waiting, 1, P_h)
             P = int(P_h.max())
             P_b = torch.as_tensor(P_h, device=dev)
             ks = torch.arange(P, device=dev)
@@ -175,7 +185,8 @@ class MultiTokenDecoder:
                 cap_now = cap_now.masked_fill(torch.as_tensor(waiting, device=dev), 0)
             if cfg.proposal == "jacobi":
                 # Guess k is verified when the prediction before it (from an exact prefix) equals it.
-                match = (tokens[:, : P - 1] == guess[:, : P - 1]).to(torch.int32)
+                m = min(P - 1, guess.shape[1])
+                match = (tokens[:, :m] == guess[:, :m]).to(torch.int32)
                 run = 1 + torch.cumprod(match, dim=1).sum(dim=1)
                 n_acc = torch.minimum(run.to(torch.long), cap_now)
             else:
@@ -186,7 +197,7 @@ class MultiTokenDecoder:
             dst = torch.where(ks.unsqueeze(0) < n_acc.unsqueeze(1), n.unsqueeze(1) + ks, trash)
             seq.scatter_(1, dst, tokens)
             if cfg.proposal == "jacobi" and P > 1:
-                nxt = (n_acc.unsqueeze(1) + torch.arange(P - 1, device=dev)).clamp_max(P - 1)
+                nxt = (n_acc.unsqueeze(1) + torch.arange(guess.shape[1], device=dev)).clamp_max(P - 1)
                 guess = tokens.gather(1, nxt)
             if commit:
                 committed = n.clone()
@@ -212,7 +223,7 @@ class MultiTokenDecoder:
                 keep_h = np.flatnonzero(~done_h)
                 keep = torch.as_tensor(keep_h, device=dev)
                 seq, n, prompt_len, committed = seq[keep], n[keep], prompt_len[keep], committed[keep]
-                thr, row_cap, guess = thr[keep], row_cap[keep], guess[keep]
+                thr, row_cap, guess, row_cap_h = thr[keep], row_cap[keep], guess[keep], row_cap_h[keep_h]
                 n_h, committed_h, rows = n_h[keep_h], committed_h[keep_h], rows[keep_h]
                 if cache is not None and len(keep_h):
                     cache.select_rows(keep)

@@ -1,0 +1,282 @@
+"""Wall-clock throughput: AR with KV cache vs MARS under each cache strategy (the paper's Table 5).
+
+    python -m mars.evaluation.throughput --batch-sizes 1,4,8,16 --repeats 3 --max-new-tokens 64 \
+        --thresholds 1.0,0.95 --out results/throughput
+
+Every decoder runs on the same prompts in one process, interleaved within each repeat so that load
+drift on a shared machine hits all of them alike.  For each (threshold, batch size, decoder) it
+reports the median tokens/s with its min-max spread, the speedup over AR (median of the per-repeat
+ratios), tokens per forward (generated tokens of the batch / batched forwards, and the per-request
+mean), and how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be
+all of them).  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under ``--out``.
+
+Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), ``--checkpoint DIR``
+(a MARS checkpoint; its block size is read from ``mars_config.json``), or ``--arch-preset
+qwen2.5-0.5b|qwen2.5-7b``: a model with the real Qwen2.5 shapes and random weights built from a config
+(no download; timing only), with the embedded tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Write a short poem about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "What is the capital of Japan? Answer and then name two famous landmarks there.",
+    "Give three tips for staying productive when working from home.",
+    "A train travels 60 miles per hour for 3 hours. How far does it go? Show your reasoning.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Write a Python function that returns the factorial of n.",
+    "List the planets of the solar system in order from the sun.",
+    "What are the main differences between a cat and a dog as pets?",
+    "Summarize the story of Cinderella in a few sentences.",
+    "If I have 5 apples and eat 2, then buy 7 more, how many apples do I have?",
+    "Describe how to make a cup of tea, step by step.",
+    "Why do leaves change color in autumn?",
+    "Write an email asking a colleague to reschedule a meeting to Friday.",
+    "What is 12 multiplied by 15? Explain how you computed it.",
+]
+
+ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    # Shapes of the released Qwen2.5-Instruct configs.
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass
+class Variant:
+    name: str
+    kwargs: dict[str, Any]
+
+
+def build_preset(preset: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from mars.models import _prepare_tokenizer, embedded_tokenizer, ensure_mask_token
+
+    if preset not in ARCH_PRESETS:
+        raise SystemExit(f"--arch-preset must be one of {sorted(ARCH_PRESETS)}, got {preset!r}")
+    config = Qwen2Config(
+        **ARCH_PRESETS[preset], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):  # build in place: a 7B model in fp32 does not fit a small host
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = embedded_tokenizer()
+    _prepare_tokenizer(tokenizer)
+    ensure_mask_token(model, tokenizer)
+    return model.eval(), tokenizer, None
+
+
+def load(args, dtype: torch.dtype):
+    if args.arch_preset:
+        return build_preset(args.arch_preset, dtype, args.device)
+    from mars.models import load_model
+
+    loaded = load_model(args.checkpoint or args.model, dtype=dtype, device=args.device)
+    return loaded.model.eval(), loaded.tokenizer, loaded.metadata
+
+
+def variants(args) -> list[Variant]:
+    out = [Variant("ar", dict(decoder="ar"))]
+    for cache in args.caches:
+        out.append(Variant(f"mars-{cache}", dict(decoder="mars", cache=cache)))
+    if args.block_window:
+        out.append(Variant("mars-block-fill", dict(decoder="mars", cache="block", window="cache_block")))
+    if args.jacobi:
+        out.append(Variant("jacobi-cursor", dict(decoder="jacobi", cache="cursor")))
+    return out
+
+
+def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Variant, threshold: float):
+    """Decode ``prompts`` in batches of ``batch``; totals over the batches."""
+    from mars.decoding import generate
+
+    tokens = forwards = 0
+    seconds = 0.0
+    ids: list[list[int]] = []
+    row_rates: list[float] = []
+    for start in range(0, len(prompts), batch):
+        res = generate(model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs)
+        tokens += res.stats.generated_tokens
+        forwards += res.stats.forwards
+        seconds += res.stats.seconds
+        ids.extend(res.token_ids)
+        row_rates.extend(t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f)
+    return dict(tokens=tokens, forwards=forwards, seconds=seconds, ids=ids, row_tpf=statistics.mean(row_rates))
+
+
+def fmt(x: float, nd: int = 2) -> str:
+    return f"{x:.{nd}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mars.evaluation.throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded:smollm2-135m")
+    p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
+    p.add_argument("--arch-preset", default=None, choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-sizes", default="1,4,8,16")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per configuration (0: the batch size)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per decoder before timing")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--thresholds", default="1.0")
+    p.add_argument("--metric", default="probability")
+    p.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's, else 4")
+    p.add_argument("--cache-block", type=int, default=32)
+    p.add_argument("--caches", default="none,block,cursor")
+    p.add_argument("--block-window", action="store_true", help="also time cache=block with window='cache_block'")
+    p.add_argument("--jacobi", action="store_true", help="also time the Jacobi decoder (cursor cache)")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    p.add_argument("--out", default="results/throughput")
+    args = p.parse_args(argv)
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        thresholds = [float(t) for t in args.thresholds.split(",") if t]
+    except ValueError as err:
+        raise SystemExit(f"--batch-sizes and --thresholds take comma-separated numbers: {err}") from err
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SystemExit(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    args.caches = [c for c in args.caches.split(",") if c]
+    from mars.decoding import CACHES
+    from mars.decoding.acceptance import validate_threshold
+
+    for c in args.caches:
+        if c not in CACHES:
+            raise SystemExit(f"unknown cache {c!r} in --caches; choose from {list(CACHES)}")
+    for t in thresholds:
+        validate_threshold(t, args.metric)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    model, tokenizer, metadata = load(args, dtype)
+    block_size = args.block_size or int((metadata or {}).get("block_size") or 4)
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        block_size=block_size,
+        cache_block=args.cache_block,
+        metric=args.metric,
+        chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
+    )
+    vs = variants(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        **{k: v for k, v in vars(args).items()},
+        "batch_sizes": batch_sizes,
+        "thresholds": thresholds,
+        "block_size": block_size,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    print(f"model={args.checkpoint or args.arch_preset or args.model} dtype={args.dtype} device={args.device} "
+          f"block_size={block_size} threads={torch.get_num_threads()}", flush=True)
+    for v in vs:  # warm-up: allocator, kernels, tokenizer caches
+        for _ in range(args.warmup):
+            run_one(model, tokenizer, PROMPTS[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
+
+    rows = []
+    for threshold in thresholds:
+        for batch in batch_sizes:
+            n = args.num_prompts or batch
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+            runs: dict[str, list[dict]] = {v.name: [] for v in vs}
+            for rep in range(args.repeats):
+                for v in vs:
+                    r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
+                    runs[v.name].append(r)
+                    print(f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
+                          f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd", flush=True)
+            ar_ids = runs["ar"][0]["ids"]
+            ar_tps = [r["tokens"] / r["seconds"] for r in runs["ar"]]
+            for v in vs:
+                tps = [r["tokens"] / r["seconds"] for r in runs[v.name]]
+                ratios = [t / a for t, a in zip(tps, ar_tps)]
+                last = runs[v.name][-1]
+                same = sum(a == b for a, b in zip(last["ids"], ar_ids))
+                rows.append(
+                    dict(
+                        threshold=threshold,
+                        batch=batch,
+                        decoder=v.name,
+                        tokens_per_s=statistics.median(tps),
+                        tokens_per_s_min=min(tps),
+                        tokens_per_s_max=max(tps),
+                        speedup=statistics.median(ratios),
+                        speedup_min=min(ratios),
+                        speedup_max=max(ratios),
+                        tokens_per_forward=last["tokens"] / last["forwards"],
+                        row_tokens_per_forward=last["row_tpf"],
+                        same_as_ar=f"{same}/{len(ar_ids)}",
+                        generated_tokens=last["tokens"],
+                        forwards=last["forwards"],
+                    )
+                )
+            write_tables(rows, out_dir, config)
+    print((out_dir / "throughput.md").read_text())
+    return 0
+
+
+def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
+    tmp = out_dir / "throughput.csv.tmp"
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, out_dir / "throughput.csv")
+    model = config.get("checkpoint") or config.get("arch_preset") or config.get("model")
+    lines = [
+        f"# Throughput: AR (KV cache) vs MARS\n",
+        f"model `{model}`, {config['dtype']} on {config['device']} ({config['device_name'] or 'cpu'}), "
+        f"{config['threads']} threads, block size {config['block_size']}, cache block {config['cache_block']}, "
+        f"max {config['max_new_tokens']} new tokens, {config['repeats']} repeats (median, [min-max])\n",
+        "| tau | batch | decoder | tokens/s | speedup vs AR | tok/fwd (batch) | tok/fwd (per request) | same as AR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['threshold']} | {r['batch']} | {r['decoder']} | {fmt(r['tokens_per_s'], 1)} "
+            f"[{fmt(r['tokens_per_s_min'], 1)}-{fmt(r['tokens_per_s_max'], 1)}] | {fmt(r['speedup'])}x "
+            f"[{fmt(r['speedup_min'])}-{fmt(r['speedup_max'])}] | {fmt(r['tokens_per_forward'])} | "
+            f"{fmt(r['row_tokens_per_forward'])} | {r['same_as_ar']} |"
+        )
+    (out_dir / "throughput.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The acceptance rule on hand-made logits: metrics, at-least-one, caps, per-row thresholds, EOS."""
+
+import math
+
+import pytest
+import torch
+
+from mars.decoding.acceptance import (
+    accept_counts,
+    choose_tokens,
+    cut_at_eos,
+    exact_ar_rows,
+    thresholds_tensor,
+    validate_threshold,
+)
+
+
+def logits_from_probs(rows):
+    """Logits whose softmax is exactly the given probability rows (padded with tiny mass)."""
+    return torch.log(torch.tensor(rows, dtype=torch.float32))
+
+
+# Position probabilities for one row: top probabilities 0.9, 0.8, 0.5, 0.95 over a 3-token vocabulary.
+ROW = [[0.9, 0.05, 0.05], [0.1, 0.8, 0.1], [0.25, 0.25, 0.5], [0.95, 0.03, 0.02]]
+
+
+def test_probability_metric_accepts_left_to_right_run():
+    tokens, score = choose_tokens(logits_from_probs([ROW]), "probability")
+    assert tokens.tolist() == [[0, 1, 2, 0]]
+    assert torch.allclose(score, torch.tensor([[0.9, 0.8, 0.5, 0.95]]))
+    cap = torch.tensor([4])
+    # 0.9 and 0.8 pass 0.75, 0.5 breaks the run: the later 0.95 is not reachable.
+    assert accept_counts(score, torch.tensor([0.75]), "probability", cap).tolist() == [2]
+    assert accept_counts(score, torch.tensor([0.5]), "probability", cap).tolist() == [4]
+    assert accept_counts(score, torch.tensor([0.85]), "probability", cap).tolist() == [1]
+
+
+def test_at_least_one_token_even_when_first_fails():
+    _, score = choose_tokens(logits_from_probs([ROW]), "probability")
+    assert accept_counts(score, torch.tensor([0.99]), "probability", torch.tensor([4])).tolist() == [1]
+
+
+def test_cap_bounds_the_run_and_zero_cap_waits():
+    _, score = choose_tokens(logits_from_probs([ROW, ROW, ROW]), "probability")
+    counts = accept_counts(score, torch.tensor([0.4, 0.4, 0.4]), "probability", torch.tensor([4, 2, 0]))
+    assert counts.tolist() == [4, 2, 0]
+
+
+def test_per_row_thresholds_in_one_batch():
+    _, score = choose_tokens(logits_from_probs([ROW, ROW, ROW]), "probability")
+    counts = accept_counts(score, torch.tensor([0.95, 0.75, 0.45]), "probability", torch.tensor([4, 4, 4]))
+    assert counts.tolist() == [1, 2, 4]
+
+
+def test_entropy_metric_accepts_while_entropy_low():
+    _, score = choose_tokens(logits_from_probs([ROW]), "entropy")
+    expected = [-sum(p * math.log(p) for p in row) for row in ROW]
+    assert torch.allclose(score[0], torch.tensor(expected), atol=1e-5)
+    # Entropies: 0.394, 0.639, 1.040, 0.226 -> threshold 0.7 accepts the first two.
+    assert accept_counts(score, torch.tensor([0.7]), "entropy", torch.tensor([4])).tolist() == [2]
+    assert accept_counts(score, torch.tensor([1.1]), "entropy", torch.tensor([4])).tolist() == [4]
+    assert accept_counts(score, torch.tensor([0.1]), "entropy", torch.tensor([4])).tolist() == [1]
+
+
+def test_margin_metric_is_top1_minus_top2():
+    _, score = choose_tokens(logits_from_probs([ROW]), "margin")
+    assert torch.allclose(score[0], torch.tensor([0.85, 0.7, 0.25, 0.92]), atol=1e-6)
+    assert accept_counts(score, torch.tensor([0.6]), "margin", torch.tensor([4])).tolist() == [2]
+    assert accept_counts(score, torch.tensor([0.2]), "margin", torch.tensor([3])).tolist() == [3]
+
+
+def test_exact_ar_rows_are_threshold_one_or_entropy_zero():
+    assert exact_ar_rows(torch.tensor([1.0, 0.99]), "probability").tolist() == [True, False]
+    assert exact_ar_rows(torch.tensor([1.0, 0.5]), "margin").tolist() == [True, False]
+    assert exact_ar_rows(torch.tensor([0.0, 0.5]), "entropy").tolist() == [True, False]
+
+
+def test_cut_at_first_eos_keeps_the_eos():
+    tokens = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 6, 7, 8]])
+    counts, hit = cut_at_eos(tokens, torch.tensor([4, 4, 1]), torch.tensor([2]))
+    assert counts.tolist() == [2, 4, 1]
+    assert hit.tolist() == [True, False, True]
+    # An EOS beyond the accepted run does not count.
+    counts, hit = cut_at_eos(torch.tensor([[5, 6, 2, 8]]), torch.tensor([2]), torch.tensor([2]))
+    assert counts.tolist() == [2] and hit.tolist() == [False]
+
+
+def test_sampling_uses_tempered_distribution_and_is_seeded():
+    logits = torch.tensor([[[2.0, 1.0, 0.0]] * 4000])
+    g = torch.Generator().manual_seed(0)
+    tokens, score = choose_tokens(logits, "probability", temperature=1.0, generator=g)
+    freq = torch.bincount(tokens.flatten(), minlength=3).float() / tokens.numel()
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), -1)
+    assert torch.allclose(freq, expected, atol=0.03)
+    # The score is the probability of the sampled token.
+    assert torch.allclose(score, expected[tokens])
+    again, _ = choose_tokens(logits, "probability", temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+
+
+@pytest.mark.parametrize(
+    "threshold,metric",
+    [(0.0, "probability"), (1.5, "probability"), (-0.1, "margin"), (-1.0, "entropy"), (float("nan"), "entropy")],
+)
+def test_bad_thresholds_fail_fast(threshold, metric):
+    with pytest.raises(ValueError, match="threshold"):
+        validate_threshold(threshold, metric)
+
+
+def test_unknown_metric_and_wrong_threshold_count():
+    with pytest.raises(ValueError, match="unknown acceptance metric 'confidence'"):
+        validate_threshold(0.5, "confidence")
+    with pytest.raises(ValueError, match="2 thresholds for 3 prompts"):
+        thresholds_tensor([0.9, 0.8], 3, "probability")
+    assert thresholds_tensor(0.9, 3, "probability").tolist() == pytest.approx([0.9] * 3)
