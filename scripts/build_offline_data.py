@@ -375,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gen = Generator(args.model, args.max_new_tokens)
     plan = {k: len(v) for k, v in splits.items()}
     done = {split: read_done(out / f"{split}.jsonl") for split in splits}
     todo = [(split, p) for split in ("heldout", "train") for p in splits[split] if p["id"] not in done[split]]
+    if not todo:  # keep stats.json (and its generation figures) from the run that did the work
+        print(f"nothing to do: all {sum(plan.values())} selected prompts already have responses in {out}")
+        return 0
+    gen = Generator(args.model, args.max_new_tokens)
     bar = tqdm(total=len(todo), desc="self-distilling", unit="prompt")
     for split in ("heldout", "train"):
         pending = [p for p in splits[split] if p["id"] not in done[split]]
