@@ -104,6 +104,8 @@ def variants(args) -> list[Variant]:
     out = [Variant("ar", dict(decoder="ar"))]
     for cache in args.caches:
         out.append(Variant(f"mars-{cache}", dict(decoder="mars", cache=cache)))
+    if args.full_window:
+        out.append(Variant("mars-cursor+masks", dict(decoder="mars", cache="cursor", full_window=True)))
     if args.block_window:
         out.append(Variant("mars-block-fill", dict(decoder="mars", cache="block", window="cache_block")))
     if args.jacobi:
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-block", type=int, default=32)
     p.add_argument("--caches", default="none,block,cursor")
     p.add_argument("--block-window", action="store_true", help="also time cache=block with window='cache_block'")
+    p.add_argument("--full-window", action="store_true",
+                   help="also time cursor with the masks appended even at threshold 1.0 (their cost)")
     p.add_argument("--jacobi", action="store_true", help="also time the Jacobi decoder (cursor cache)")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
