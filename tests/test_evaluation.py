@@ -444,7 +444,10 @@ def test_sweep_always_starts_at_the_ar_reference():
 
     assert thresholds_for({"thresholds": [0.5, 0.9, 0.9]}) == ([1.0, 0.9, 0.5], True)
     assert thresholds_for({"thresholds": [0.7, 1.0]}) == ([1.0, 0.7], False)
-    assert thresholds_for({"threshold": 0.9, "thresholds": None}) == ([0.9], False)
+    # one point brings its reference along, unless told not to
+    assert thresholds_for({"threshold": 0.9, "thresholds": None}) == ([1.0, 0.9], True)
+    assert thresholds_for({"threshold": 0.9, "reference": False}) == ([0.9], False)
+    assert thresholds_for({"threshold": 1.0}) == ([1.0], False)
     # entropy accepts while H <= tau: its AR point is tau = 0
     assert thresholds_for({"thresholds": [0.5, 2.0], "decoding": {"metric": "entropy"}}) == ([0.0, 0.5, 2.0], True)
 

@@ -1,20 +1,24 @@
-"""Every experiment file and every sweep point composes and trains one step on the tiny model, so a
+"""Every experiment file and every sweep point composes and trains one step on the tiny model, and every
+evaluation sweep point composes into a checked plan for a checkpoint that a training sweep writes, so a
 broken config cannot land."""
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from mars.evaluation.config import prepare
 from mars.train import run
 
 from conftest import CONF, REPO
 
 EXPERIMENTS = sorted(str(p.relative_to(CONF / "experiment").with_suffix(""))
                      for p in (CONF / "experiment").rglob("*.yaml") if p.stem != "paper_common")
-HYDRA_SWEEPS = sorted(p.stem for p in (REPO / "sweeps" / "hydra").glob("*.yaml"))
+HYDRA_SWEEPS = sorted(p.stem for p in (REPO / "sweeps" / "hydra").glob("*.yaml") if not p.stem.startswith("eval_"))
+HYDRA_EVAL_SWEEPS = sorted(p.stem for p in (REPO / "sweeps" / "hydra").glob("eval_*.yaml"))
 WANDB_SWEEPS = sorted((REPO / "sweeps").glob("wandb_*.yaml"))
 # Applied after each point: the tiny model, local data, one CPU step.
 TINY = ["model.name_or_path=tiny-random", "data.source=jsonl", "data.batch_size=2", "data.limit=4",
@@ -76,3 +80,49 @@ def test_every_experiment_and_sweep_point_trains_one_step(compose_cfg, tmp_path)
         assert (out / "mars_config.json").is_file(), label
         seen[key] = label
     assert len(seen) >= 8
+
+
+def eval_points():
+    for sweep in HYDRA_EVAL_SWEEPS:
+        spec = yaml.safe_load((REPO / "sweeps" / "hydra" / f"{sweep}.yaml").read_text())
+        for point in grid(spec["hydra"]["sweeper"]["params"]):
+            yield f"+sweep={sweep} " + " ".join(point), [f"+sweep={sweep}", *point]
+    for path in WANDB_SWEEPS:
+        if yaml.safe_load(path.read_text())["program"] == "evaluate.py":
+            for point in wandb_points(path):
+                yield f"{path.name} " + " ".join(point), point
+
+
+def train_export_dirs(compose_cfg) -> dict[str, tuple[int, str]]:
+    """export_dir -> (block, objective) of every point of the training sweeps, at the default schedule."""
+    dirs = {}
+    for _, overrides in all_points():
+        if overrides[0].startswith("experiment="):
+            continue
+        cfg = compose_cfg("train", overrides)
+        dirs[cfg.export_dir] = (cfg.block, cfg.objective.name)
+    return dirs
+
+
+def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes(compose_cfg, tmp_path,
+                                                                                monkeypatch):
+    exports = train_export_dirs(compose_cfg)
+    points = list(eval_points())
+    assert len(points) >= 12
+    monkeypatch.chdir(tmp_path)  # checkpoint paths are relative to the working directory, as on the CLI
+    for label, overrides in points:
+        cfg = compose_cfg("evaluate", overrides)
+        assert cfg.checkpoint in exports, f"{label}: {cfg.checkpoint} is not written by any training sweep"
+        block, objective = exports[cfg.checkpoint]
+        ckpt = tmp_path / cfg.checkpoint
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "config.json").write_text("{}")
+        (ckpt / "mars_config.json").write_text(json.dumps(
+            {"block_size": block, "objective": objective, "mask_token": "<mask>", "mask_token_id": 0}))
+        plan = prepare(cfg, check_results_dir=False)
+        assert plan.block_size == block, label
+        assert 1.0 in plan.thresholds and len(plan.thresholds) >= 2, label  # the AR reference is always there
+        assert str(plan.output_dir).startswith("outputs/eval/"), label
+    # each point gets its own results folder
+    folders = {str(compose_cfg("evaluate", o).output_dir) for _, o in points}
+    assert len(folders) == len({compose_cfg("evaluate", o).checkpoint for _, o in points})

@@ -130,7 +130,8 @@ def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
     """The thresholds to run, reference (AR) point first, and whether the reference was added.
 
     ``thresholds`` (a sweep) wins over ``threshold``; a sweep always includes the reference point
-    (1.0; 0.0 for entropy) because accuracy deltas and agreement are measured against it.
+    (1.0; 0.0 for entropy) because accuracy deltas and agreement are measured against it, and so does a
+    single ``threshold`` unless ``reference=false`` (a finished reference point on disk is reused).
     """
     metric = str((cfg.get("decoding") or {}).get("metric", "probability"))
     sweep = cfg.get("thresholds")
@@ -144,7 +145,10 @@ def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
         return values, added
     if cfg.get("threshold") is None:
         raise ThresholdError("set threshold=<value> or thresholds=[...]")
-    return [check_threshold(cfg.get("threshold"), metric)], False
+    value, ref = check_threshold(cfg.get("threshold"), metric), reference_threshold(metric)
+    if value == ref or not cfg.get("reference", True):
+        return [value], False
+    return [ref, value], True  # a point without its reference has no delta and no agreement
 
 
 # ------------------------------------------------------------------------------------------------
