@@ -5,8 +5,8 @@
 2. evaluate thresholds {1.0, 0.95, 0.9, 0.8, 0.7} on the offline suite     (python evaluate.py checkpoint=...)
 3. print the table, the Pareto plot's path and each stage's wall time.
 
-Environment knobs: DEMO_LIMIT (samples per task, default 8), DEMO_STEPS (training steps, default from
-conf/experiment/demo.yaml). Reruns reuse finished work: training skips, evaluation resumes.
+Environment knobs: DEMO_LIMIT (samples per task, default 3; BBH has 24 subtasks, so 72 BBH prompts),
+DEMO_STEPS (training steps, default from conf/experiment/demo.yaml). Reruns reuse finished work: training skips, evaluation resumes.
 """
 
 import os
@@ -29,7 +29,7 @@ def stage(name: str, cmd: list[str]) -> float:
 
 
 def main() -> None:
-    limit = os.environ.get("DEMO_LIMIT", "8")
+    limit = os.environ.get("DEMO_LIMIT", "3")
     train_cmd = ["train.py", "experiment=demo"]
     if os.environ.get("DEMO_STEPS"):
         train_cmd.append(f"trainer.max_steps={os.environ['DEMO_STEPS']}")
@@ -42,7 +42,8 @@ def main() -> None:
     ])
     print("\n=== wall time per stage: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()))
     print(f"checkpoint:  {ckpt}")
-    print(f"results:     {out}  (table.md, points.csv, pareto_*.png)")
+    print(f"results:     {out}  (table.md, points.csv, samples/)")
+    print(f"Pareto plot: {out / 'pareto_average.png'}  (one per task beside it)")
 
 
 if __name__ == "__main__":
