@@ -42,17 +42,22 @@ def wandb_points(path: Path) -> list[list[str]]:
     return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*params.values())]
 
 
-def all_points():
-    for exp in EXPERIMENTS:
-        yield f"experiment={exp}", [f"experiment={exp}"]
-    for sweep in HYDRA_SWEEPS:
+def sweep_points(hydra_sweeps: list[str], program: str):
+    """(label, overrides) of every point of the given Hydra sweeps and of the W&B sweeps of ``program``."""
+    for sweep in hydra_sweeps:
         spec = yaml.safe_load((REPO / "sweeps" / "hydra" / f"{sweep}.yaml").read_text())
         for point in grid(spec["hydra"]["sweeper"]["params"]):
             yield f"+sweep={sweep} " + " ".join(point), [f"+sweep={sweep}", *point]
     for path in WANDB_SWEEPS:
-        if yaml.safe_load(path.read_text())["program"] == "train.py":
+        if yaml.safe_load(path.read_text())["program"] == program:
             for point in wandb_points(path):
                 yield f"{path.name} " + " ".join(point), point
+
+
+def all_points():
+    for exp in EXPERIMENTS:
+        yield f"experiment={exp}", [f"experiment={exp}"]
+    yield from sweep_points(HYDRA_SWEEPS, "train.py")
 
 
 def test_the_paper_grid_is_complete():
@@ -82,17 +87,6 @@ def test_every_experiment_and_sweep_point_trains_one_step(compose_cfg, tmp_path)
     assert len(seen) >= 8
 
 
-def eval_points():
-    for sweep in HYDRA_EVAL_SWEEPS:
-        spec = yaml.safe_load((REPO / "sweeps" / "hydra" / f"{sweep}.yaml").read_text())
-        for point in grid(spec["hydra"]["sweeper"]["params"]):
-            yield f"+sweep={sweep} " + " ".join(point), [f"+sweep={sweep}", *point]
-    for path in WANDB_SWEEPS:
-        if yaml.safe_load(path.read_text())["program"] == "evaluate.py":
-            for point in wandb_points(path):
-                yield f"{path.name} " + " ".join(point), point
-
-
 def train_export_dirs(compose_cfg) -> dict[str, tuple[int, str]]:
     """export_dir -> (block, objective) of every point of the training sweeps, at the default schedule."""
     dirs = {}
@@ -107,7 +101,7 @@ def train_export_dirs(compose_cfg) -> dict[str, tuple[int, str]]:
 def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes(compose_cfg, tmp_path,
                                                                                 monkeypatch):
     exports = train_export_dirs(compose_cfg)
-    points = list(eval_points())
+    points = list(sweep_points(HYDRA_EVAL_SWEEPS, "evaluate.py"))
     assert len(points) >= 12
     monkeypatch.chdir(tmp_path)  # checkpoint paths are relative to the working directory, as on the CLI
     for label, overrides in points:

@@ -45,7 +45,7 @@ def test_a_finished_run_is_skipped_and_a_killed_run_resumes_without_losing_steps
     run(compose_cfg("train", base + ["trainer.max_steps=2"]))
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2
-    assert ckpt["InstructionDataModule"] == {"epoch": 0, "batches_done": 2}
+    assert ckpt["InstructionDataModule"] == {"epoch": 0, "batches_done": 2, "world_size": 1}
     # "kill" = the export never happened; the same command with more steps resumes from last.ckpt
     import shutil
 
@@ -68,10 +68,33 @@ def test_length_grouped_sampler_resumes_on_the_next_unseen_batch():
     resumed = LengthGroupedSampler(lengths, batch_size=2, seed=1, group=2)
     resumed.set_epoch(3)
     resumed.resume_at = (3, 2)
-    assert list(resumed) == full[4:]
+    first = list(resumed)
+    assert first[: len(full) - 4] == full[4:] and len(first) == len(full)  # the trained batches come last
     assert list(resumed) == full  # the skip applies to the interrupted epoch's first pass only
     s.set_epoch(4)
     assert list(s) != full  # a new order every epoch
+
+def test_ddp_resume_skips_every_rank_past_the_batches_all_ranks_trained():
+    """Lightning deals one sampler order out to the ranks (DistributedSamplerWrapper); after a restart at
+    step k each rank must continue exactly where it stopped, not replay its neighbours' batches."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from mars.data import InstructionDataModule
+    from mars.models import embedded_tokenizer
+
+    def rank_indices(state, rank):
+        dm = InstructionDataModule(embedded_tokenizer(), source="jsonl", path=str(TINY_SFT), batch_size=2)
+        if state:
+            dm.load_state_dict(state)
+        sampler = dm.train_dataloader().sampler
+        return list(DistributedSamplerWrapper(sampler, num_replicas=2, rank=rank, shuffle=False))
+
+    for rank in (0, 1):
+        uninterrupted = rank_indices(None, rank)
+        resumed = rank_indices({"epoch": 0, "batches_done": 1, "world_size": 2}, rank)
+        assert len(resumed) == len(uninterrupted)
+        assert resumed[: len(uninterrupted) - 2] == uninterrupted[2:]  # one step of batch 2 was trained here
+
 
 def test_length_grouped_batches_have_similar_lengths():
     import random

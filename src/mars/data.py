@@ -185,7 +185,10 @@ class LengthGroupedSampler(Sampler[int]):
         if self.resume_at is not None and self.resume_at[0] == self.epoch:
             skip = self.resume_at[1] * self.batch_size
         self.resume_at = None
-        return iter(order[skip:])
+        # The trained batches go to the end instead of being dropped: the length stays what Lightning
+        # (and its DDP sampler wrapper, which sizes itself once) expects, and the epoch loop stops after
+        # the batches that were left, so the tail is never reached.
+        return iter(order[skip:] + order[:skip])
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -237,7 +240,10 @@ class InstructionDataModule(L.LightningDataModule):
         self.sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed)
         if self._resume is not None:
             self.sampler.set_epoch(self._resume["epoch"])
-            self.sampler.resume_at = (self._resume["epoch"], self._resume["batches_done"])
+            # under DDP every rank took its own batches from the one order (Lightning's sampler wrapper
+            # deals them out), so the order advanced world_size batches per step
+            done = self._resume["batches_done"] * int(self._resume.get("world_size", 1))
+            self.sampler.resume_at = (self._resume["epoch"], done)
             self._resume = None
         pad = self.tokenizer.pad_token_id
         return DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
@@ -250,7 +256,8 @@ class InstructionDataModule(L.LightningDataModule):
         if trainer is None:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": trainer.current_epoch, "batches_done": int(progress.processed)}
+        return {"epoch": trainer.current_epoch, "batches_done": int(progress.processed),
+                "world_size": int(trainer.world_size)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state:
