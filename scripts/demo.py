@@ -6,7 +6,8 @@
 3. print the table, the Pareto plot's path and each stage's wall time.
 
 Environment knobs: DEMO_LIMIT (samples per task, default 3; BBH has 24 subtasks, so 72 BBH prompts),
-DEMO_STEPS (training steps, default from conf/experiment/demo.yaml). Reruns reuse finished work: training skips, evaluation resumes.
+DEMO_STEPS (training steps, default from conf/experiment/demo.yaml). Reruns reuse finished work: training
+skips, evaluation resumes.
 """
 
 import os

@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-sizes", default="1,4,8,16")
-    p.add_argument("--num-prompts", type=int, default=0, help="prompts per configuration, at least the batch size (0: the batch size); e.g. 8 decodes "
-                   "the same 8 prompts at batch 1, 4 and 8")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="prompts per configuration, at least the batch size (8: the same 8 prompts at batch 1, 4, 8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per decoder before timing")
     p.add_argument("--max-new-tokens", type=int, default=64)
