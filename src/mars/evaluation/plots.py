@@ -36,7 +36,7 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
 
     fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labelled = []  # (color, xs, ys, threshold texts) per curve, annotated once the axes are final
+    labelled = []  # (color, xs, ys, thresholds) per curve, annotated once the axes are final
     for i, (label, pts) in enumerate(sorted(curves.items())):
         pts = [p for p in pts if p.get("tokens_per_forward") is not None and p.get("accuracy") is not None]
         if not pts:
@@ -46,7 +46,7 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
         xs = [p["tokens_per_forward"] for p in pts]
         ys = [100 * p["accuracy"] for p in pts]
         ax.plot(xs, ys, "-o", color=color, label=label, markersize=5)
-        labelled.append((color, xs, ys, [fmt_threshold(p["threshold"]) for p in pts]))
+        labelled.append((color, xs, ys, [p["threshold"] for p in pts]))
         ref = [p for p in pts if p.get("is_reference")]
         if ref:
             ax.axhline(100 * ref[0]["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
@@ -62,8 +62,8 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     if hi - lo < 2:  # a flat curve (e.g. a random model at 0%) still gets a readable axis
         mid = (hi + lo) / 2
         ax.set_ylim(max(-1, mid - 5), mid + 5)
-    for color, xs, ys, texts in labelled:
-        _annotate_thresholds(ax, xs, ys, texts, color)
+    for color, xs, ys, thresholds in labelled:
+        _annotate_thresholds(ax, xs, ys, thresholds, color)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     buf = io.BytesIO()
@@ -72,7 +72,7 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     return buf.getvalue()
 
 
-def _annotate_thresholds(ax, xs, ys, texts, color, label_width: float = 45.0, label_height: float = 12.0) -> None:
+def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.0, label_height: float = 12.0) -> None:
     """Label each point with its threshold; points whose labels would print over each other (e.g. tau 1.0,
     0.95 and 0.9 of a barely trained model) share one label.  Sizes are in pixels."""
     screen = ax.transData.transform(list(zip(xs, ys)))
@@ -84,7 +84,7 @@ def _annotate_thresholds(ax, xs, ys, texts, color, label_width: float = 45.0, la
         else:
             groups.append([i])
     for group in groups:
-        text = "τ=" + ", ".join(texts[i] for i in sorted(group, key=lambda i: -float(texts[i])))
+        text = "τ=" + ", ".join(fmt_threshold(t) for t in sorted((thresholds[i] for i in group), reverse=True))
         ax.annotate(text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5),
                     fontsize=7, color=color)
 
