@@ -217,8 +217,8 @@ def test_results_folder_of_another_config_is_refused(make_cfg, loads, fixture_ta
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
-        (["threshold=1.5"], ThresholdError, r"1\.5 is outside \(0, 1\]"),
-        (["threshold=0"], ThresholdError, r"outside \(0, 1\]"),
+        (["threshold=1.5"], ThresholdError, r"threshold 1\.5 is invalid for metric 'probability': it must lie in \(0, 1\]"),
+        (["threshold=0"], ThresholdError, r"must lie in \(0, 1\]"),
         (["thresholds=[1.0,0.9,-0.1]"], ThresholdError, r"-0\.1"),
         (["decoding.metric=entropy", "threshold=-1"], ThresholdError, r"entropy.*>= 0"),
         (["decoding.metric=cosine"], ValueError, r"decoding\.metric must be one of"),

@@ -8,7 +8,8 @@ Entry point::
 
 ``generate(model, tokenizer, prompts, *, block_size=4, threshold=1.0, metric="probability",
 max_new_tokens=256, cache="cursor", cache_block=32, window=None, temperature=0.0, max_accept=None,
-stop=None, mask_token_id=None, chat_template=False, decoder="mars", seed=None, progress=False)``
+stop=None, mask_token_id=None, chat_template=False, decoder="mars", seed=None, progress=False,
+full_window=False, verify=False, draft_length=None, draft_threshold=0.0, fallback="none", settings=None)``
 
 - ``prompts``: list of strings or of token-id lists (ragged batches are fine); ``chat_template=True``
   wraps each string as one user turn with the generation prompt.
@@ -19,38 +20,52 @@ stop=None, mask_token_id=None, chat_template=False, decoder="mars", seed=None, p
 - ``cache``: ``none`` (full forward each step: the paper's sliding window), ``block`` (the paper's
   block-level KV cache, prefix extended once per ``cache_block`` accepted tokens), ``cursor`` (each row
   advances with its own KV cache, no block synchronisation; finished rows leave the batch).
-- ``window``: predictions per step; default ``block_size`` (the training block), for which all caches
-  compute exactly what the sliding window computes.  ``window="cache_block"`` (with ``cache="block"``)
-  lets the masks fill the rest of the cache block (the paper's block-level sampler; changes outputs).
+- ``window``: predictions per step; default ``block_size``.  ``window="cache_block"`` (with
+  ``cache="block"``) lets the masks fill the rest of the cache block (the paper's block-level sampler).
+- ``verify=True``: lossless self-speculation; the masks' predictions are drafts verified by the next
+  forward, output identical to greedy AR (exact sampling at temperature > 0); ``draft_length``,
+  ``draft_threshold`` and ``fallback`` tune it (see :class:`DecodingSettings`).
 - ``max_accept`` caps tokens accepted per step; ``temperature > 0`` samples (Gumbel-max, ``seed`` for
-  reproducibility) with the same acceptance rule; ``stop``: stop strings (text cut before them).
-- ``mask_token_id`` defaults to ``tokenizer.mask_token_id``.
+  reproducibility, one generator per row) with the same acceptance rule; ``stop``: stop strings.
 - ``decoder``: ``mars`` (default), ``ar`` (``transformers`` ``generate``, KV cache, greedy) or
   ``jacobi`` (training-free Jacobi iteration on the same window), all with the same stop rules.
+- ``settings``: a :class:`DecodingSettings` instead of the keywords (one validated object shared with
+  the configs, the lm-eval adapter and the server).
 
 Returns a :class:`GenerationResult`: ``texts`` and ``token_ids`` (generated only, up to and including
 the EOS) per prompt in input order, ``finish_reasons`` (``eos`` | ``stop`` | ``length``) and ``stats``
-(:class:`DecodeStats`: ``forwards``, ``generated_tokens``, ``tokens_per_forward``, ``seconds``,
-``tokens_per_second``, ``per_row_tokens``, ``per_row_forwards``, ``mean_row_tokens_per_forward``).
+(:class:`DecodeStats`).  For serving, :class:`DecodeEngine` takes requests between steps.
+
+Importing this package is cheap: the torch-backed pieces load on first use, so configs can be
+validated with :mod:`mars.decoding.settings` before torch is imported.
 """
 
-from .acceptance import METRICS, accept_counts, choose_tokens, cut_at_eos, exact_ar_rows
-from .api import DECODERS, encode_prompts, generate
-from .engine import CACHES
-from .kv import RaggedKVCache
-from .stats import DecodeStats, GenerationResult
+from .settings import CACHES, DECODERS, METRICS, DecodingSettings
 
-__all__ = [
-    "CACHES",
-    "DECODERS",
-    "METRICS",
-    "DecodeStats",
-    "GenerationResult",
-    "RaggedKVCache",
-    "accept_counts",
-    "choose_tokens",
-    "cut_at_eos",
-    "encode_prompts",
-    "exact_ar_rows",
-    "generate",
-]
+_LAZY = {
+    "generate": ".api",
+    "encode_prompts": ".api",
+    "check_prompts": ".api",
+    "DecodeEngine": ".engine",
+    "StepEvent": ".engine",
+    "Request": ".rows",
+    "Finished": ".rows",
+    "RaggedKVCache": ".kv",
+    "DecodeStats": ".stats",
+    "GenerationResult": ".stats",
+    "accept_counts": ".acceptance",
+    "choose_tokens": ".acceptance",
+    "cut_at_eos": ".acceptance",
+    "exact_ar_rows": ".acceptance",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'mars.decoding' has no attribute {name!r}")
+
+
+__all__ = ["CACHES", "DECODERS", "METRICS", "DecodingSettings", *_LAZY]

@@ -23,23 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-METRICS = ("probability", "entropy", "margin")
-
-
-def validate_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"unknown acceptance metric {metric!r}; choose one of {list(METRICS)}")
-
-
-def validate_threshold(threshold: float, metric: str) -> None:
-    validate_metric(metric)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise ValueError(f"threshold must be a number, got {threshold!r}")
-    if metric == "entropy":
-        if not threshold >= 0:  # also rejects NaN
-            raise ValueError(f"threshold {threshold!r} is invalid for metric 'entropy': it must be >= 0 (nats)")
-    elif not 0 < threshold <= 1:
-        raise ValueError(f"threshold {threshold!r} is invalid for metric {metric!r}: it must lie in (0, 1]")
+from .settings import METRICS, validate_metric, validate_threshold  # noqa: F401  (re-exported)
 
 
 def thresholds_tensor(
@@ -62,35 +46,64 @@ def exact_ar_rows(thresholds: torch.Tensor, metric: str) -> torch.Tensor:
 def choose_tokens(
     logits: torch.Tensor,
     metric: str,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    temperature: float | torch.Tensor = 0.0,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and confidence scores for logits ``[batch, positions, vocab]``.
 
     Temperature 0 is greedy (argmax).  Temperature > 0 samples by the Gumbel-max trick from
     ``softmax(logits / T)`` and scores the same tempered distribution, so the acceptance rule is unchanged.
+    ``temperature`` may be one value per row (a tensor) and ``generator`` one generator per row, so
+    that a row's samples depend on its own seed only, never on the batch it shares.
     """
+    logp, sampled = tempered_log_probs(logits, temperature)
+    tokens = torch.argmax(logp, dim=-1)
+    if sampled is not None:
+        noise = gumbel_noise(logp, generator)
+        draws = torch.argmax(logp + noise, dim=-1)
+        tokens = torch.where(sampled.unsqueeze(1), draws, tokens)
+    return tokens, confidence(logp, tokens, metric)
+
+
+def tempered_log_probs(logits: torch.Tensor, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(logits / T)`` per row (T = 0 rows stay untempered) and which rows sample (None: none)."""
     logits = logits.float()
-    if temperature > 0:
-        logp = torch.log_softmax(logits / temperature, dim=-1)
+    temps = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if temps.ndim == 0:
+        temps = temps.expand(logits.shape[0])
+    sampled = temps > 0
+    if not bool(sampled.any()):
+        return torch.log_softmax(logits, dim=-1), None
+    scale = torch.where(sampled, temps, torch.ones_like(temps)).view(-1, *([1] * (logits.ndim - 1)))
+    return torch.log_softmax(logits / scale, dim=-1), sampled
+
+
+def gumbel_noise(logp: torch.Tensor, generator, columns: Sequence[int] | None = None) -> torch.Tensor:
+    """Gumbel noise shaped like ``logp`` ``[rows, positions, vocab]``.  With one generator per row each
+    row draws from its own, and only its first ``columns[r]`` positions (zeros after), so what a row
+    draws never depends on the width of the batch it is in."""
+    if generator is None or isinstance(generator, torch.Generator):
         uniform = torch.rand(logp.shape, device=logp.device, generator=generator, dtype=logp.dtype)
-        exponential = -torch.log(uniform.clamp_min(1e-20))
-        gumbel = -torch.log(exponential.clamp_min(1e-20))
-        tokens = torch.argmax(logp + gumbel, dim=-1)
     else:
-        logp = torch.log_softmax(logits, dim=-1)
-        tokens = torch.argmax(logits, dim=-1)
+        uniform = torch.ones_like(logp)
+        for r, g in enumerate(generator):
+            width = logp.shape[1] if columns is None else int(columns[r])
+            uniform[r, :width] = torch.rand((width, *logp.shape[2:]), device=logp.device, generator=g, dtype=logp.dtype)
+    return -torch.log((-torch.log(uniform.clamp_min(1e-20))).clamp_min(1e-20))
+
+
+def confidence(logp: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
+    """The acceptance metric of each position's distribution (``logp``) for the chosen ``tokens``."""
     if metric == "probability":
-        score = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
-    elif metric == "entropy":
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp()
+    if metric == "entropy":
         probs = logp.exp()
-        score = -(torch.special.xlogy(probs, probs)).sum(-1)
-    elif metric == "margin":
+        return -(torch.special.xlogy(probs, probs)).sum(-1)
+    if metric == "margin":
         top2 = torch.topk(logp, 2, dim=-1).values.exp()
-        score = top2[..., 0] - top2[..., 1]
-    else:
-        validate_metric(metric)
-    return tokens, score
+        return top2[..., 0] - top2[..., 1]
+    validate_metric(metric)
+    raise AssertionError("unreachable")
 
 
 def accept_counts(score: torch.Tensor, thresholds: torch.Tensor, metric: str, cap: torch.Tensor) -> torch.Tensor:

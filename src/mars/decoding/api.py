@@ -1,32 +1,38 @@
-"""``generate``: the one entry point for MARS, AR and Jacobi decoding (validation and input prep)."""
+"""``generate``: the one entry point for MARS, AR and Jacobi decoding (validation, input prep, and a
+thin loop over :class:`~mars.decoding.engine.DecodeEngine`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .acceptance import exact_ar_rows, thresholds_tensor, validate_metric
-from .attention import packed_gqa
+from .acceptance import thresholds_tensor
 from .baselines import generate_ar
-from .engine import CACHES, EngineConfig, MultiTokenDecoder
+from .engine import DecodeEngine
 from .forward import ModelRunner
-from .stats import GenerationResult
+from .settings import DECODERS, DecodingSettings
+from .stats import DecodeStats, GenerationResult
 from .stopping import StopStrings, eos_token_ids, finalize_row
 
-DECODERS = ("mars", "ar", "jacobi")
+__all__ = ["DECODERS", "encode_prompts", "generate", "check_prompts"]
 
 
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str] | Sequence[Sequence[int]], chat_template: bool
 ) -> list[list[int]]:
     """Strings are tokenized (wrapped as one user turn with ``chat_template``); id lists pass through."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
     out: list[list[int]] = []
     for i, p in enumerate(prompts):
+        if isinstance(p, (bytes, bytearray)):
+            # bytes are a sequence of ints: without this check they would be read as token ids
+            raise ValueError(f"prompt {i} is bytes; decode it to a str first (bytes would be read as token ids)")
         if isinstance(p, str):
             if chat_template:
                 text = tokenizer.apply_chat_template(
@@ -45,6 +51,30 @@ def encode_prompts(
             raise ValueError(f"prompt {i} is empty after tokenization")
         out.append(ids)
     return out
+
+
+def check_prompts(ids: list[list[int]], vocab: int, context: int | None, max_new_tokens: int) -> None:
+    """Token ids inside the embedding matrix, and room in the context for prompt + budget, checked
+    before any forward (an id out of range is an IndexError on CPU and a device-side assert on GPU; a
+    position past the context is one the model never saw)."""
+    for i, row in enumerate(ids):
+        bad = next((t for t in row if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i} has token id {bad}, outside the model's vocabulary of {vocab} ids")
+    if context is None:
+        return
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) >= context:
+        raise ValueError(
+            f"prompt {longest} has {len(ids[longest])} tokens, longer than the model's context of "
+            f"{context} tokens (at least one position must remain for generation)"
+        )
+    if len(ids[longest]) + max_new_tokens > context:
+        raise ValueError(
+            f"prompt {longest} has {len(ids[longest])} tokens: with max_new_tokens={max_new_tokens} generation "
+            f"would reach position {len(ids[longest]) + max_new_tokens}, past the model's context of {context} "
+            f"tokens; shorten the prompt or lower max_new_tokens to {context - len(ids[longest])}"
+        )
 
 
 def generate(
@@ -68,117 +98,119 @@ def generate(
     seed: int | None = None,
     progress: bool = False,
     full_window: bool = False,
+    verify: bool = False,
+    draft_length: int | None = None,
+    draft_threshold: float = 0.0,
+    fallback: str = "none",
+    settings: DecodingSettings | None = None,
 ) -> GenerationResult:
     """Generate continuations of ``prompts``; see the package docstring for every argument.
 
-    ``threshold`` may be one number or one per prompt.  A threshold of 1.0 (probability/margin) or 0
-    (entropy) caps that row at one token per step, which makes the output exactly greedy AR.
-    ``decoder="ar"`` runs ``transformers`` ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the
-    training-free Jacobi iteration, both under the same stop rules and statistics.
-    ``full_window=True`` appends the masks even when no row can accept them (threshold 1.0); it
-    changes no output and exists to measure what the masks cost.
+    The decoding keywords build one :class:`DecodingSettings` (validated before any model work);
+    ``settings=`` passes such an object directly and then replaces them.  ``threshold`` may be one
+    number or one per prompt.  A threshold of 1.0 (probability/margin) or 0 (entropy) caps that row
+    at one token per step, which makes the output exactly greedy AR.  ``verify=True`` drafts with the
+    masks and verifies in the next forward: the output is exactly greedy AR at more than one token per
+    forward.  ``decoder="ar"`` runs ``transformers`` ``generate`` (KV cache, greedy) and
+    ``decoder="jacobi"`` the training-free Jacobi iteration, all under the same stop rules and
+    statistics.  ``full_window=True`` appends the masks even when no row can accept them.
     """
     # ---- validation, before any model work ----
-    if decoder not in DECODERS:
-        raise ValueError(f"unknown decoder {decoder!r}; choose one of {list(DECODERS)}")
-    validate_metric(metric)
-    if cache not in CACHES:
-        raise ValueError(f"unknown cache strategy {cache!r}; choose one of {list(CACHES)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(cache_block, bool) or not isinstance(cache_block, int) or cache_block < 1:
-        raise ValueError(f"cache_block must be an integer >= 1, got {cache_block!r}")
-    if max_accept is not None and (isinstance(max_accept, bool) or not isinstance(max_accept, int) or max_accept < 1):
-        raise ValueError(f"max_accept must be None or an integer >= 1, got {max_accept!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if window is None:
-        window = block_size
-    if window == "cache_block":
-        if cache != "block":
-            raise ValueError("window='cache_block' (masks fill the rest of the cache block) needs cache='block'")
-    elif isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {window!r}")
+    per_row = isinstance(threshold, (list, tuple))
+    if settings is None:
+        settings = DecodingSettings(
+            decoder=decoder, block_size=block_size, threshold=1.0 if per_row and metric != "entropy" else
+            (0.0 if per_row else threshold), metric=metric, max_new_tokens=max_new_tokens, cache=cache,
+            cache_block=cache_block, window=window, max_accept=max_accept, temperature=temperature, seed=seed,
+            verify=verify, draft_length=draft_length, draft_threshold=draft_threshold, fallback=fallback,
+            full_window=full_window,
+        )
+    s = settings
     ids = encode_prompts(tokenizer, prompts, chat_template)
-    thresholds = thresholds_tensor(threshold, len(ids), metric)
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context is not None:
-        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-        if len(ids[longest]) >= context:
-            raise ValueError(
-                f"prompt {longest} has {len(ids[longest])} tokens, longer than the model's context of "
-                f"{context} tokens (at least one position must remain for generation)"
-            )
-    if decoder == "mars" and mask_token_id is None:
-        mask_token_id = tokenizer.mask_token_id
-        if mask_token_id is None:
-            raise ValueError(
-                "no mask token: the tokenizer has none and mask_token_id was not given; load the model with "
-                "mars.models.load_model (which assigns one) or pass mask_token_id="
-            )
+    thresholds = thresholds_tensor(threshold if per_row else s.threshold, len(ids), s.metric)
+    mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
+    if s.decoder == "mars" and mask_token_id is None:
+        raise ValueError(
+            "no mask token: the tokenizer has none and mask_token_id was not given; load the model with "
+            "mars.models.load_model (which assigns one) or pass mask_token_id="
+        )
     vocab = model.get_input_embeddings().weight.shape[0]
     if mask_token_id is not None and not 0 <= int(mask_token_id) < vocab:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the embedding matrix ({vocab} rows)")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    check_prompts(ids, vocab, getattr(config, "max_position_embeddings", None), s.max_new_tokens)
     eos_ids = eos_token_ids(model, tokenizer)
     stops = StopStrings(tokenizer, stop)
 
     # ---- decoding ----
-    if decoder == "ar":
-        raw, stats = generate_ar(
-            model, tokenizer, ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, stops=stops, temperature=temperature
-        )
+    if s.decoder == "ar":
+        raw, stats = generate_ar(model, tokenizer, ids, max_new_tokens=s.max_new_tokens, eos_ids=eos_ids,
+                                 stops=stops, temperature=s.temperature)
+        reasons = [None] * len(ids)
     else:
-        runner = ModelRunner(model)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=runner.device).manual_seed(seed)
-        cfg = EngineConfig(
-            cache=cache,
-            window=window,
-            cache_block=cache_block,
-            metric=metric,
-            max_new_tokens=max_new_tokens,
-            max_accept=max_accept,
-            temperature=float(temperature),
-            proposal="jacobi" if decoder == "jacobi" else "mask",
-            full_window=full_window,
-        )
-        ar_rows = exact_ar_rows(thresholds, metric) if decoder == "mars" else torch.zeros(len(ids), dtype=torch.bool)
-        engine = MultiTokenDecoder(
-            runner,
-            cfg,
-            mask_token_id if mask_token_id is not None else eos_ids[0],
-            eos_ids,
-            stops,
-            generator=generator,
-            progress=progress,
-        )
-        with torch.inference_mode(), packed_gqa(model):
-            raw, stats = engine.run(ids, thresholds, ar_rows)
+        raw, reasons, stats = _run_engine(model, tokenizer, ids, thresholds.tolist(), s, mask_token_id, eos_ids,
+                                          stops, progress)
 
-    texts, token_ids, reasons = [], [], []
-    for row in raw:
-        row_ids, text, reason = finalize_row(row, eos_ids, stops, max_new_tokens)
+    texts, token_ids, finish = [], [], []
+    for row, engine_reason in zip(raw, reasons):
+        row_ids, text, reason = finalize_row(row, eos_ids, stops, s.max_new_tokens)
         token_ids.append(row_ids)
         texts.append(text)
-        reasons.append(reason)
+        finish.append(engine_reason if engine_reason in ("cancelled", "error") else reason)
     stats.per_row_tokens = [len(r) for r in token_ids]
     stats.generated_tokens = sum(stats.per_row_tokens)
-    if decoder == "ar":
+    if s.decoder == "ar":
         stats.per_row_forwards = list(stats.per_row_tokens)  # AR needs one forward per token
-    stats.extra.update(_settings(decoder, cache, window, block_size, metric, threshold, max_accept, temperature))
-    return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=reasons)
+    stats.extra.update(_settings(s, threshold if per_row else s.threshold))
+    return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish)
 
 
-def _settings(decoder, cache, window, block_size, metric, threshold, max_accept, temperature) -> dict[str, Any]:
+def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_token_id, eos_ids, stops, progress):
+    """Admit every prompt, step until all rows finished; raw ids, engine reasons and statistics."""
+    runner = ModelRunner(model)
+    mask = mask_token_id if mask_token_id is not None else eos_ids[0]
+    engine = DecodeEngine(runner, s, mask, eos_ids, tokenizer)
+    start = time.perf_counter()
+    requests = [engine.make_request(p, threshold=t, stop=stops, seed=s.seed) for p, t in zip(ids, thresholds)]
+    engine.admit(requests)
+    finished = {}
+    bar = tqdm(total=len(requests), desc=f"{s.decoder}[{s.cache}]", leave=False, disable=not progress)
+    while engine.live:
+        for event in engine.step():
+            if event.finished is not None:
+                finished[event.request.id] = event.finished
+                bar.update(1)
+    bar.close()
+    seconds = time.perf_counter() - start
+    rows = [finished[r.id] for r in requests]
+    stats = DecodeStats(forwards=engine.forwards, generated_tokens=0, seconds=seconds, per_row_tokens=[],
+                        per_row_forwards=[f.forwards for f in rows], decoder=s.decoder)
+    if any(r.verify for r in requests):
+        stats.extra.update(draft_statistics(rows))
+    return [f.token_ids for f in rows], [f.reason for f in rows], stats
+
+
+def draft_statistics(rows) -> dict[str, Any]:
+    """Drafts proposed and accepted per draft position, summed over rows, and the acceptance rates."""
+    width = max((len(f.draft_proposed) for f in rows), default=0)
+    proposed = [sum(f.draft_proposed[i] for f in rows if i < len(f.draft_proposed)) for i in range(width)]
+    accepted = [sum(f.draft_accepted[i] for f in rows if i < len(f.draft_accepted)) for i in range(width)]
     return {
-        "cache": cache if decoder != "ar" else "hf-dynamic",
-        "window": window,
-        "block_size": block_size,
-        "metric": metric,
-        "threshold": threshold if not isinstance(threshold, (list, tuple)) else list(threshold),
-        "max_accept": max_accept,
-        "temperature": temperature,
+        "drafts_proposed": proposed,
+        "drafts_accepted": accepted,
+        "draft_acceptance_by_position": [a / p if p else None for a, p in zip(accepted, proposed)],
+        "draft_acceptance": sum(accepted) / sum(proposed) if sum(proposed) else None,
+    }
+
+
+def _settings(s: DecodingSettings, threshold) -> dict[str, Any]:
+    return {
+        "cache": s.cache if s.decoder != "ar" else "hf-dynamic",
+        "window": s.window if s.window is not None else s.block_size,
+        "block_size": s.block_size,
+        "metric": s.metric,
+        "threshold": list(threshold) if isinstance(threshold, (list, tuple)) else threshold,
+        "max_accept": s.max_accept,
+        "temperature": s.temperature,
+        "verify": s.verify,
     }

@@ -30,6 +30,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.num_layers = config.num_hidden_layers
         self.context_length = getattr(config, "max_position_embeddings", None)
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.vocab_size = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
 
     def logits_at(
         self,

@@ -1,15 +1,17 @@
 """A per-row ("ragged") KV cache for multi-token decoding with rows of different lengths.
 
-Every layer holds one static buffer ``[batch, kv_heads, capacity, head_dim]``; row ``b`` keeps its
-committed tokens at buffer positions ``0 .. committed[b]-1`` (no left padding, so a row's buffer
-position is also its RoPE position).  Before each forward the engine tells the cache where every
-column of the step's input goes (``write_positions[b, i] = committed[b] + i``); ``update`` scatters
-the new keys/values there and returns the buffer up to ``kv_length``.  The engine passes a 4D boolean
-mask (True = attend) that is causal in buffer positions, which is all the masking a row needs: keys
-below ``committed[b]`` are its committed tokens, keys from there up to the query are this step's
-columns of the same row.  Columns past the real tokens (masks, padding) land in the row's free space
-and are simply overwritten later, so "committing" a step's real tokens is just advancing
-``committed[b]`` — the masks' K/V are never copied or kept.
+Every layer holds one buffer ``[batch, kv_heads, capacity, head_dim]``; row ``b`` keeps its committed
+tokens at buffer positions ``0 .. start[b]-1`` (no left padding, so a row's buffer position is also its
+RoPE position).  Before each forward the engine tells the cache where every column of the step's input
+goes (``write_positions[b, i] = start[b] + i``); ``update`` scatters the new keys/values there and
+returns the buffer up to ``kv_length``.  The engine passes a 4D boolean mask (True = attend) that is
+causal in buffer positions, which is all the masking a row needs: keys below ``start[b]`` are its
+committed tokens, keys from there up to the query are this step's columns of the same row.  Columns
+past the real tokens (drafts, masks, padding) land in the row's free space and are overwritten later,
+so "committing" a step's real tokens is just advancing ``start[b]`` — the masks' K/V are never copied.
+
+Rows join (:meth:`RaggedKVCache.add_rows`, zero buffers) and leave (:meth:`RaggedKVCache.select_rows`)
+between steps, and the capacity grows on demand, so the engine can batch continuously.
 """
 
 from __future__ import annotations
@@ -38,11 +40,19 @@ class RaggedKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.keys.shape[2] < self.owner.capacity:
+            self._pad_positions(self.owner.capacity)
         pos = self.owner.write_positions  # [batch, q]
         self.keys.scatter_(2, pos[:, None, :, None].expand_as(key_states), key_states)
         self.values.scatter_(2, pos[:, None, :, None].expand_as(value_states), value_states)
         n = self.owner.kv_length
         return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def _pad_positions(self, capacity: int) -> None:
+        extra = capacity - self.keys.shape[2]
+        pad = (0, 0, 0, extra)
+        self.keys = torch.nn.functional.pad(self.keys, pad)
+        self.values = torch.nn.functional.pad(self.values, pad)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.kv_length, 0
@@ -58,20 +68,27 @@ class RaggedKVLayer(CacheLayerMixin):
             self.keys = self.keys.index_select(0, rows)
             self.values = self.values.index_select(0, rows)
 
+    def add_rows(self, count: int) -> None:
+        if self.is_initialized:
+            shape = (count, *self.keys.shape[1:])
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(shape)])
+            self.values = torch.cat([self.values, self.values.new_zeros(shape)])
+
 
 class RaggedKVCache(Cache):
-    """Static per-layer buffers with per-row lengths; see the module docstring."""
+    """Per-layer buffers with per-row lengths; see the module docstring."""
 
-    def __init__(self, num_layers: int, capacity: int):
+    def __init__(self, num_layers: int, capacity: int = 64):
         self.capacity = int(capacity)
         self.write_positions: torch.Tensor | None = None
         self.kv_length = 0
         super().__init__(layers=[RaggedKVLayer(self) for _ in range(num_layers)])
 
     def prepare_step(self, write_positions: torch.Tensor, kv_length: int) -> None:
-        """Where this step's input columns go, and how much of the buffer the attention reads."""
+        """Where this step's input columns go, and how much of the buffer the attention reads
+        (the buffers grow, by half again at least, when a step reaches past their capacity)."""
         if kv_length > self.capacity:
-            raise RuntimeError(f"KV cache overflow: need {kv_length} positions, capacity {self.capacity}")
+            self.capacity = max(int(kv_length), int(self.capacity * 1.5))
         self.write_positions = write_positions
         self.kv_length = int(kv_length)
 
@@ -79,3 +96,8 @@ class RaggedKVCache(Cache):
         """Keep only ``rows`` (drop finished ones from the batch)."""
         for layer in self.layers:
             layer.select_rows(rows)
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows (requests joining the running batch)."""
+        for layer in self.layers:
+            layer.add_rows(count)

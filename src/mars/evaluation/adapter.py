@@ -23,10 +23,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from mars.decoding.settings import DecodingSettings
+
 log = logging.getLogger(__name__)
 
-# Keys of ``decoding`` configs that ``mars.decoding.generate`` takes as keyword arguments.
-GENERATE_KEYS = ("block_size", "metric", "cache", "cache_block", "window", "temperature", "max_accept", "decoder", "seed")
 
 
 @dataclass
@@ -113,10 +113,12 @@ class MarsLM(TemplateLM):
         batch = batch_size or settings.pop("batch_size", None) or 8
         self.batch_size = int(batch) if str(batch).isdigit() else 8  # lm-eval's "auto" means nothing here
         settings.pop("batch_size", None)
-        self.max_new_tokens = int(max_new_tokens or settings.pop("max_new_tokens", None) or 256)
-        settings.pop("max_new_tokens", None)
-        self.generate_kwargs = {k: _coerce(settings[k]) for k in GENERATE_KEYS if settings.get(k) is not None}
-        self.threshold = float(threshold)
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        # one validated object (mars.decoding.settings); the threshold is set per sweep point
+        self.settings = DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        self.max_new_tokens = self.settings.max_new_tokens
+        self.threshold = self.settings.threshold
         self._max_length = max_length
         self.generate_calls = 0  # decoder calls made (tests use it to see that resume skips work)
         self.reset_records()
@@ -127,7 +129,8 @@ class MarsLM(TemplateLM):
         self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
 
     def set_threshold(self, threshold: float) -> None:
-        self.threshold = float(threshold)
+        self.settings = self.settings.replace(threshold=float(threshold))
+        self.threshold = self.settings.threshold
 
     # ------------------------------------------------------------------ lm-eval plumbing
     @property
@@ -170,8 +173,7 @@ class MarsLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_name": getattr(self.model.config, "_name_or_path", ""), "threshold": self.threshold,
-                **self.generate_kwargs}
+        return {"model_name": getattr(self.model.config, "_name_or_path", ""), **self.settings.as_dict()}
 
     # ------------------------------------------------------------------ generation
     def _max_new(self, gen_kwargs: dict) -> int:
@@ -211,9 +213,8 @@ class MarsLM(TemplateLM):
                 prompts = [encoded[i] for i in batch]
                 t0 = time.perf_counter()
                 result = generate(
-                    self.model, self.tokenizer, prompts, threshold=self.threshold, max_new_tokens=max_new,
-                    stop=until or None, mask_token_id=self.mask_token_id, chat_template=False,
-                    **self.generate_kwargs,
+                    self.model, self.tokenizer, prompts, stop=until or None, mask_token_id=self.mask_token_id,
+                    chat_template=False, settings=self.settings.replace(max_new_tokens=max_new),
                 )
                 elapsed = time.perf_counter() - t0
                 self.generate_calls += 1
@@ -271,14 +272,3 @@ class MarsLM(TemplateLM):
 def _cut(text: str, until: list[str]) -> str:
     cuts = [text.find(u) for u in until if u in text]
     return text[: min(cuts)] if cuts else text
-
-
-def _coerce(value: Any) -> Any:
-    """Numbers that arrive as strings from lm-eval's ``--model_args`` become numbers."""
-    if isinstance(value, str):
-        for cast in (int, float):
-            try:
-                return cast(value)
-            except ValueError:
-                pass
-    return value

@@ -109,21 +109,21 @@ def register_resolvers() -> None:
 # ------------------------------------------------------------------------------------------------
 def reference_threshold(metric: str) -> float:
     """The threshold at which MARS decoding is exactly greedy AR decoding."""
-    return 0.0 if metric == "entropy" else 1.0
+    from mars.decoding.settings import reference_threshold as _reference
+
+    return _reference(metric)
 
 
 def check_threshold(value: Any, metric: str) -> float:
+    """The decoding settings' threshold rule (one copy), raised as :class:`ThresholdError`."""
+    from mars.decoding.settings import validate_threshold
+
     if metric not in METRICS:
         raise ValueError(f"decoding.metric must be one of {list(METRICS)}, got {metric!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-        raise ThresholdError(f"threshold must be a number, got {value!r}")
-    value = float(value)
-    if metric == "entropy":
-        if value < 0:
-            raise ThresholdError(f"threshold {value!r} is invalid for metric 'entropy': it must be >= 0 (nats)")
-    elif not 0 < value <= 1:
-        raise ThresholdError(f"threshold {value!r} is outside (0, 1]: for metric {metric!r} a threshold must lie in (0, 1]")
-    return value
+    try:
+        return validate_threshold(value, metric)
+    except ValueError as err:
+        raise ThresholdError(str(err)) from None
 
 
 def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
@@ -210,9 +210,23 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
         raise ValueError(f"limit must be a positive number of samples per task (or a fraction < 1), got {limit!r}")
     decoding = dict(resolved.get("decoding") or {})
     decoding["block_size"] = block
-    for key in ("max_new_tokens", "batch_size"):
-        if decoding.get(key) is not None and (not isinstance(decoding[key], int) or decoding[key] < 1):
-            raise ValueError(f"decoding.{key} must be an integer >= 1, got {decoding[key]!r}")
+    batch = decoding.get("batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"decoding.batch_size must be an integer >= 1, got {batch!r}")
+    # every decoding setting, validated by the object generate uses, before anything is written or loaded
+    from mars.decoding.settings import DecodingSettings
+    from mars.hardware import validate_dtype
+
+    try:
+        DecodingSettings.from_mapping(decoding, threshold=reference_threshold(str(decoding.get("metric", "probability"))))
+    except ValueError as err:
+        raise ValueError(f"decoding: {err}") from None
+    validate_dtype(resolved.get("dtype"))
+    if decoding.get("verify") and thresholds != [reference_threshold(str(decoding.get("metric", "probability")))]:
+        raise ThresholdError(
+            f"decoding.verify=true decodes exactly greedy, so thresholds {thresholds} mean nothing there: run it at "
+            "threshold=1.0 with reference=false (sweep decoding.draft_threshold instead)"
+        )
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
     manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
     expand_suite(suite, manager)

@@ -38,17 +38,16 @@ class EvalOutcome:
 
 
 def _device(name: str | None) -> str:
-    import torch
+    from mars.hardware import resolve_device
 
-    if name in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+    return resolve_device(name)
 
 
 def _dtype(name: str | None, device: str) -> str:
-    if name in (None, "auto"):
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    return name
+    """``auto``: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32."""
+    from mars.hardware import resolve_dtype_name
+
+    return resolve_dtype_name(name, device)
 
 
 def load_for_plan(plan: Plan):

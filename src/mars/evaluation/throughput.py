@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="embedded:smollm2-135m")
     p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
     p.add_argument("--arch-preset", default=None, choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-sizes", default="1,4,8,16")
     p.add_argument("--num-prompts", type=int, default=0,
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         validate_threshold(t, args.metric)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from mars.hardware import resolve_dtype_name
+
+    args.dtype = resolve_dtype_name(args.dtype, args.device)
     dtype = getattr(torch, args.dtype)
 
     model, tokenizer, metadata = load(args, dtype)

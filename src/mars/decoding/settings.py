@@ -1,0 +1,206 @@
+"""One validated object for every decoding setting.
+
+``generate``'s keywords, the decoding engine, ``conf/decoding/*.yaml``, the lm-eval adapter and the
+server all go through :class:`DecodingSettings`, so each rule (what a threshold may be, which cache a
+window needs, what verification excludes) is written once.  No torch import: evaluation configs are
+checked with it before torch or a model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DECODERS = ("mars", "ar", "jacobi")
+CACHES = ("none", "block", "cursor")
+METRICS = ("probability", "entropy", "margin")
+FALLBACKS = ("none", "jacobi")
+# Keys of a decoding config that are not decoding settings: the config's name and the batch size
+# (which changes timings, never outputs).
+CONFIG_ONLY_KEYS = ("name", "batch_size")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_metric(metric: Any) -> str:
+    if metric not in METRICS:
+        raise ValueError(f"unknown acceptance metric {metric!r}; choose one of {list(METRICS)}")
+    return metric
+
+
+def reference_threshold(metric: str) -> float:
+    """The threshold at which MARS decoding is exactly greedy AR decoding (1.0; 0 nats for entropy)."""
+    return 0.0 if metric == "entropy" else 1.0
+
+
+def validate_threshold(threshold: Any, metric: str = "probability") -> float:
+    """A threshold for ``metric``: (0, 1] for probability/margin, >= 0 nats for entropy."""
+    validate_metric(metric)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(float(threshold)):
+        raise ValueError(f"threshold must be a number, got {threshold!r}")
+    value = float(threshold)
+    if metric == "entropy":
+        if not value >= 0:
+            raise ValueError(f"threshold {threshold!r} is invalid for metric 'entropy': it must be >= 0 (nats)")
+    elif not 0 < value <= 1:
+        raise ValueError(f"threshold {threshold!r} is invalid for metric {metric!r}: it must lie in (0, 1]")
+    return value
+
+
+def is_exact_threshold(threshold: float, metric: str) -> bool:
+    """Whether ``threshold`` means "accept only certain tokens", i.e. exactly greedy AR."""
+    return threshold <= 0 if metric == "entropy" else threshold >= 1.0
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """How to decode; every field is validated on construction (see each field's ``help``)."""
+
+    decoder: str = field(default="mars", metadata=_help(
+        "mars (multi-token), ar (transformers generate with its KV cache) or jacobi (training-free baseline)"))
+    block_size: int = field(default=4, metadata=_help("MARS block size B: predictions per step by default"))
+    threshold: float = field(default=1.0, metadata=_help(
+        "accept left to right while the confidence meets it; 1.0 (0 for entropy) is exactly greedy AR"))
+    metric: str = field(default="probability", metadata=_help(
+        "probability (>= tau), entropy (<= tau nats) or margin (top1 - top2 >= tau)"))
+    max_new_tokens: int = field(default=256, metadata=_help("generated tokens per row at most"))
+    cache: str = field(default="cursor", metadata=_help(
+        "none (full forward per step), block (the paper's block-level cache), cursor (per-row KV cursor)"))
+    cache_block: int = field(default=32, metadata=_help("Bcache of cache=block"))
+    window: int | str | None = field(default=None, metadata=_help(
+        "predictions per step: None (= block_size), an integer, or 'cache_block' (cache=block only)"))
+    max_accept: int | None = field(default=None, metadata=_help("cap on tokens accepted per step"))
+    temperature: float = field(default=0.0, metadata=_help("0 is greedy; > 0 samples"))
+    seed: int | None = field(default=None, metadata=_help("random seed of sampling"))
+    verify: bool = field(default=False, metadata=_help(
+        "lossless self-speculation: the masks' predictions are drafts verified by the next forward; "
+        "output identical to greedy AR (exact sampling at temperature > 0)"))
+    draft_length: int | None = field(default=None, metadata=_help(
+        "drafts verified per step with verify=True (default window - 1)"))
+    draft_threshold: float = field(default=0.0, metadata=_help(
+        "verify=True: propose a draft only while the mask's top probability is >= this (0: always); "
+        "never changes the output, only how many columns a step spends on drafts"))
+    fallback: str = field(default="none", metadata=_help(
+        "verify=True, after a rejected draft: none (the next step drafts from its masks) or jacobi "
+        "(the unverified AR predictions become the next drafts)"))
+    full_window: bool = field(default=False, metadata=_help(
+        "append the masks even where no row can accept them (threshold 1.0): measures their cost"))
+
+    def __post_init__(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {list(DECODERS)}")
+        validate_metric(self.metric)
+        if self.cache not in CACHES:
+            raise ValueError(f"unknown cache strategy {self.cache!r}; choose one of {list(CACHES)}")
+        for name in ("block_size", "max_new_tokens", "cache_block"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "threshold", validate_threshold(self.threshold, self.metric))
+        if self.max_accept is not None and (not _is_int(self.max_accept) or self.max_accept < 1):
+            raise ValueError(f"max_accept must be None or an integer >= 1, got {self.max_accept!r}")
+        temp = self.temperature
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not temp >= 0 or math.isinf(temp):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")
+        object.__setattr__(self, "temperature", float(temp))
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        if self.window == "cache_block":
+            if self.cache != "block":
+                raise ValueError("window='cache_block' (masks fill the rest of the cache block) needs cache='block'")
+        elif self.window is not None and (not _is_int(self.window) or self.window < 1):
+            raise ValueError(f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {self.window!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be true or false, got {self.verify!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"unknown fallback {self.fallback!r}; choose one of {list(FALLBACKS)}")
+        dt = self.draft_threshold
+        if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not 0 <= dt <= 1:
+            raise ValueError(f"draft_threshold must be a number in [0, 1], got {dt!r}")
+        if self.draft_length is not None and (not _is_int(self.draft_length) or self.draft_length < 1):
+            raise ValueError(f"draft_length must be None or an integer >= 1, got {self.draft_length!r}")
+        if self.verify:
+            self._check_verify()
+
+    def _check_verify(self) -> None:
+        if self.decoder != "mars":
+            raise ValueError(f"verify=True drafts with the MARS masks: it needs decoder='mars', got {self.decoder!r}")
+        if self.max_accept is not None:
+            raise ValueError("verify=True accepts every verified draft: max_accept does not apply (leave it None)")
+        if self.window == "cache_block":
+            raise ValueError("verify=True needs an integer window (the drafts plus W-1 masks), not 'cache_block'")
+        if self.threshold != reference_threshold(self.metric):
+            raise ValueError(
+                f"verify=True output is exactly greedy AR, so a threshold of {self.threshold:g} means nothing there; "
+                f"leave threshold at {reference_threshold(self.metric):g} (draft_threshold filters weak drafts)"
+            )
+        if self.window is not None and self.window < 2:
+            raise ValueError("verify=True needs window >= 2 (at least one mask to draft from)")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def effective_window(self) -> int | str:
+        """Predictions per step: ``window`` or the block size."""
+        return self.block_size if self.window is None else self.window
+
+    @property
+    def effective_draft_length(self) -> int:
+        """Drafts verified per step (verify mode): ``draft_length`` or ``window - 1``."""
+        window = self.effective_window
+        base = (window if isinstance(window, int) else self.cache_block) - 1
+        return base if self.draft_length is None else self.draft_length
+
+    @property
+    def reference(self) -> float:
+        return reference_threshold(self.metric)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None, **overrides: Any) -> "DecodingSettings":
+        """From a ``decoding`` config (or adapter/request keys): unknown keys fail naming the allowed ones;
+        ``None`` values mean "the default"; ``overrides`` win."""
+        values = {k: v for k, v in dict(mapping or {}).items() if k not in CONFIG_ONLY_KEYS}
+        values.update(overrides)
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown decoding setting(s) {unknown}; allowed: {sorted(cls.field_names())}")
+        return cls(**{k: _coerce(v) for k, v in values.items() if v is not None})
+
+    def replace(self, **changes: Any) -> "DecodingSettings":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any) -> Any:
+    """Numbers and booleans that arrive as strings (lm-eval ``--model_args``, query strings) become values."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        if lowered in ("none", "null"):
+            return None
+        for cast in (int, float):
+            try:
+                return cast(value)
+            except ValueError:
+                pass
+    return value

@@ -1,0 +1,158 @@
+"""Lossless self-speculative decoding (verify=True): greedy output equals transformers greedy for every
+cache strategy, ragged batches and stop strings; batch independence; statistics; bad input; and the
+speculative-sampling rule reproduces the target distribution on hand-made distributions."""
+
+import pytest
+import torch
+
+from mars.decoding import generate
+from mars.decoding.verify import leading_matches, speculative_accept
+from decoding_fixtures import CACHES, extra_eos, hf_greedy, model, ragged, random_prompts, tokenizer  # noqa: F401
+
+
+@pytest.mark.parametrize("fallback", ["none", "jacobi"])
+@pytest.mark.parametrize("cache", CACHES)
+def test_verify_is_hf_greedy_with_ragged_batch(model, tokenizer, ragged, cache, fallback):
+    expected = hf_greedy(model, tokenizer, ragged, 24)
+    out = generate(model, tokenizer, ragged, verify=True, cache=cache, cache_block=8, fallback=fallback,
+                   max_new_tokens=24)
+    assert out.token_ids == expected
+    stats = out.stats.extra
+    assert sum(stats["drafts_proposed"]) > 0
+    # every accepted draft saved a forward: per row, tokens = forwards + accepted drafts
+    assert out.stats.generated_tokens <= out.stats.forwards * len(ragged) + sum(stats["drafts_accepted"])
+
+
+@pytest.mark.parametrize("window,draft_length", [(2, None), (4, 2), (6, None)])
+def test_verify_window_and_draft_length_stay_exact(model, tokenizer, window, draft_length):
+    prompts = random_prompts((5, 17, 9))
+    expected = hf_greedy(model, tokenizer, prompts, 20)
+    out = generate(model, tokenizer, prompts, verify=True, window=window, draft_length=draft_length,
+                   max_new_tokens=20)
+    assert out.token_ids == expected
+    assert len(out.stats.extra["drafts_proposed"]) == (draft_length or window - 1)
+
+
+def test_draft_threshold_never_changes_the_output(model, tokenizer):
+    prompts = random_prompts((5, 17, 9))
+    expected = hf_greedy(model, tokenizer, prompts, 20)
+    proposed = []
+    for dt in (0.0, 0.3, 0.9):
+        out = generate(model, tokenizer, prompts, verify=True, draft_threshold=dt, max_new_tokens=20)
+        assert out.token_ids == expected
+        proposed.append(sum(out.stats.extra["drafts_proposed"]))
+    assert proposed == sorted(proposed, reverse=True) and proposed[0] > proposed[-1]
+
+
+def test_verify_row_does_not_depend_on_its_batch(model, tokenizer):
+    prompts = random_prompts((5, 17, 9, 30))
+    together = generate(model, tokenizer, prompts, verify=True, max_new_tokens=24)
+    for i, p in enumerate(prompts):
+        alone = generate(model, tokenizer, [p], verify=True, max_new_tokens=24)
+        assert alone.token_ids[0] == together.token_ids[i]
+        assert alone.stats.per_row_forwards[0] == together.stats.per_row_forwards[i]
+
+
+def test_verify_with_stop_strings_matches_ar(model, tokenizer):
+    prompts = random_prompts((7, 12), seed=5)
+    text = generate(model, tokenizer, prompts, decoder="ar", max_new_tokens=24).texts[0]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    ar = generate(model, tokenizer, prompts, decoder="ar", max_new_tokens=24, stop=[stop])
+    for cache in CACHES:
+        out = generate(model, tokenizer, prompts, verify=True, cache=cache, max_new_tokens=24, stop=[stop])
+        assert out.token_ids == ar.token_ids and out.texts == ar.texts
+        assert out.finish_reasons == ar.finish_reasons
+
+
+def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
+    """A server batches verifying and threshold rows together: each row behaves as it would alone."""
+    from mars.decoding import DecodeEngine, DecodingSettings
+    from mars.decoding.forward import ModelRunner
+
+    prompts = random_prompts((5, 17, 9))
+    engine = DecodeEngine(ModelRunner(model), DecodingSettings(max_new_tokens=20), 16, [2], tokenizer)
+    reqs = [engine.make_request(prompts[0], verify=True), engine.make_request(prompts[1], threshold=0.3),
+            engine.make_request(prompts[2])]
+    engine.admit(reqs)
+    done = {}
+    while engine.live:
+        for ev in engine.step():
+            if ev.finished:
+                done[ev.request.id] = ev.finished.token_ids
+    assert done[reqs[0].id] == hf_greedy(model, tokenizer, prompts[:1], 20)[0]
+    assert done[reqs[2].id] == hf_greedy(model, tokenizer, prompts[2:], 20)[0]
+    lossy = generate(model, tokenizer, prompts[1:2], threshold=0.3, max_new_tokens=20)
+    assert done[reqs[1].id] == lossy.token_ids[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(verify=True, max_accept=2), "max_accept does not apply"),
+        (dict(verify=True, cache="block", window="cache_block"), "not 'cache_block'"),
+        (dict(verify=True, threshold=0.9), "means nothing there"),
+        (dict(verify=True, decoder="jacobi"), "needs decoder='mars'"),
+        (dict(verify=True, window=1), "window >= 2"),
+        (dict(verify=True, fallback="tree"), "unknown fallback 'tree'"),
+        (dict(verify=True, draft_threshold=1.5), "draft_threshold must be a number in \\[0, 1\\]"),
+    ],
+)
+def test_verify_bad_input_fails_before_decoding(model, tokenizer, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(model, tokenizer, [[5, 6]], max_new_tokens=4, **kwargs)
+
+
+def test_verify_needs_a_mask_token(model):
+    from mars.models import embedded_tokenizer
+
+    with pytest.raises(ValueError, match="no mask token"):
+        generate(model, embedded_tokenizer(), [[5, 6]], verify=True, max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative sampling on hand-made distributions
+# ---------------------------------------------------------------------------------------------
+def test_leading_matches_counts_the_verified_prefix():
+    drafts = torch.tensor([[4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 6]])
+    predicted = torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
+    n = torch.tensor([3, 3, 3, 2])
+    assert leading_matches(drafts, predicted, n).tolist() == [3, 1, 0, 2]
+
+
+def test_speculative_sampling_reproduces_the_target_distribution():
+    """Two draft positions with q far from p: the first accepted token, and the second token given the
+    first, must follow p (chi-square-like tolerance on 60k trials; a rule that kept drafts or resampled
+    from p instead of the residual fails it)."""
+    torch.manual_seed(0)
+    vocab, trials = 5, 60_000
+    p0 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    p1 = torch.tensor([0.1, 0.1, 0.6, 0.1, 0.1])  # the target after any first token (context-free here)
+    p2 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    q0 = torch.tensor([0.05, 0.05, 0.1, 0.3, 0.5])
+    q1 = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1])
+    g = torch.Generator().manual_seed(1)
+    d0 = torch.multinomial(q0, trials, replacement=True, generator=g)
+    d1 = torch.multinomial(q1, trials, replacement=True, generator=g)
+    drafts = torch.stack([d0, d1], dim=1)
+    p_logp = torch.stack([p0, p1, p2]).log().expand(trials, -1, -1)
+    q_logp = torch.stack([q0, q1]).log().expand(trials, -1, -1)
+    accepted, token = speculative_accept(p_logp, q_logp, drafts, torch.full((trials,), 2), g)
+    first = torch.where(accepted >= 1, drafts[:, 0], token)
+    freq0 = torch.bincount(first, minlength=vocab).float() / trials
+    assert torch.allclose(freq0, p0, atol=0.01), freq0
+    has_second = accepted >= 1
+    second = torch.where(accepted >= 2, drafts[:, 1], token)[has_second]
+    freq1 = torch.bincount(second, minlength=vocab).float() / second.numel()
+    assert torch.allclose(freq1, p1, atol=0.01), freq1
+    # acceptance of the first draft happens with probability sum(min(p, q))
+    assert abs(has_second.float().mean().item() - torch.minimum(p0, q0).sum().item()) < 0.01
+
+
+def test_sampled_verify_is_seeded_and_per_row(model, tokenizer):
+    prompts = random_prompts((5, 17))
+    a = generate(model, tokenizer, prompts, verify=True, temperature=1.0, seed=3, max_new_tokens=16)
+    b = generate(model, tokenizer, prompts, verify=True, temperature=1.0, seed=3, max_new_tokens=16)
+    assert a.token_ids == b.token_ids
+    alone = generate(model, tokenizer, prompts[1:], verify=True, temperature=1.0, seed=3, max_new_tokens=16)
+    assert alone.token_ids[0] == a.token_ids[1]
+    assert a.token_ids != generate(model, tokenizer, prompts, verify=True, max_new_tokens=16).token_ids
