@@ -156,3 +156,25 @@ def test_sampled_verify_is_seeded_and_per_row(model, tokenizer):
     alone = generate(model, tokenizer, prompts[1:], verify=True, temperature=1.0, seed=3, max_new_tokens=16)
     assert alone.token_ids[0] == a.token_ids[1]
     assert a.token_ids != generate(model, tokenizer, prompts, verify=True, max_new_tokens=16).token_ids
+
+
+def test_from_mask_flags_and_token_fidelity(model, tokenizer):
+    from mars.decoding.fidelity import ar_predictions, token_fidelity
+
+    prompts = random_prompts((5, 17, 9))
+    exact = generate(model, tokenizer, prompts, max_new_tokens=16)
+    assert not any(any(f) for f in exact.from_mask)  # threshold 1.0: every token is an AR prediction
+    lossy = generate(model, tokenizer, prompts, threshold=0.25, max_new_tokens=16)
+    assert any(any(f) for f in lossy.from_mask)
+    assert all(len(f) == len(t) for f, t in zip(lossy.from_mask, lossy.token_ids))
+    verified = generate(model, tokenizer, prompts, verify=True, max_new_tokens=16)
+    assert not any(any(f) for f in verified.from_mask)
+    # AR predictions given each output's own prefix: exact outputs agree everywhere
+    preds = ar_predictions(model, prompts, exact.token_ids)
+    fid = token_fidelity(exact.token_ids, preds)
+    assert all(r["ar_equal"] == r["tokens"] for r in fid)
+    # lossy outputs: only mask-accepted tokens can differ from the AR choice
+    fid = token_fidelity(lossy.token_ids, ar_predictions(model, prompts, lossy.token_ids), lossy.from_mask)
+    for r in fid:
+        assert r["tokens"] - r["ar_equal"] == r["mask_tokens"] - r["mask_ar_equal"]
+    assert sum(r["mask_tokens"] - r["mask_ar_equal"] for r in fid) > 0

@@ -146,10 +146,10 @@ def generate(
     if s.decoder == "ar":
         raw, stats = generate_ar(model, tokenizer, ids, max_new_tokens=s.max_new_tokens, eos_ids=eos_ids,
                                  stops=stops, temperature=s.temperature)
-        reasons = [None] * len(ids)
+        reasons, masks = [None] * len(ids), None
     else:
-        raw, reasons, stats = _run_engine(model, tokenizer, ids, thresholds.tolist(), s, mask_token_id, eos_ids,
-                                          stops, progress)
+        raw, reasons, masks, stats = _run_engine(model, tokenizer, ids, thresholds.tolist(), s, mask_token_id,
+                                                 eos_ids, stops, progress)
 
     texts, token_ids, finish = [], [], []
     for row, engine_reason in zip(raw, reasons):
@@ -162,7 +162,8 @@ def generate(
     if s.decoder == "ar":
         stats.per_row_forwards = list(stats.per_row_tokens)  # AR needs one forward per token
     stats.extra.update(_settings(s, threshold if per_row else s.threshold))
-    return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish)
+    from_mask = None if masks is None else [m[: len(t)] for m, t in zip(masks, token_ids)]
+    return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish, from_mask=from_mask)
 
 
 def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_token_id, eos_ids, stops, progress):
@@ -187,7 +188,7 @@ def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_tok
                         per_row_forwards=[f.forwards for f in rows], decoder=s.decoder)
     if any(r.verify for r in requests):
         stats.extra.update(draft_statistics(rows))
-    return [f.token_ids for f in rows], [f.reason for f in rows], stats
+    return [f.token_ids for f in rows], [f.reason for f in rows], [f.from_mask for f in rows], stats
 
 
 def draft_statistics(rows) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class DecodeEngine:
         self.forwards = 0
         self.seconds = 0.0
         self.out_h: list[list[int]] = []  # generated ids per live row (host copy, for streaming and stops)
+        self.mask_h: list[list[bool]] = []  # per generated id: accepted from a mask prediction (not verified)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt_ids: Sequence[int], *, threshold: float | None = None,
@@ -142,6 +143,7 @@ class DecodeEngine:
             self.rows.draft_logq = torch.zeros((len(self.rows), self.K, vocab), device=self.device)
         self.rows.add(list(requests), caps, extra=self.W + self.K + 2)
         self.out_h.extend([] for _ in requests)
+        self.mask_h.extend([] for _ in requests)
         if self.cache is not None:
             self.cache.add_rows(len(requests))
 
@@ -362,6 +364,9 @@ class DecodeEngine:
                     done_h[i] = True
                     reasons.setdefault(i, "stop")
             self.out_h[i].extend(new)
+            # a MARS row's tokens after the first of a step came from masks (verified and Jacobi ones did not)
+            from_mask = not self.G and not rows.verify_h[i]
+            self.mask_h[i].extend(from_mask and k > 0 for k in range(len(new)))
             if done_h[i] and i not in reasons:
                 reasons[i] = "eos" if eos_h[i] else "length"
             events.append(StepEvent(rows.requests[i], new, self.forwards))
@@ -380,10 +385,12 @@ class DecodeEngine:
         rows = self.rows
         for i in np.flatnonzero(done_h):
             events[i].finished = Finished(rows.requests[i], list(self.out_h[i]), int(rows.forwards_h[i]),
-                                          reasons[i], list(rows.proposed[i]), list(rows.accepted[i]))
+                                          reasons[i], list(rows.proposed[i]), list(rows.accepted[i]),
+                                          list(self.mask_h[i]))
         keep_h = np.flatnonzero(~done_h)
         rows.keep(keep_h)
         self.out_h = [self.out_h[i] for i in keep_h]
+        self.mask_h = [self.mask_h[i] for i in keep_h]
         if self.cache is not None and len(keep_h) < len(done_h):
             self.cache.select_rows(torch.as_tensor(keep_h, dtype=torch.long, device=self.device))
         return events

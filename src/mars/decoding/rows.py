@@ -52,6 +52,7 @@ class Finished:
     reason: str  # eos | stop | length | cancelled | error
     draft_proposed: list[int] = field(default_factory=list)
     draft_accepted: list[int] = field(default_factory=list)
+    from_mask: list[bool] = field(default_factory=list)  # per token: accepted from a mask prediction
 
 
 class RowBatch:

@@ -59,12 +59,15 @@ class GenerationResult:
     """Per prompt (in input order): the generated ``texts`` (special tokens skipped, cut before a stop
     string) and ``token_ids`` (generated ids only, up to and including the EOS or the token that
     completed a stop string); ``stats`` for the whole call; ``finish_reasons`` per row
-    (``eos`` | ``stop`` | ``length``)."""
+    (``eos`` | ``stop`` | ``length``); ``from_mask`` per row and token."""
 
     texts: list[str]
     token_ids: list[list[int]]
     stats: DecodeStats
     finish_reasons: list[str]
+    # per row and token: True where the token was accepted from a mask prediction (MARS below threshold
+    # 1.0), False where it was an exact AR prediction or a verified draft; None for decoder="ar"
+    from_mask: list[list[bool]] | None = None
 
     def __len__(self) -> int:
         return len(self.texts)

@@ -1,0 +1,409 @@
+"""Self-distilled instruction data for any model: prompts from any source, answered by the model itself.
+
+MARS teaches a model to predict several of its *own* next tokens per forward.  Training on the model's
+own greedy answers (self-distillation) keeps the AR stage consistent with the model and is what
+peers that train multi-token predictors report the highest acceptance with.  Prompts come from
+
+- ``offline``: the committed prompt set ``data/prompts/{train,heldout}.jsonl`` (7,033 licensed prompts
+  in eight categories, see ``data/prompts/SOURCES.md``),
+- ``jsonl``: any local file with a ``prompt`` field (or ``messages``: the first user turn),
+- ``hub``: any Hugging Face dataset (``hub_id``, ``split``, ``field``),
+
+are checked against the evaluation prompts (:mod:`mars.overlap`; an overlap is refused, naming it),
+and answered greedily with the project's own batched decoder (cursor cache, finished rows leave the
+batch) in ``dtype=auto`` (bf16 where the hardware has it).  The result is cached under
+``<cache>/<model>-<fingerprint>/`` where the fingerprint covers the model's weights, the prompts and
+every decoding setting, so a cache built for another model or other settings is never reused;
+``rows.jsonl`` is appended after every batch (a killed build resumes) and ``meta.json`` says
+``complete: true`` only when every prompt has its answer.
+
+    python -m mars.self_distill --model embedded:smollm2-135m --limit 3000     # build or reuse
+    python train.py data=self_distill data.distill.prompts.limit=3000          # the same, then train
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+OFFLINE_PROMPTS = REPO_ROOT / "data" / "prompts"
+FORMAT_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------
+# Prompts
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptSpec:
+    source: str = "offline"  # offline | jsonl | hub
+    path: str | None = None  # jsonl
+    hub_id: str | None = None  # hub
+    split: str = "train"  # offline: train | heldout; hub: the dataset split
+    field: str = "prompt"  # jsonl/hub: the column holding the prompt
+    limit: int | None = None  # the first N prompts (the committed files are already shuffled)
+    allow_eval_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.source not in ("offline", "jsonl", "hub"):
+            raise ValueError(f"distill.prompts.source must be offline | jsonl | hub, got {self.source!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"distill.prompts.limit must be a positive integer or null, got {self.limit!r}")
+
+
+def _prompt_of(row: dict[str, Any], field: str) -> str | None:
+    value = row.get(field)
+    if isinstance(value, str):
+        return value
+    messages = row.get("messages")
+    if isinstance(messages, list):
+        user = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+        if isinstance(user, str):
+            return user
+    return None
+
+
+def _read_jsonl(path: Path, field: str) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"prompt file {path} cannot be read as UTF-8 text: {err}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
+        prompt = _prompt_of(row, field) if isinstance(row, dict) else None
+        if not prompt or not prompt.strip():
+            raise ValueError(f"{path}, line {number}: no prompt (expected a non-empty {field!r} string or a "
+                             f"'messages' list with a user turn), found keys {sorted(row) if isinstance(row, dict) else row!r}")
+        rows.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": prompt,
+                     **{k: row[k] for k in ("source", "category") if k in row}})
+    return rows
+
+
+def load_prompts(spec: PromptSpec) -> list[dict[str, Any]]:
+    """The prompts of ``spec`` as ``{"id", "prompt", ...}`` rows, checked: non-empty, unique ids, and
+    (unless ``allow_eval_overlap``) no overlap with the evaluation prompts."""
+    if spec.source == "offline":
+        path = OFFLINE_PROMPTS / f"{spec.split}.jsonl"
+        rows = _read_jsonl(path, "prompt")
+        where = str(path)
+    elif spec.source == "jsonl":
+        if not spec.path:
+            raise ValueError("distill.prompts.source=jsonl needs distill.prompts.path")
+        rows = _read_jsonl(Path(spec.path).expanduser(), spec.field)
+        where = spec.path
+    else:
+        if not spec.hub_id:
+            raise ValueError("distill.prompts.source=hub needs distill.prompts.hub_id")
+        import datasets
+
+        ds = datasets.load_dataset(spec.hub_id, split=spec.split)
+        rows = []
+        for i, row in enumerate(ds):
+            prompt = _prompt_of(row, spec.field)
+            if prompt and prompt.strip():
+                rows.append({"id": f"{spec.hub_id.replace('/', '_')}-{i}", "prompt": prompt})
+        where = f"{spec.hub_id} ({spec.split})"
+    if spec.limit is not None:
+        rows = rows[: spec.limit]
+    if not rows:
+        raise ValueError(f"the prompt source {where} holds no prompts")
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"the prompt source {where} repeats the id {dup!r}; ids must be unique")
+    if not spec.allow_eval_overlap:
+        refuse_eval_overlap(rows, where)
+    return rows
+
+
+def refuse_eval_overlap(rows: list[dict[str, Any]], where: str) -> None:
+    from mars.overlap import EvalOverlap
+
+    overlap = EvalOverlap.from_repo()
+    hits = [(r["id"], reason) for r in rows if (reason := overlap.reason(r["prompt"]))]
+    if hits:
+        shown = "; ".join(f"{i}: {why}" for i, why in hits[:5])
+        raise ValueError(
+            f"{len(hits)} prompt(s) of {where} overlap the evaluation prompts ({shown}{' ...' if len(hits) > 5 else ''}); "
+            "training on them would leak the benchmarks. Remove them, or set distill.prompts.allow_eval_overlap=true "
+            "if you will not evaluate on those tasks."
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Fingerprint and cache folder
+# ------------------------------------------------------------------------------------------
+def _file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    """Size plus the first and last MiB: enough to tell weight files apart, cheap for GB-sized ones."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        if path.stat().st_size > chunk:
+            f.seek(-chunk, os.SEEK_END)
+            h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(name_or_path: str, tiny: dict | None = None) -> str:
+    """What identifies the answering model's weights: the embedded GGUF's bytes, a local folder's weight
+    files, a hub id (with the revision if given as ``id@rev``), or the tiny-random config."""
+    if name_or_path == "tiny-random":
+        return "tiny-random:" + json.dumps(tiny or {}, sort_keys=True)
+    if name_or_path.startswith("embedded:"):
+        from mars.models import embedded_gguf_path
+
+        return f"{name_or_path}:{_file_digest(embedded_gguf_path())}"
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+        if not weights:
+            raise ValueError(f"{path} holds no weight files (*.safetensors, *.bin, *.gguf)")
+        return f"dir:{path.resolve().name}:" + ",".join(_file_digest(p) for p in weights)
+    return f"hub:{name_or_path}"
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    max_new_tokens: int = 192
+    batch_size: int = 16
+    dtype: str = "auto"
+    threads: int | None = None  # torch CPU threads while building (None: leave as is)
+    root: str | None = None  # cache folder (default <MARS_CACHE>/self_distill)
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"distill.{name} must be an integer >= 1, got {value!r}")
+        from mars.hardware import validate_dtype
+
+        validate_dtype(self.dtype)
+
+
+def fingerprint(model_id: str, prompts: list[dict[str, Any]], settings: DistillSettings, dtype: str) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps([(r["id"], r["prompt"]) for r in prompts], ensure_ascii=False).encode()).hexdigest()
+    return {
+        "format": FORMAT_VERSION,
+        "model": model_id,
+        "prompts_sha256": digest,
+        "n_prompts": len(prompts),
+        # greedy, chat template with the generation prompt: the answers a chat user would get
+        "decoding": {"greedy": True, "chat_template": True, "max_new_tokens": settings.max_new_tokens, "dtype": dtype},
+    }
+
+
+def cache_folder(fp: dict[str, Any], root: str | None) -> Path:
+    from mars.models import cache_root
+
+    base = Path(root).expanduser() if root else cache_root() / "self_distill"
+    label = fp["model"].split(":")[1] if ":" in fp["model"] else fp["model"]
+    label = "".join(c if c.isalnum() or c in "-_." else "-" for c in label)[:40]
+    key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+    return base / f"{label}-{key}"
+
+
+# ------------------------------------------------------------------------------------------
+# Building
+# ------------------------------------------------------------------------------------------
+@dataclass
+class DistillResult:
+    folder: Path
+    rows_path: Path
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_done(path: Path) -> dict[str, dict]:
+    """Rows already written; a torn last line (a killed write) is dropped and the file rewritten."""
+    if not path.is_file():
+        return {}
+    rows, torn = {}, False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            rows[row["id"]] = row
+        except (json.JSONDecodeError, KeyError):
+            torn = True
+    if torn:
+        _write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
+    return rows
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def summarise(rows: list[dict[str, Any]], seconds: float, generated: int) -> dict[str, Any]:
+    tokens = [r["response_tokens"] for r in rows]
+    return {
+        "rows": len(rows),
+        "response_tokens": sum(tokens),
+        "mean_response_tokens": round(sum(tokens) / len(tokens), 1) if tokens else 0,
+        "ended_with_eos": round(sum(r["finished"] for r in rows) / len(rows), 4) if rows else 0,
+        "this_run_generated_tokens": generated,
+        "this_run_seconds": round(seconds, 1),
+        "this_run_tokens_per_second": round(generated / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSettings, *, tiny: dict | None = None,
+          progress: bool = True, loaded=None) -> DistillResult:
+    """Answer every prompt (or reuse a finished cache); see the module docstring."""
+    from mars.hardware import resolve_device, resolve_dtype_name
+
+    device = resolve_device("auto")
+    dtype = resolve_dtype_name(settings.dtype, device)
+    fp = fingerprint(model_fingerprint(model_name, tiny), prompts, settings, dtype)
+    folder = cache_folder(fp, settings.root)
+    meta_path, rows_path = folder / "meta.json", folder / "rows.jsonl"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("fingerprint") != fp:
+            raise ValueError(f"{folder} holds self-distilled data of another model, prompt set or setting "
+                             f"({meta.get('fingerprint')} vs {fp}); delete it or choose distill.root")
+        if meta.get("complete"):
+            log.info("self-distilled data reused: %s (%s rows)", folder, meta.get("stats", {}).get("rows"))
+            return DistillResult(folder, rows_path, meta.get("stats", {}))
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_text(meta_path, json.dumps({"fingerprint": fp, "complete": False}, indent=2) + "\n")
+    done = _read_done(rows_path)
+    todo = [p for p in prompts if p["id"] not in done]
+    generated, seconds = 0, 0.0
+    if todo:
+        generated, seconds = _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded)
+        done = _read_done(rows_path)
+    rows = [done[p["id"]] for p in prompts if p["id"] in done]
+    complete = len(rows) == len(prompts)
+    stats = summarise(rows, seconds, generated)
+    _write_text(meta_path, json.dumps({"fingerprint": fp, "complete": complete, "stats": stats}, indent=2) + "\n")
+    log.info("self-distilled data: %s", json.dumps(stats))
+    return DistillResult(folder, rows_path, stats)
+
+
+def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded) -> tuple[int, float]:
+    import torch
+    from tqdm.auto import tqdm
+
+    from mars.decoding import generate
+    from mars.models import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if loaded is None:
+        loaded = load_model(model_name, tiny=tiny, dtype=dtype, device=device)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    # longest first inside chunks of 8 batches: less padding, and a partial build stays a random sample
+    chunk = settings.batch_size * 8
+    generated, seconds = 0, 0.0
+    bar = tqdm(total=len(todo), desc="self-distilling", unit="prompt", disable=not progress)
+    for c in range(0, len(todo), chunk):
+        part = sorted(todo[c : c + chunk], key=lambda p: -len(p["prompt"]))
+        for b in range(0, len(part), settings.batch_size):
+            batch = part[b : b + settings.batch_size]
+            t0 = time.perf_counter()
+            out = generate(model, tok, [p["prompt"] for p in batch], chat_template=True, threshold=1.0,
+                           max_new_tokens=settings.max_new_tokens, mask_token_id=loaded.mask.id)
+            seconds += time.perf_counter() - t0
+            generated += out.stats.generated_tokens
+            lines = []
+            for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
+                finished = reason == "eos"
+                lines.append(json.dumps({
+                    "id": p["id"], **{k: p[k] for k in ("source", "category") if k in p},
+                    "messages": [{"role": "user", "content": p["prompt"]},
+                                 {"role": "assistant", "content": text.strip()}],
+                    "finished": finished, "response_tokens": len(ids) - int(finished),
+                }, ensure_ascii=False) + "\n")
+            with open(rows_path, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{generated / max(seconds, 1e-9):.1f}")
+    bar.close()
+    return generated, seconds
+
+
+# ------------------------------------------------------------------------------------------
+# From a training config
+# ------------------------------------------------------------------------------------------
+def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None = None) -> dict[str, Any]:
+    """Turn a ``data=self_distill`` config into a plain jsonl data config over the (built or reused)
+    self-distilled rows.  Prompts are validated before any model loads; under DDP only rank 0 builds."""
+    data_cfg = dict(data_cfg)
+    distill = dict(data_cfg.pop("distill", None) or {})
+    spec = PromptSpec(**dict(distill.pop("prompts", None) or {}))
+    drop_unfinished = bool(distill.pop("drop_unfinished", True))
+    settings = DistillSettings(**distill)
+    prompts = load_prompts(spec)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) > 0:
+        result = _wait_for_build(model_name, prompts, settings, tiny)
+    else:
+        result = build(model_name, prompts, settings, tiny=tiny)
+    path = result.rows_path
+    if drop_unfinished:  # an answer cut at the token cap would teach the model to stop mid-sentence
+        rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line).get("finished")]
+        path = result.folder / "rows.finished.jsonl"
+        if not path.is_file() or path.read_text(encoding="utf-8").count("\n") != len(rows):
+            _write_text(path, "".join(r + "\n" for r in rows))
+    data_cfg.update(source="jsonl", path=str(path))
+    return data_cfg
+
+
+def _wait_for_build(model_name, prompts, settings, tiny, poll: float = 10.0) -> DistillResult:
+    from mars.hardware import resolve_device, resolve_dtype_name
+
+    dtype = resolve_dtype_name(settings.dtype, resolve_device("auto"))
+    folder = cache_folder(fingerprint(model_fingerprint(model_name, tiny), prompts, settings, dtype), settings.root)
+    while not (folder / "meta.json").is_file() or not json.loads((folder / "meta.json").read_text()).get("complete"):
+        time.sleep(poll)
+    return DistillResult(folder, folder / "rows.jsonl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mars.self_distill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded:smollm2-135m", help="the model that answers (and will be trained)")
+    p.add_argument("--source", default="offline", choices=["offline", "jsonl", "hub"])
+    p.add_argument("--path", help="jsonl prompt file (--source jsonl)")
+    p.add_argument("--hub-id", help="hub dataset (--source hub)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--field", default="prompt")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--root", help="cache folder (default <MARS_CACHE>/self_distill)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = PromptSpec(source=args.source, path=args.path, hub_id=args.hub_id, split=args.split, field=args.field,
+                      limit=args.limit)
+    settings = DistillSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype,
+                               threads=args.threads, root=args.root)
+    result = build(args.model, load_prompts(spec), settings)
+    print(json.dumps({"folder": str(result.folder), **result.stats}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["PromptSpec", "DistillSettings", "DistillResult", "load_prompts", "build", "training_rows",
+           "model_fingerprint", "fingerprint", "cache_folder"]
