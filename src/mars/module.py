@@ -22,6 +22,8 @@ from mars.masking import (
     two_stream_mask,
 )
 from mars.objectives import Objective
+from mars.optim import build_adamw
+from mars.precision import wants_master_weights
 
 IGNORE = -100
 
@@ -159,7 +161,10 @@ class MarsModule(L.LightningModule):
             if p.requires_grad:
                 (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        # bf16-true weights keep fp32 masters in the optimizer, or small updates round away (mars.optim)
+        precision = str(getattr(self._trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
+        optimizer = build_adamw(groups, lr=self.lr, betas=self.betas,
+                                master_weights=wants_master_weights(precision, getattr(self, "master_weights", "auto")))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = get_cosine_schedule_with_warmup(optimizer, int(self.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -21,6 +21,7 @@ from mars.masking import MASK_SCHEDULES
 from mars.models import load_model, read_mars_metadata
 from mars.module import MarsModule
 from mars.objectives import Objective
+from mars.precision import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,9 @@ def run(cfg: DictConfig) -> Path:
                         crop_noisy_prompt=cfg.get("crop_noisy_prompt", True), seed=cfg.seed)
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
+    # precision=auto: bf16-mixed on GPUs, bf16-true (+ fp32 master weights) on native-bf16 CPUs, else 32-true
+    trainer_cfg["precision"] = resolve_precision(trainer_cfg.get("precision", "auto"), trainer_cfg.get("accelerator"))
+    module.master_weights = cfg.optim.get("master_weights", "auto")
     strategy = build_strategy(trainer_cfg, loaded.model)
     history = LossHistory(out_dir)
     callbacks = [
