@@ -11,10 +11,12 @@ peers that train multi-token predictors report the highest acceptance with.  Pro
 
 are checked against the evaluation prompts (:mod:`mars.overlap`; an overlap is refused, naming it),
 and answered greedily with the project's own batched decoder (cursor cache, finished rows leave the
-batch) in ``dtype=auto`` (bf16 where the hardware has it).  The result is cached under
-``<cache>/<model>-<fingerprint>/`` where the fingerprint covers the model's weights, the prompts and
-every decoding setting, so a cache built for another model or other settings is never reused;
-``rows.jsonl`` is appended after every batch (a killed build resumes) and ``meta.json`` says
+batch) in ``dtype=auto`` (bf16 where the hardware has it).  Answers are cached under
+``<cache>/<model>-<key>/`` where the key covers the model's weights and every decoding setting (a cache
+of another model or setting is never reused); ``rows.jsonl`` there holds one answer per prompt, keyed
+by the prompt's id and the hash of its text, appended after every batch (a killed build resumes, and a
+larger or overlapping prompt set answers only the prompts it lacks).  Each prompt set gets
+``sets/<prompts-hash>.jsonl`` (its rows, in prompt order) and ``sets/<prompts-hash>.json``, which says
 ``complete: true`` only when every prompt has its answer.
 
     python -m mars.self_distill --model embedded:smollm2-135m --limit 3000     # build or reuse
@@ -197,16 +199,22 @@ class DistillSettings:
         validate_dtype(self.dtype)
 
 
-def fingerprint(model_id: str, prompts: list[dict[str, Any]], settings: DistillSettings, dtype: str) -> dict[str, Any]:
-    digest = hashlib.sha256(json.dumps([(r["id"], r["prompt"]) for r in prompts], ensure_ascii=False).encode()).hexdigest()
+def fingerprint(model_id: str, settings: DistillSettings, dtype: str) -> dict[str, Any]:
+    """What decides an answer besides its prompt: the model's weights and the decoding settings."""
     return {
         "format": FORMAT_VERSION,
         "model": model_id,
-        "prompts_sha256": digest,
-        "n_prompts": len(prompts),
         # greedy, chat template with the generation prompt: the answers a chat user would get
         "decoding": {"greedy": True, "chat_template": True, "max_new_tokens": settings.max_new_tokens, "dtype": dtype},
     }
+
+
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+
+
+def prompt_set_hash(prompts: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps([(r["id"], r["prompt"]) for r in prompts], ensure_ascii=False).encode()).hexdigest()
 
 
 def cache_folder(fp: dict[str, Any], root: str | None) -> Path:
@@ -229,16 +237,21 @@ class DistillResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _read_done(path: Path) -> dict[str, dict]:
-    """Rows already written; a torn last line (a killed write) is dropped and the file rewritten."""
+def _key(row_id: str, prompt: str) -> tuple[str, str]:
+    return row_id, prompt_hash(prompt)
+
+
+def _read_done(path: Path) -> dict[tuple[str, str], dict]:
+    """Answers already written, by (id, prompt hash); a torn last line (a killed write) is dropped and
+    the file rewritten."""
     if not path.is_file():
         return {}
     rows, torn = {}, False
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
-            rows[row["id"]] = row
-        except (json.JSONDecodeError, KeyError):
+            rows[_key(row["id"], row["messages"][0]["content"])] = row
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
             torn = True
     if torn:
         _write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
@@ -266,36 +279,42 @@ def summarise(rows: list[dict[str, Any]], seconds: float, generated: int) -> dic
 
 def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSettings, *, tiny: dict | None = None,
           progress: bool = True, loaded=None) -> DistillResult:
-    """Answer every prompt (or reuse a finished cache); see the module docstring."""
+    """Answer every prompt not answered yet in the cache and write the prompt set's rows; see the
+    module docstring."""
     from mars.hardware import resolve_device, resolve_dtype_name
 
     device = resolve_device("auto")
     dtype = resolve_dtype_name(settings.dtype, device)
-    fp = fingerprint(model_fingerprint(model_name, tiny), prompts, settings, dtype)
+    fp = fingerprint(model_fingerprint(model_name, tiny), settings, dtype)
     folder = cache_folder(fp, settings.root)
     meta_path, rows_path = folder / "meta.json", folder / "rows.jsonl"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") != fp:
-            raise ValueError(f"{folder} holds self-distilled data of another model, prompt set or setting "
-                             f"({meta.get('fingerprint')} vs {fp}); delete it or choose distill.root")
-        if meta.get("complete"):
-            log.info("self-distilled data reused: %s (%s rows)", folder, meta.get("stats", {}).get("rows"))
-            return DistillResult(folder, rows_path, meta.get("stats", {}))
+        if json.loads(meta_path.read_text()).get("fingerprint") != fp:
+            raise ValueError(f"{folder} holds self-distilled data of another model or decoding setting; "
+                             "delete it or choose distill.root")
     folder.mkdir(parents=True, exist_ok=True)
-    _write_text(meta_path, json.dumps({"fingerprint": fp, "complete": False}, indent=2) + "\n")
+    _write_text(meta_path, json.dumps({"fingerprint": fp}, indent=2) + "\n")
+    set_hash = prompt_set_hash(prompts)[:16]
+    set_rows, set_meta = folder / "sets" / f"{set_hash}.jsonl", folder / "sets" / f"{set_hash}.json"
+    if set_meta.is_file() and json.loads(set_meta.read_text()).get("complete") and set_rows.is_file():
+        stats = json.loads(set_meta.read_text()).get("stats", {})
+        log.info("self-distilled data reused: %s (%s rows)", set_rows, stats.get("rows"))
+        return DistillResult(folder, set_rows, stats)
     done = _read_done(rows_path)
-    todo = [p for p in prompts if p["id"] not in done]
+    todo = [p for p in prompts if _key(p["id"], p["prompt"]) not in done]
     generated, seconds = 0, 0.0
     if todo:
         generated, seconds = _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded)
         done = _read_done(rows_path)
-    rows = [done[p["id"]] for p in prompts if p["id"] in done]
+    rows = [done[k] for p in prompts if (k := _key(p["id"], p["prompt"])) in done]
     complete = len(rows) == len(prompts)
     stats = summarise(rows, seconds, generated)
-    _write_text(meta_path, json.dumps({"fingerprint": fp, "complete": complete, "stats": stats}, indent=2) + "\n")
+    set_rows.parent.mkdir(exist_ok=True)
+    _write_text(set_rows, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    _write_text(set_meta, json.dumps({"prompts_sha256": prompt_set_hash(prompts), "n_prompts": len(prompts),
+                                      "complete": complete, "stats": stats}, indent=2) + "\n")
     log.info("self-distilled data: %s", json.dumps(stats))
-    return DistillResult(folder, rows_path, stats)
+    return DistillResult(folder, set_rows, stats)
 
 
 def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded) -> tuple[int, float]:
@@ -327,7 +346,8 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
             for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
                 finished = reason == "eos"
                 lines.append(json.dumps({
-                    "id": p["id"], **{k: p[k] for k in ("source", "category") if k in p},
+                    "id": p["id"], "prompt_sha": prompt_hash(p["prompt"]),
+                    **{k: p[k] for k in ("source", "category") if k in p},
                     "messages": [{"role": "user", "content": p["prompt"]},
                                  {"role": "assistant", "content": text.strip()}],
                     "finished": finished, "response_tokens": len(ids) - int(finished),
@@ -357,9 +377,9 @@ def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None =
     else:
         result = build(model_name, prompts, settings, tiny=tiny)
     path = result.rows_path
-    if drop_unfinished:  # an answer cut at the token cap would teach the model to stop mid-sentence
+    if drop_unfinished:  # or keep them: data.py gives a cut answer no loss on the end-of-turn token
         rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line).get("finished")]
-        path = result.folder / "rows.finished.jsonl"
+        path = path.with_name(path.stem + ".finished.jsonl")
         if not path.is_file() or path.read_text(encoding="utf-8").count("\n") != len(rows):
             _write_text(path, "".join(r + "\n" for r in rows))
     data_cfg.update(source="jsonl", path=str(path))
@@ -370,10 +390,12 @@ def _wait_for_build(model_name, prompts, settings, tiny, poll: float = 10.0) -> 
     from mars.hardware import resolve_device, resolve_dtype_name
 
     dtype = resolve_dtype_name(settings.dtype, resolve_device("auto"))
-    folder = cache_folder(fingerprint(model_fingerprint(model_name, tiny), prompts, settings, dtype), settings.root)
-    while not (folder / "meta.json").is_file() or not json.loads((folder / "meta.json").read_text()).get("complete"):
+    folder = cache_folder(fingerprint(model_fingerprint(model_name, tiny), settings, dtype), settings.root)
+    set_hash = prompt_set_hash(prompts)[:16]
+    meta = folder / "sets" / f"{set_hash}.json"
+    while not meta.is_file() or not json.loads(meta.read_text()).get("complete"):
         time.sleep(poll)
-    return DistillResult(folder, folder / "rows.jsonl")
+    return DistillResult(folder, folder / "sets" / f"{set_hash}.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,4 +428,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["PromptSpec", "DistillSettings", "DistillResult", "load_prompts", "build", "training_rows",
-           "model_fingerprint", "fingerprint", "cache_folder"]
+           "model_fingerprint", "fingerprint", "cache_folder", "prompt_hash", "prompt_set_hash"]
