@@ -1,0 +1,21 @@
+"""OpenAI-compatible MARS server (see conf/serve.yaml and docs/serving.md):
+
+    python serve.py                                        # embedded SmolLM2-135M on 127.0.0.1:8000
+    python serve.py checkpoint=outputs/train/<run>/hf port=8000
+    python serve.py tau_policy=adaptive tau_min=0.8       # lower tau under load, raise it when load falls
+    python serve.py model=tiny-random port=8001           # a tiny random model (smoke tests)
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    from mars.serving.server import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""The FastAPI application: OpenAI-compatible routes, health, metrics, live stats and the UI page.
+
+Handlers validate and tokenize on the event loop, then hand :class:`~mars.serving.scheduler.Job` objects to
+the engine loop thread and await their events on an asyncio queue (the loop posts them with
+``call_soon_threadsafe``).  Streaming responses are server-sent events (sse-starlette); each event carries
+the text of one forward's accepted tokens for one choice, with ``mars.tokens`` (how many) and
+``mars.forward`` (which forward of that request), which is what the UI shades.  A client that goes away
+(stream closed, or a non-streaming client disconnecting) has its jobs cancelled: a waiting job is dropped,
+a running row leaves the batch at the next step.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON for the UI), ``GET /`` (the UI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+
+from mars.decoding.settings import DecodingSettings, validate_threshold
+
+from .metrics import CONTENT_TYPE_LATEST
+from .scheduler import EngineLoop, Job, JobEvent, QueueFull, Unavailable
+from .schemas import APIError, ChatCompletionRequest, CompletionRequest, _Common, from_validation_error
+from .ui import PAGE
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+DISCONNECT_POLL_S = 0.2  # a non-streaming client that left is noticed within this (its row then frees)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/stats", "/")
+
+
+@dataclass
+class ServingState:
+    """Everything the routes need: the engine loop, the tokenizer and the limits."""
+
+    loop: EngineLoop
+    tokenizer: Any
+    model_name: str
+    settings: DecodingSettings
+    context_length: int
+    vocab_size: int
+    default_max_tokens: int
+    shutdown_grace_s: float = 10.0
+    info: dict = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def metrics(self):
+        return self.loop.metrics
+
+    @property
+    def policy(self):
+        return self.loop.policy
+
+
+class CountRequests:
+    """Counts answered requests by route and status (plain ASGI: it leaves disconnect detection and
+    streaming alone, which ``BaseHTTPMiddleware`` would wrap)."""
+
+    def __init__(self, app, state: ServingState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                self.state.metrics.requests.labels(path if path in ROUTES else "other", str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted_send)
+
+
+def create_app(state: ServingState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not state.loop.alive:
+            state.loop.start()
+        yield
+        # uvicorn has already waited (up to its graceful timeout) for open requests; whatever is left
+        # in the loop gets the rest of the grace period, then is cancelled
+        await asyncio.to_thread(state.loop.stop, state.shutdown_grace_s)
+
+    app = FastAPI(title="MARS server", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.serving = state
+
+    app.add_middleware(CountRequests, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.loop.accepting
+        body = {"status": "ok" if ok else ("draining" if state.loop.alive else "stopped"),
+                "model": state.model_name, **{k: state.loop.snapshot()[k] for k in ("queued", "running", "tau")}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snap = state.loop.snapshot()
+        state.metrics.refresh(queued=snap["queued"], running=snap["running"], tau=state.policy.tau)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse({"model": state.model_name, **state.info, **state.loop.snapshot()})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != state.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                           "model", "model_not_found")
+        return JSONResponse(_model_card(state))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        prompts = body.prompts()
+        ids = [_encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt")
+               for p in prompts]
+        jobs = _jobs(state, body, ids, body.max_tokens, "max_tokens", "prompt")
+        return await _serve(state, request, jobs, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        try:
+            text = state.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
+        ids = [_check_ids(state, state.tokenizer(text, add_special_tokens=False)["input_ids"], "messages")]
+        jobs = _jobs(state, body, ids, body.budget, body.budget_field, "messages")
+        return await _serve(state, request, jobs, body, chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+async def _parse(request: Request, schema: type[_Common]) -> _Common:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"malformed JSON body: {err}", "body") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", "body")
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+    body.unsupported()
+    state: ServingState = request.app.state.serving
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(400, f"unknown model {body.model!r}; this server serves {state.model_name!r}", "model",
+                       "model_not_found")
+    return body
+
+
+def _encode_text(state: ServingState, text: str, param: str) -> list[int]:
+    return _check_ids(state, state.tokenizer(text)["input_ids"], param)
+
+
+def _check_ids(state: ServingState, ids: list[int], param: str) -> list[int]:
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise APIError(400, f"{param} is empty after tokenization", param)
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{param} has token id {bad}, outside the model's vocabulary of {state.vocab_size}", param)
+    if len(ids) >= state.context_length:
+        raise APIError(400, f"{param} has {len(ids)} tokens, longer than the model's context of "
+                            f"{state.context_length} tokens (at least one position must remain for generation)",
+                       param, "context_length_exceeded")
+    return ids
+
+
+def _jobs(state: ServingState, body: _Common, ids: list[list[int]], budget: int | None, budget_field: str,
+          prompt_field: str) -> list[Job]:
+    s = state.settings
+    threshold = body.threshold
+    if threshold is not None:
+        try:
+            threshold = validate_threshold(threshold, s.metric)
+        except ValueError as err:
+            raise APIError(400, str(err), "threshold") from None
+    if body.verify:
+        try:
+            s.replace(verify=True, threshold=threshold if threshold is not None else s.reference)
+        except ValueError as err:
+            raise APIError(400, str(err), "threshold" if "threshold" in str(err) else "verify") from None
+    temperature = s.temperature if body.temperature is None else float(body.temperature)
+    jobs = []
+    for i, prompt in enumerate(ids):
+        room = state.context_length - len(prompt)
+        if budget is None:
+            n = min(state.default_max_tokens, room)
+        elif budget > room:
+            raise APIError(400, f"{budget_field}={budget} with a prompt of {len(prompt)} tokens would reach position "
+                                f"{len(prompt) + budget}, past the model's context of {state.context_length} tokens; "
+                                f"lower {budget_field} to at most {room}", budget_field, "context_length_exceeded")
+        else:
+            n = budget
+        jobs.append(Job(prompt_ids=prompt, max_new_tokens=n, threshold=threshold, stop=body.stop,
+                        temperature=temperature, seed=body.seed, verify=body.verify, index=i))
+    return jobs
+
+
+# ---------------------------------------------------------------------------------------------- serving
+async def _serve(state: ServingState, request: Request, jobs: list[Job], body: _Common, chat: bool):
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+    def sink(event: JobEvent) -> None:  # runs on the engine thread
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    for job in jobs:
+        job.sink = sink
+        job.streaming = body.stream
+    try:
+        state.loop.submit(jobs)
+    except QueueFull as err:
+        raise APIError(429, f"{err}; retry later", None, "queue_full") from None
+    except Unavailable as err:
+        raise APIError(503, str(err), None, "unavailable") from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _stream(state, jobs, queue, rid, chat, include_usage, body.return_token_ids)
+        return EventSourceResponse(events, ping=15, shutdown_event=anyio.Event(),
+                                   shutdown_grace_period=state.shutdown_grace_s)
+    done: dict[int, JobEvent] = {}
+    try:
+        while len(done) < len(jobs):
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:  # nothing yet: is the client still there?
+                if await request.is_disconnected():
+                    log.info("client of %s went away; cancelling", rid)
+                    return Response(status_code=499)
+                continue
+            if event.error is not None:
+                raise APIError(event.status if event.status != 499 else 500, event.error, None)
+            if event.done:
+                done[event.job.index] = event
+    finally:
+        for job in jobs:
+            if job.index not in done:
+                state.loop.cancel(job.id)
+    return JSONResponse(_response(state, jobs, done, rid, chat, body.return_token_ids))
+
+
+def _finish(event: JobEvent) -> str:
+    return FINISH_REASONS.get(event.finish_reason or "", event.finish_reason or "stop")
+
+
+def _usage(jobs: list[Job]) -> dict:
+    prompt = sum(len(j.prompt_ids) for j in jobs)
+    completion = sum(j.completion_tokens for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _mars(state: ServingState, jobs: list[Job]) -> dict:
+    forwards = sum(j.forwards for j in jobs)
+    tokens = sum(j.completion_tokens for j in jobs)
+    out = jobs[0].stats() if len(jobs) == 1 else {
+        "threshold": [j.served_tau for j in jobs], "forwards": forwards, "completion_tokens": tokens,
+        "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
+        "choices": [j.stats() for j in jobs]}
+    out.update(server_tau=round(state.policy.tau, 4), tau_policy=state.policy.name)
+    return out
+
+
+def _response(state: ServingState, jobs: list[Job], done: dict[int, JobEvent], rid: str, chat: bool,
+              token_ids: bool) -> dict:
+    choices = []
+    for job in jobs:
+        ev = done[job.index]
+        if chat:
+            choices.append({"index": job.index, "message": {"role": "assistant", "content": ev.final_text},
+                            "finish_reason": _finish(ev), "logprobs": None})
+        else:
+            choices.append({"index": job.index, "text": ev.final_text, "finish_reason": _finish(ev),
+                            "logprobs": None})
+        if token_ids:
+            choices[-1]["token_ids"] = job.token_ids
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices, "usage": _usage(jobs), "mars": _mars(state, jobs)}
+
+
+async def _stream(state: ServingState, jobs: list[Job], queue: asyncio.Queue, rid: str, chat: bool,
+                  include_usage: bool, token_ids: bool):
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    finished: set[int] = set()
+
+    def chunk(index: int, text: str | None, reason: str | None, mars: dict, first: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": [choice],
+                "mars": mars}
+
+    try:
+        if chat:
+            for job in jobs:
+                yield {"data": json.dumps(chunk(job.index, "", None, {"tokens": 0, "forward": 0}, first=True))}
+        while len(finished) < len(jobs):
+            event: JobEvent = await queue.get()
+            job = event.job
+            if event.error is not None:
+                status = event.status if event.status != 499 else 500
+                yield {"data": json.dumps(APIError(status, event.error).body())}
+                return
+            mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
+            if token_ids:
+                mars["token_ids"] = event.token_ids
+            if event.done:
+                finished.add(job.index)
+                mars.update(job.stats(), tokens=event.tokens, forward=event.forward,
+                            server_tau=round(state.policy.tau, 4))
+                if token_ids:
+                    mars["token_ids"] = event.token_ids
+                yield {"data": json.dumps(chunk(job.index, event.text, _finish(event), mars))}
+            else:
+                yield {"data": json.dumps(chunk(job.index, event.text, None, mars))}
+        if include_usage:
+            yield {"data": json.dumps({"id": rid, "object": kind, "created": created, "model": state.model_name,
+                                       "choices": [], "usage": _usage(jobs), "mars": _mars(state, jobs)})}
+        yield {"data": "[DONE]"}
+    finally:  # normal end, error, or the client went away (the task is cancelled)
+        for job in jobs:
+            if job.index not in finished:
+                state.loop.cancel(job.id)
+
+
+def _model_card(state: ServingState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "mars",
+            "max_model_len": state.context_length, "mars": {**state.info, "tau_policy": state.policy.name,
+                                                             "tau_min": state.policy.tau_min,
+                                                             "tau_max": state.policy.tau_max}}

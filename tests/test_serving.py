@@ -1,0 +1,470 @@
+"""The OpenAI-compatible server on the tiny random model (``model=tiny-random``), driven by the real ``openai``
+client over loopback HTTP: outputs equal offline ``generate`` whatever the arrival pattern, streaming
+reassembles to the non-streamed text, 400/429 paths, disconnects free rows, failures stay with their
+request, graceful shutdown, the adaptive tau, metrics, and ``python serve.py`` itself."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from mars.decoding import generate
+from mars.models import load_model
+from mars.serving.config import ServeConfig, build_state
+from mars.serving.server import BackgroundServer
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["model=tiny-random", "max_tokens=24", "max_batch=4", "max_queue=8", "max_model_len=512",
+        "shutdown_grace_s=2", "warmup=false"]
+PROMPTS = ["The sea is", "Once upon a time", "def add(a, b):", "Paris is the capital of", "1, 2, 3,",
+           "A haiku about autumn", "Dear diary, today"]
+
+
+def compose_serve(overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="serve", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a busy 2-core machine two OpenMP threads per forward spin against each other
+    (the tiny model's steps get several times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    cfg = compose_serve(BASE)
+    return load_model("tiny-random", tiny=dict(cfg.model.tiny))
+
+
+def start_server(loaded, *overrides):
+    sc = ServeConfig.from_cfg(compose_serve(BASE + list(overrides)))
+    return BackgroundServer(build_state(sc, loaded)).start()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    srv = start_server(loaded)
+    yield srv
+    srv.stop()
+
+
+def client(srv, **kw):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+
+def aclient(srv):
+    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def offline(loaded, srv, prompt, max_tokens, chat=False, **kw):
+    """``generate`` with the server's decoding settings, for one prompt (outputs do not depend on the batch)."""
+    settings = srv.state.settings.replace(max_new_tokens=max_tokens, **kw)
+    out = generate(loaded.model, loaded.tokenizer, [prompt], settings=settings, chat_template=chat)
+    return out.texts[0], out.token_ids[0]
+
+
+def wait_for(predicate, timeout=10.0, every=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def stats(srv):
+    return httpx.get(srv.url + "/stats").json()
+
+
+def metric(srv, name):
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith(name + " ") or line.split(" ")[0] == name:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def metric_sum(srv, prefix, must_contain=""):
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(prefix) and must_contain in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------
+# equivalence with offline generate
+# ------------------------------------------------------------------------------------------------------
+async def _request(c, i, prompt, delay, max_tokens, kind):
+    await asyncio.sleep(delay)
+    extra = {"return_token_ids": True}
+    if kind in ("completion", "completion-stream"):
+        if kind == "completion":
+            r = await c.completions.create(model="tiny-random", prompt=prompt, max_tokens=max_tokens, extra_body=extra)
+            return r.choices[0].text, r.choices[0].model_extra["token_ids"], r.model_extra["mars"]
+        stream = await c.completions.create(model="tiny-random", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                            extra_body=extra)
+        text, ids, last = "", [], None
+        async for ch in stream:
+            text += ch.choices[0].text
+            ids += ch.model_extra["mars"]["token_ids"]
+            last = ch.model_extra["mars"]
+        return text, ids, last
+    messages = [{"role": "user", "content": prompt}]
+    if kind == "chat":
+        r = await c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=max_tokens,
+                                            extra_body=extra)
+        return r.choices[0].message.content, r.choices[0].model_extra["token_ids"], r.model_extra["mars"]
+    stream = await c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=max_tokens,
+                                             stream=True, extra_body=extra)
+    text, ids, last = "", [], None
+    async for ch in stream:
+        text += ch.choices[0].delta.content or ""
+        ids += ch.model_extra["mars"].get("token_ids", [])
+        last = ch.model_extra["mars"]
+    return text, ids, last
+
+
+def test_threshold_one_equals_offline_generate_whatever_the_arrival_pattern(loaded, server):
+    kinds = ["completion", "chat-stream", "chat", "completion-stream"]
+    # one long request first; the others arrive while it runs (and queue: 7 requests, 4 rows), with
+    # different budgets so rows leave and join at different steps
+    plan = [(p, 0.0 if i == 0 else 0.03 * i, 80 if i == 0 else 6 + 4 * i, kinds[i % 4]) for i, p in enumerate(PROMPTS)]
+    expected = [offline(loaded, server, p, n, chat=k.startswith("chat")) for p, _, n, k in plan]
+
+    async def main():
+        c = aclient(server)
+        return await asyncio.gather(*[_request(c, i, p, d, n, k) for i, (p, d, n, k) in enumerate(plan)])
+
+    served = asyncio.run(main())
+    for (text, ids, mars), (ref_text, ref_ids), (p, d, n, k) in zip(served, expected, plan):
+        assert ids == ref_ids, (p, k)
+        assert text == ref_text, (p, k)
+        assert mars["threshold"] == 1.0 and mars["tokens_per_forward"] == 1.0
+    # the late requests really joined a running batch: the first one was still decoding when they arrived
+    assert served[0][2]["latency_seconds"] > plan[-1][1]
+
+
+def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(server):
+    c = client(server)
+    for prompt in PROMPTS[:4]:
+        kw = dict(model="tiny-random", prompt=prompt, max_tokens=24, extra_body={"threshold": 0.5})
+        full = c.completions.create(**kw)
+        pieces, tokens, steps = [], [], []
+        for ch in c.completions.create(stream=True, **kw):
+            pieces.append(ch.choices[0].text)
+            steps.append(ch.model_extra["mars"]["tokens"])
+        assert "".join(pieces) == full.choices[0].text
+        assert sum(steps) == full.usage.completion_tokens
+        assert full.model_extra["mars"]["threshold"] == 0.5
+    assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
+
+
+def test_stop_strings_cut_like_offline_generate_streamed_or_not(loaded, server):
+    c = client(server)
+    prompt = PROMPTS[1]
+    text, _ = offline(loaded, server, prompt, 24)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), "the tiny model's output is too short for this test"
+    out = generate(loaded.model, loaded.tokenizer, [prompt], settings=server.state.settings.replace(max_new_tokens=24),
+                   stop=[stop])
+    full = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=24, stop=[stop])
+    assert full.choices[0].text == out.texts[0] and stop not in full.choices[0].text
+    assert full.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-random", prompt=prompt, max_tokens=24, stop=[stop], stream=True))
+    assert streamed == out.texts[0]
+
+
+def test_verify_requests_are_lossless(loaded, server):
+    c = client(server)
+    ref, ref_ids = offline(loaded, server, PROMPTS[2], 20)
+    r = c.completions.create(model="tiny-random", prompt=PROMPTS[2], max_tokens=20,
+                             extra_body={"verify": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref_ids and r.choices[0].text == ref
+    assert r.model_extra["mars"]["verify"] is True and r.model_extra["mars"]["threshold"] == 1.0
+
+
+def test_models_health_and_page(server):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["tiny-random"]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and 'id="threshold"' in page.text and 'id="prompt"' in page.text
+    assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+
+
+# ------------------------------------------------------------------------------------------------------
+# bad requests
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "threshold": 1.5}, "threshold"),
+    ({"prompt": "hi", "threshold": 0}, "threshold"),
+    ({"prompt": "hi", "threshold": "high"}, "threshold"),
+    ({"prompt": "hi", "model": "gpt-17"}, "model"),
+    ({"prompt": [5] * 600}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 600}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "treshold": 0.9}, "treshold"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": [5, 10 ** 6]}, "prompt"),
+    ({"prompt": "hi", "verify": True, "threshold": 0.9}, "threshold"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({}, "prompt"),
+])
+def test_bad_completion_requests_get_400_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny-random", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_bad_chat_requests_and_malformed_json(server):
+    url = server.url + "/v1/chat/completions"
+    r = httpx.post(url, content=b'{"model": "tiny-random", "messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body" and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "tiny-random", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url, json={"model": "tiny-random", "messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+    long = {"model": "tiny-random", "messages": [{"role": "user", "content": "word " * 600}]}
+    r = httpx.post(url, json=long)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "context" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 10_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    # through the openai client: a BadRequestError that names the field
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
+                                               extra_body={"threshold": 2})
+    assert info.value.body["param"] == "threshold"
+
+
+# ------------------------------------------------------------------------------------------------------
+# queue limit, disconnects, failures, shutdown
+# ------------------------------------------------------------------------------------------------------
+def test_full_queue_gets_429_and_a_burst_is_answered(loaded):
+    srv = start_server(loaded, "max_batch=1", "max_queue=1")
+    try:
+        c = client(srv)
+        blocker = c.completions.create(model="tiny-random", prompt="a", max_tokens=480, stream=True)
+        next(iter(blocker))  # it holds the only row
+        waiting = {}
+        t = threading.Thread(target=lambda: waiting.setdefault(
+            "r", c.completions.create(model="tiny-random", prompt="b", max_tokens=4)))
+        t.start()
+        assert wait_for(lambda: stats(srv)["queued"] == 1)
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model="tiny-random", prompt="c", max_tokens=4)
+        assert info.value.status_code == 429 and info.value.response.headers["retry-after"] == "1"
+        blocker.close()  # the blocker's client goes away: its row frees, the waiting request runs
+        t.join(10)
+        assert waiting["r"].choices[0].finish_reason == "length"
+
+        async def burst(n):  # 4x the queue limit (plus the row), all at once
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+                rs = await asyncio.gather(*[h.post("/v1/completions", json={"prompt": f"x{i}", "max_tokens": 6})
+                                            for i in range(n)])
+                return [r.status_code for r in rs]
+
+        codes = asyncio.run(burst(4 * 2))
+        assert set(codes) <= {200, 429} and codes.count(200) >= 2 and codes.count(429) >= 1
+        assert metric_sum(srv, "mars_requests_total", 'code="429"') == codes.count(429) + 1
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_disconnected_client_frees_its_row(server):
+    c = client(server)
+    cancelled = metric_sum(server, "mars_requests_finished_total", 'reason="cancelled"')
+    stream = c.completions.create(model="tiny-random", prompt="stream me", max_tokens=480, stream=True)
+    next(iter(stream))
+    assert stats(server)["running"] == 1
+    stream.close()
+    assert wait_for(lambda: stats(server)["running"] == 0, timeout=5)
+    # a non-streaming client that gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 480}, timeout=0.3)
+    assert wait_for(lambda: stats(server)["running"] == 0, timeout=5)
+    assert metric_sum(server, "mars_requests_finished_total", 'reason="cancelled"') == cancelled + 2
+
+
+def test_an_exception_in_one_request_fails_only_that_request(loaded, server, monkeypatch):
+    from mars.serving.textstream import TextStream
+
+    original = TextStream.push
+
+    def push(self, tokens):  # fault injection: this request's detokenization breaks
+        if self.max_new_tokens == 13:
+            raise RuntimeError("injected failure")
+        return original(self, tokens)
+
+    monkeypatch.setattr(TextStream, "push", push)
+    ref, _ = offline(loaded, server, PROMPTS[3], 20)
+
+    async def main():
+        c = aclient(server)
+        bad = c.completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=13)
+        good = c.completions.create(model="tiny-random", prompt=PROMPTS[3], max_tokens=20)
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, openai.InternalServerError) and "injected failure" in str(bad)
+    assert good.choices[0].text == ref
+    assert wait_for(lambda: stats(server)["running"] == 0, timeout=5)
+
+
+def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(loaded, server):
+    loop = server.state.loop
+    engine = loop.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = step
+    c = client(server)
+    with pytest.raises(openai.InternalServerError, match="device lost"):
+        c.completions.create(model="tiny-random", prompt=PROMPTS[4], max_tokens=20)
+    assert loop.engine is not engine and loop.alive  # rebuilt, still running
+    ref, _ = offline(loaded, server, PROMPTS[4], 20)
+    assert c.completions.create(model="tiny-random", prompt=PROMPTS[4], max_tokens=20).choices[0].text == ref
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(loaded):
+    srv = start_server(loaded, "shutdown_grace_s=10")
+    c = client(srv)
+    stream = c.completions.create(model="tiny-random", prompt="finish me", max_tokens=120, stream=True)
+    it = iter(stream)
+    first = next(it)
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    rest = list(it)
+    stopper.join(20)
+    assert not stopper.is_alive() and not srv.state.loop.alive
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(ch.model_extra["mars"]["tokens"] for ch in [first] + rest) == 120
+
+
+def test_shutdown_past_the_grace_period_cancels_cleanly(loaded):
+    srv = start_server(loaded, "shutdown_grace_s=0.3")
+    c = client(srv)
+    stream = c.completions.create(model="tiny-random", prompt="too long", max_tokens=480, stream=True)
+    it = iter(stream)
+    next(it)
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 10 and not srv.state.loop.alive
+    finished = []
+    with pytest.raises(Exception):  # the stream was cut (or ended with an error event), never completed
+        for ch in it:
+            finished.append(ch.choices[0].finish_reason)
+        raise AssertionError(f"the stream completed: {finished[-3:]}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# adaptive tau and metrics
+# ------------------------------------------------------------------------------------------------------
+def test_adaptive_tau_falls_under_load_and_requests_keep_their_own_threshold_within_bounds(loaded):
+    srv = start_server(loaded, "max_queue=16", "tau_policy=adaptive", "tau_min=0.6", "adaptive.target_queue=1",
+                       "adaptive.relax_rate=5", "adaptive.recover_rate=5", "adaptive.smoothing_s=0")
+    try:
+        async def load():
+            c = aclient(srv)
+            return await asyncio.gather(*[c.completions.create(model="tiny-random", prompt=p, max_tokens=40)
+                                          for p in PROMPTS * 2])
+
+        results = asyncio.run(load())
+        served = [r.model_extra["mars"]["threshold"] for r in results]
+        assert min(served) < 1.0 and all(0.6 - 1e-9 <= t <= 1.0 for t in served)
+        assert all(r.model_extra["mars"]["tau_policy"] == "adaptive" for r in results)
+        assert wait_for(lambda: stats(srv)["tau"] == 1.0, timeout=5)  # idle again: back to the strict end
+        c = client(srv)
+        low = c.completions.create(model="tiny-random", prompt="x", max_tokens=4, extra_body={"threshold": 0.1})
+        assert low.model_extra["mars"]["threshold"] == 0.6  # clamped to tau_min
+        assert metric(srv, "mars_tau") == 1.0
+    finally:
+        srv.stop()
+
+
+def test_metrics_are_exposed(server):
+    client(server).completions.create(model="tiny-random", prompt="count me", max_tokens=8)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("mars_requests_total", "mars_queue_depth", "mars_running_batch_size", "mars_tau",
+                 "mars_tokens_per_second", "mars_tokens_per_forward", "mars_generated_tokens_total",
+                 "mars_time_to_first_token_seconds_bucket", "mars_request_latency_seconds_bucket",
+                 "mars_queue_wait_seconds_bucket", "mars_step_seconds_bucket", "mars_request_tokens_per_forward_bucket"):
+        assert name in text, name
+    assert metric_sum(server, "mars_requests_total", 'code="200"') >= 1
+    assert metric_sum(server, "mars_generated_tokens_total") >= 8
+    assert metric(server, "mars_tokens_per_second") > 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# configuration and the entry point
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, match", [
+    (["decoding=ar"], "cannot serve"),
+    (["decoding.cache=block"], "cache='block'"),
+    (["tau_policy=adaptive", "tau_min=0.9", "tau_max=0.8"], "above tau_max"),
+    (["threshold=0.3"], "outside"),
+    (["+adaptive.speed=3", "tau_policy=adaptive"], "unknown adaptive"),
+    (["port=70000"], "port"),
+    (["max_batch=0"], "max_batch"),
+])
+def test_bad_server_configs_are_refused_before_loading(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        ServeConfig.from_cfg(compose_serve(BASE + overrides))
+
+
+@pytest.mark.slow
+def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "serve.py", "model=tiny-random", f"port={port}", "max_tokens=8",
+                             f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None
+
+        assert wait_for(up, timeout=90, every=0.2) and proc.poll() is None
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-2000:]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
