@@ -102,6 +102,7 @@ def generate(
     draft_length: int | None = None,
     draft_threshold: float = 0.0,
     fallback: str = "none",
+    ar_cache: str = "dynamic",
     settings: DecodingSettings | None = None,
 ) -> GenerationResult:
     """Generate continuations of ``prompts``; see the package docstring for every argument.
@@ -123,7 +124,7 @@ def generate(
             (0.0 if per_row else threshold), metric=metric, max_new_tokens=max_new_tokens, cache=cache,
             cache_block=cache_block, window=window, max_accept=max_accept, temperature=temperature, seed=seed,
             verify=verify, draft_length=draft_length, draft_threshold=draft_threshold, fallback=fallback,
-            full_window=full_window,
+            full_window=full_window, ar_cache=ar_cache,
         )
     s = settings
     ids = encode_prompts(tokenizer, prompts, chat_template)
@@ -145,7 +146,7 @@ def generate(
     # ---- decoding ----
     if s.decoder == "ar":
         raw, stats = generate_ar(model, tokenizer, ids, max_new_tokens=s.max_new_tokens, eos_ids=eos_ids,
-                                 stops=stops, temperature=s.temperature)
+                                 stops=stops, temperature=s.temperature, cache_implementation=s.ar_cache)
         reasons, masks = [None] * len(ids), None
     else:
         raw, reasons, masks, stats = _run_engine(model, tokenizer, ids, thresholds.tolist(), s, mask_token_id,
@@ -206,7 +207,7 @@ def draft_statistics(rows) -> dict[str, Any]:
 
 def _settings(s: DecodingSettings, threshold) -> dict[str, Any]:
     return {
-        "cache": s.cache if s.decoder != "ar" else "hf-dynamic",
+        "cache": s.cache if s.decoder != "ar" else f"hf-{s.ar_cache}",
         "window": s.window if s.window is not None else s.block_size,
         "block_size": s.block_size,
         "metric": s.metric,

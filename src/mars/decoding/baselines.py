@@ -20,6 +20,7 @@ def generate_ar(
     eos_ids: list[int],
     stops: StopStrings,
     temperature: float = 0.0,
+    cache_implementation: str = "dynamic",
 ) -> tuple[list[list[int]], DecodeStats]:
     """Greedy (or plain-sampling) AR decoding of left-padded ``prompts``; returns the raw generated
     ids per row (the caller applies the shared stop rules) and statistics (one forward per step)."""
@@ -43,6 +44,7 @@ def generate_ar(
         eos_token_id=list(eos_ids),
         pad_token_id=pad_id,
         use_cache=True,
+        cache_implementation=None if cache_implementation == "dynamic" else cache_implementation,
         stop_strings=list(stops.strings) or None,
     )
     start = time.perf_counter()
@@ -66,5 +68,6 @@ def generate_ar(
         per_row_tokens=[],
         per_row_forwards=[],
         decoder="ar",
+        extra={"ar_cache": f"hf-{cache_implementation}"},
     )
     return raw, stats

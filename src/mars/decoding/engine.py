@@ -181,7 +181,7 @@ class DecodeEngine:
         return events
 
     def _plan(self) -> dict:
-        s, rows, dev = self.settings, self.rows, self.device
+        s, rows = self.settings, self.rows
         A = len(rows)
         u_h = rows.n_h - rows.start_h
         first = not self.stepped

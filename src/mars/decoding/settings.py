@@ -18,6 +18,7 @@ DECODERS = ("mars", "ar", "jacobi")
 CACHES = ("none", "block", "cursor")
 METRICS = ("probability", "entropy", "margin")
 FALLBACKS = ("none", "jacobi")
+AR_CACHES = ("dynamic", "static")
 # Keys of a decoding config that are not decoding settings: the config's name and the batch size
 # (which changes timings, never outputs).
 CONFIG_ONLY_KEYS = ("name", "batch_size")
@@ -94,6 +95,8 @@ class DecodingSettings:
         "(the unverified AR predictions become the next drafts)"))
     full_window: bool = field(default=False, metadata=_help(
         "append the masks even where no row can accept them (threshold 1.0): measures their cost"))
+    ar_cache: str = field(default="dynamic", metadata=_help(
+        "decoder=ar: transformers' KV cache, dynamic (grows per step) or static (fixed-shape buffers)"))
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -121,6 +124,8 @@ class DecodingSettings:
             raise ValueError(f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {self.window!r}")
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be true or false, got {self.verify!r}")
+        if self.ar_cache not in AR_CACHES:
+            raise ValueError(f"unknown ar_cache {self.ar_cache!r}; choose one of {list(AR_CACHES)}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"unknown fallback {self.fallback!r}; choose one of {list(FALLBACKS)}")
         dt = self.draft_threshold

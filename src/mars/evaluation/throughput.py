@@ -68,6 +68,8 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
 class Variant:
     name: str
     kwargs: dict[str, Any]
+    is_ar: bool = False  # an AR baseline candidate (exactly greedy AR, one token per forward)
+    fixed_threshold: float | None = None  # decoders whose output is exact run at the reference threshold
 
 
 def build_preset(preset: str, dtype: torch.dtype, device: str):
@@ -101,7 +103,13 @@ def load(args, dtype: torch.dtype):
 
 
 def variants(args) -> list[Variant]:
-    out = [Variant("ar", dict(decoder="ar"))]
+    """AR baselines first (the fastest of them in each run is the baseline every speedup is against:
+    any speed-up that applies to AR goes to AR too), then the MARS decoders."""
+    out = [Variant("ar-hf", dict(decoder="ar"), is_ar=True, fixed_threshold=1.0)]
+    if args.ar_static:
+        out.append(Variant("ar-hf-static", dict(decoder="ar", ar_cache="static"), is_ar=True, fixed_threshold=1.0))
+    # the project's engine at threshold 1.0 is exactly greedy AR with a per-row KV cache (finished rows leave)
+    out.append(Variant("ar-cursor", dict(decoder="mars", cache="cursor"), is_ar=True, fixed_threshold=1.0))
     for cache in args.caches:
         out.append(Variant(f"mars-{cache}", dict(decoder="mars", cache=cache)))
     if args.full_window:
@@ -110,6 +118,10 @@ def variants(args) -> list[Variant]:
         out.append(Variant("mars-block-fill", dict(decoder="mars", cache="block", window="cache_block")))
     if args.jacobi:
         out.append(Variant("jacobi-cursor", dict(decoder="jacobi", cache="cursor")))
+    if args.verify:
+        for fallback in args.verify_fallbacks:
+            out.append(Variant(f"mars-verify{'' if fallback == 'none' else '-' + fallback}",
+                               dict(decoder="mars", cache="cursor", verify=True, fallback=fallback), fixed_threshold=1.0))
     return out
 
 
@@ -121,14 +133,22 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
     seconds = 0.0
     ids: list[list[int]] = []
     row_rates: list[float] = []
+    threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
+    drafts = [0, 0]
     for start in range(0, len(prompts), batch):
         res = generate(model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs)
+        extra = res.stats.extra
+        if extra.get("drafts_proposed"):
+            drafts[0] += sum(extra["drafts_proposed"])
+            drafts[1] += sum(extra["drafts_accepted"])
         tokens += res.stats.generated_tokens
         forwards += res.stats.forwards
         seconds += res.stats.seconds
         ids.extend(res.token_ids)
         row_rates.extend(t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f)
-    return dict(tokens=tokens, forwards=forwards, seconds=seconds, ids=ids, row_tpf=statistics.mean(row_rates))
+    return dict(tokens=tokens, forwards=forwards, seconds=seconds, ids=ids, row_tpf=statistics.mean(row_rates),
+                draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None)
+
 
 
 def fmt(x: float, nd: int = 2) -> str:
@@ -158,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-window", action="store_true",
                    help="also time cursor with the masks appended even at threshold 1.0 (their cost)")
     p.add_argument("--jacobi", action="store_true", help="also time the Jacobi decoder (cursor cache)")
+    p.add_argument("--verify", action="store_true",
+                   help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)")
+    p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
+    p.add_argument("--ar-static", action="store_true",
+                   help="also time transformers generate with its static cache as an AR baseline candidate")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSONL with a 'prompt' field (e.g. data/prompts/heldout.jsonl); default: built-in prompts")
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--out", default="results/throughput")
@@ -173,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     args.caches = [c for c in args.caches.split(",") if c]
+    args.verify_fallbacks = [f for f in args.verify_fallbacks.split(",") if f]
     from mars.decoding import CACHES
     from mars.decoding.acceptance import validate_threshold
 
@@ -200,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     vs = variants(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from mars.hardware import describe
+
+    pool = load_prompts(args.prompts_file)
     config = {
         **{k: v for k, v in vars(args).items()},
+        "hardware": describe(),
         "batch_sizes": batch_sizes,
         "thresholds": thresholds,
         "block_size": block_size,
@@ -217,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
           f"block_size={block_size} threads={torch.get_num_threads()}", flush=True)
     for v in vs:  # warm-up: allocator, kernels, tokenizer caches
         for _ in range(args.warmup):
-            run_one(model, tokenizer, PROMPTS[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
+            run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
 
     rows = []
     for threshold in thresholds:
         for batch in batch_sizes:
             n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+            prompts = [pool[i % len(pool)] for i in range(n)]
             runs: dict[str, list[dict]] = {v.name: [] for v in vs}
             for rep in range(args.repeats):
                 for v in vs:
@@ -231,34 +263,46 @@ def main(argv: list[str] | None = None) -> int:
                     runs[v.name].append(r)
                     print(f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
                           f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd", flush=True)
-            ar_ids = runs["ar"][0]["ids"]
-            ar_tps = [r["tokens"] / r["seconds"] for r in runs["ar"]]
-            for v in vs:
-                tps = [r["tokens"] / r["seconds"] for r in runs[v.name]]
-                ratios = [t / a for t, a in zip(tps, ar_tps)]
-                last = runs[v.name][-1]
-                same = sum(a == b for a, b in zip(last["ids"], ar_ids))
-                rows.append(
-                    dict(
-                        threshold=threshold,
-                        batch=batch,
-                        decoder=v.name,
-                        tokens_per_s=statistics.median(tps),
-                        tokens_per_s_min=min(tps),
-                        tokens_per_s_max=max(tps),
-                        speedup=statistics.median(ratios),
-                        speedup_min=min(ratios),
-                        speedup_max=max(ratios),
-                        tokens_per_forward=last["tokens"] / last["forwards"],
-                        row_tokens_per_forward=last["row_tpf"],
-                        same_as_ar=f"{same}/{len(ar_ids)}",
-                        generated_tokens=last["tokens"],
-                        forwards=last["forwards"],
-                    )
-                )
+            rows.extend(summarise_runs(vs, runs, threshold, batch))
             write_tables(rows, out_dir, config)
     print((out_dir / "throughput.md").read_text())
     return 0
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if not path:
+        return list(PROMPTS)
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in rows if isinstance(r.get("prompt"), str)]
+    if not prompts:
+        raise SystemExit(f"--prompts-file {path}: no rows with a 'prompt' string")
+    return prompts
+
+
+def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: float, batch: int) -> list[dict]:
+    """Median tokens/s per decoder and its speedup over the fastest AR decoder of this run (ratios per
+    repeat, so drift on a shared machine hits both sides alike); outputs compared with transformers'."""
+    def tps(name):
+        return [r["tokens"] / r["seconds"] for r in runs[name]]
+
+    ar_names = [v.name for v in vs if v.is_ar]
+    best_ar = max(ar_names, key=lambda name: statistics.median(tps(name)))
+    reference_ids = runs["ar-hf"][0]["ids"]
+    rows = []
+    for v in vs:
+        ratios = [t / a for t, a in zip(tps(v.name), tps(best_ar))]
+        last = runs[v.name][-1]
+        same = sum(a == b for a, b in zip(last["ids"], reference_ids))
+        rows.append(dict(
+            threshold=v.fixed_threshold if v.fixed_threshold is not None else threshold,
+            sweep_threshold=threshold, batch=batch, decoder=v.name, ar_baseline=best_ar,
+            tokens_per_s=statistics.median(tps(v.name)), tokens_per_s_min=min(tps(v.name)),
+            tokens_per_s_max=max(tps(v.name)), speedup=statistics.median(ratios), speedup_min=min(ratios),
+            speedup_max=max(ratios), tokens_per_forward=last["tokens"] / last["forwards"],
+            row_tokens_per_forward=last["row_tpf"], same_as_ar=f"{same}/{len(reference_ids)}",
+            draft_acceptance=last["draft_acceptance"], generated_tokens=last["tokens"], forwards=last["forwards"],
+        ))
+    return rows
 
 
 def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
@@ -269,20 +313,28 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         writer.writerows(rows)
     os.replace(tmp, out_dir / "throughput.csv")
     model = config.get("checkpoint") or config.get("arch_preset") or config.get("model")
+    hw = config.get("hardware") or {}
     lines = [
-        f"# Throughput: AR (KV cache) vs MARS\n",
-        f"model `{model}`, {config['dtype']} on {config['device']} ({config['device_name'] or 'cpu'}), "
-        f"{config['threads']} threads, block size {config['block_size']}, cache block {config['cache_block']}, "
-        f"max {config['max_new_tokens']} new tokens, {config['repeats']} repeats (median, [min-max])\n",
-        "| tau | batch | decoder | tokens/s | speedup vs AR | tok/fwd (batch) | tok/fwd (per request) | same as AR |",
-        "|---|---|---|---|---|---|---|---|",
+        "# Throughput: AR (KV cache) vs MARS\n",
+        f"model `{model}`, {config['dtype']} on {config['device']} ({hw.get('cuda') or hw.get('cpu') or 'cpu'}; "
+        f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads, block size {config['block_size']}, "
+        f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
+        f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
+        "The AR baseline of each row is the fastest AR decoder measured in the same run (`ar-hf`: transformers "
+        "`generate` with its dynamic KV cache; `ar-hf-static`: its static cache; `ar-cursor`: this project's engine "
+        "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave). "
+        "*same as AR*: rows whose tokens equal `ar-hf`'s (in bf16, differently shaped inputs can flip near-tied "
+        "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction.\n",
+        "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | tok/fwd (per request) | draft acc. | same as AR |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        acc = "–" if r.get("draft_acceptance") is None else f"{100 * r['draft_acceptance']:.0f}%"
         lines.append(
             f"| {r['threshold']} | {r['batch']} | {r['decoder']} | {fmt(r['tokens_per_s'], 1)} "
             f"[{fmt(r['tokens_per_s_min'], 1)}-{fmt(r['tokens_per_s_max'], 1)}] | {fmt(r['speedup'])}x "
-            f"[{fmt(r['speedup_min'])}-{fmt(r['speedup_max'])}] | {fmt(r['tokens_per_forward'])} | "
-            f"{fmt(r['row_tokens_per_forward'])} | {r['same_as_ar']} |"
+            f"[{fmt(r['speedup_min'])}-{fmt(r['speedup_max'])}] vs {r['ar_baseline']} | {fmt(r['tokens_per_forward'])} | "
+            f"{fmt(r['row_tokens_per_forward'])} | {acc} | {r['same_as_ar']} |"
         )
     (out_dir / "throughput.md").write_text("\n".join(lines) + "\n")
 
