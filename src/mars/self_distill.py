@@ -20,6 +20,7 @@ larger or overlapping prompt set answers only the prompts it lacks).  Each promp
 ``complete: true`` only when every prompt has its answer.
 
     python -m mars.self_distill --model embedded:smollm2-135m --limit 3000     # build or reuse
+    python -m mars.self_distill --train experiment=reproduce                   # what that training config uses
     python train.py data=self_distill data.distill.prompts.limit=3000          # the same, then train
 """
 
@@ -412,14 +413,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int)
     p.add_argument("--root", help="cache folder (default <MARS_CACHE>/self_distill)")
+    p.add_argument("--train", nargs="*", metavar="OVERRIDE",
+                   help="build what `python train.py OVERRIDE...` would train on (its data.distill and model)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.train is not None:
+        return _from_train_config(args.train)
     spec = PromptSpec(source=args.source, path=args.path, hub_id=args.hub_id, split=args.split, field=args.field,
                       limit=args.limit)
     settings = DistillSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype,
                                threads=args.threads, root=args.root)
     result = build(args.model, load_prompts(spec), settings)
     print(json.dumps({"folder": str(result.folder), **result.stats}, indent=2))
+    return 0
+
+
+def _from_train_config(overrides: list[str]) -> int:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    if data.get("source") != "self_distill":
+        raise SystemExit(f"the training config {overrides} does not use data=self_distill (data.source={data.get('source')!r})")
+    tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.get("tiny") else None
+    print(json.dumps(training_rows(data, cfg.model.name_or_path, tiny), indent=2))
     return 0
 
 
