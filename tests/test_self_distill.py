@@ -121,3 +121,23 @@ def test_the_committed_prompt_sets_load_and_pass_the_check():
     held = sd.load_prompts(sd.PromptSpec(split="heldout"))
     assert len(train) == 50 and len(held) == 400
     assert not {p["id"] for p in train} & {p["id"] for p in held}
+
+
+def test_shipped_answers_are_reused_only_for_the_same_fingerprint(tmp_path, settings, answered, monkeypatch):
+    prompts = sd.load_prompts(sd.PromptSpec(source="jsonl", path=str(write_prompts(tmp_path / "p.jsonl"))))
+    built = sd.build("tiny-random", prompts, settings, tiny=TINY, progress=False)
+    shipped = tmp_path / "shipped"
+    (shipped / built.folder.name).mkdir(parents=True)
+    for name in ("meta.json", "rows.jsonl"):
+        (shipped / built.folder.name / name).write_bytes((built.folder / name).read_bytes())
+    monkeypatch.setattr(sd, "SHIPPED", shipped)
+    fresh = sd.DistillSettings(max_new_tokens=6, batch_size=2, dtype="float32", root=str(tmp_path / "fresh-cache"))
+    reused = sd.build("tiny-random", prompts, fresh, tiny=TINY, progress=False)
+    assert len(answered) == 1 and reused.stats["rows"] == 5  # nothing answered again
+    assert reused.rows_path.read_text() == built.rows_path.read_text()
+    # a shipped folder whose fingerprint does not match is ignored
+    meta = shipped / built.folder.name / "meta.json"
+    meta.write_text(meta.read_text().replace('"max_new_tokens": 6', '"max_new_tokens": 5'))
+    sd.build("tiny-random", prompts, sd.DistillSettings(max_new_tokens=6, batch_size=2, dtype="float32",
+                                                         root=str(tmp_path / "third")), tiny=TINY, progress=False)
+    assert len(answered) == 2
