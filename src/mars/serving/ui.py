@@ -101,10 +101,12 @@ setInterval(poll, 1000); poll();
 $("use-server").addEventListener("change", () => { $("threshold").disabled = $("use-server").checked; });
 $("threshold").addEventListener("input", () => { $("threshold-value").textContent = Number($("threshold").value).toFixed(2); });
 
+let pieces = 0;
 function addPiece(text, tokens, forward) {
-  if (!text) return;
+  if (!text) return;  // a forward whose tokens are all special (no text)
   const span = document.createElement("span");
-  span.className = "fwd " + (forward % 2 ? "a" : "b");
+  span.className = "fwd " + (pieces++ % 2 ? "b" : "a");  // neighbours always differ
+  span.dataset.forward = forward;
   span.style.setProperty("--alpha", Math.min(0.12 + 0.14 * Math.max(tokens - 1, 0), 0.6).toFixed(2));
   span.title = "forward " + forward + ": " + tokens + " token" + (tokens === 1 ? "" : "s");
   span.dataset.tokens = tokens;
@@ -120,7 +122,8 @@ function showStats(m) {
 }
 
 async function send() {
-  $("output").textContent = ""; $("req").textContent = ""; $("error").textContent = "";
+  $("output").textContent = ""; $("req").textContent = ""; $("error").textContent = ""; pieces = 0;
+  delete $("output").dataset.done;
   const chat = $("mode").value === "chat";
   const body = { model: $("model").textContent || undefined, stream: true,
                  max_tokens: parseInt($("max-tokens").value, 10) };
