@@ -63,3 +63,20 @@ def test_tiny_random_models_are_real_and_differ_by_arch():
         assert llama(ids).logits.shape == (1, 3, 49152)
     with pytest.raises(ValueError, match="arch must be one of"):
         build_tiny_random("gpt2")
+
+
+def test_a_folder_that_is_not_a_model_is_named_before_any_loading(tmp_path):
+    from mars.models import load_model
+
+    empty = tmp_path / "checkpoints"
+    empty.mkdir()
+    (empty / "last.ckpt").write_text("x")
+    with pytest.raises(ValueError, match=r"checkpoints' is a folder without config.json.*\['last.ckpt'\]"):
+        load_model(str(empty))  # (transformers' own error here is about sentencepiece)
+    weights_only = tmp_path / "weights_only"
+    build_tiny_random(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=32).save_pretrained(weights_only)
+    with pytest.raises(ValueError, match="has config.json but no tokenizer files"):
+        load_model(str(weights_only))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_model(str(tmp_path / "missing" / "model"))

@@ -8,7 +8,6 @@ HF directory in a cache folder), or a tiny random model built from a config (tes
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -20,11 +19,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars.checkpoint_meta import METADATA_FILE  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "smollm2-135m-instruct"
-METADATA_FILE = "mars_config.json"
 NEW_MASK_TOKEN = "<|mask|>"
 # Special tokens that instruction models ship but never emit in chat; reusing one as the mask keeps
 # the vocabulary (and the parameter count) unchanged.  Checked in this order.
@@ -231,15 +231,58 @@ def ensure_mask_token(
 
 
 # --------------------------------------------------------------------------------------------
-# Metadata written next to an exported checkpoint
+# Metadata written next to an exported checkpoint (mars.checkpoint_meta owns the format)
 # --------------------------------------------------------------------------------------------
 def read_mars_metadata(path: str | os.PathLike) -> dict[str, Any] | None:
-    meta = Path(path) / METADATA_FILE
-    return json.loads(meta.read_text()) if meta.is_file() else None
+    """``mars_config.json`` of a checkpoint folder as a dict (validated), or None without one."""
+    from mars.checkpoint_meta import read_metadata
+
+    meta = read_metadata(path)
+    return meta.to_dict() if meta is not None else None
 
 
 def write_mars_metadata(path: str | os.PathLike, **fields: Any) -> None:
-    (Path(path) / METADATA_FILE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    from mars.checkpoint_meta import MarsMetadata, write_metadata
+
+    write_metadata(path, MarsMetadata.from_dict(fields, where=str(Path(path) / METADATA_FILE)))
+
+
+# --------------------------------------------------------------------------------------------
+# Where a model comes from, checked before anything loads
+# --------------------------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _looks_like_path(name: str) -> bool:
+    # hub ids are "name" or "org/name"; anything with more parts, or starting like a path, is a path
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Fail early, naming the folder and what it lacks, when ``name_or_path`` is meant as a local model
+    folder but is not one (no folder, no ``config.json``, no tokenizer files).  Hub ids, ``tiny-random``
+    and ``embedded:*`` pass (they are checked when they load)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"model.name_or_path must be a hub id, a local folder, tiny-random or "
+                         f"embedded:smollm2-135m; got {name_or_path!r}")
+    if name_or_path == "tiny-random" or name_or_path.startswith("embedded:"):
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise ValueError(f"model.name_or_path={name_or_path!r} is a file; expected a Hugging Face model folder "
+                         "(config.json, weights, tokenizer files) or a hub id")
+    if not path.exists():
+        if _looks_like_path(name_or_path):
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such folder (expected a Hugging Face "
+                                    "model folder with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
+        return  # a hub id
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.name_or_path={name_or_path!r} is a folder without config.json, so it is not a "
+                         f"Hugging Face model folder (found {sorted(p.name for p in path.iterdir())[:10]}); expected "
+                         "the folder of a model saved with save_pretrained, e.g. a train.py export (.../hf)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"model.name_or_path={name_or_path!r} has config.json but no tokenizer files (one of "
+                         f"{TOKENIZER_FILES}); save the tokenizer next to the model (tokenizer.save_pretrained)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +321,7 @@ def load_model(
         tokenizer = embedded_tokenizer()
         model = build_tiny_random(attn_implementation=attn_implementation, **(tiny or {})).to(torch_dtype)
     else:
+        check_model_source(name_or_path)
         path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
         metadata = read_mars_metadata(path) if Path(path).is_dir() else None
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -141,10 +141,11 @@ class MarsModule(L.LightningModule):
         sched = dict(self.mask_schedule)
         name = sched.pop("name", "full")
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
-        ratio = mask_ratio(name, self.global_step, total, batch["input_ids"].shape[0], **sched)
+        ratio = mask_ratio(name, self.global_step, total, batch["input_ids"].shape[0],
+                           generator=self._batch_generator(batch_idx, torch.device("cpu")), **sched)
         if isinstance(ratio, torch.Tensor):
             ratio = ratio.to(batch["input_ids"].device)
-        out = self.losses(batch, ratio)
+        out = self.losses(batch, ratio, generator=self._batch_generator(batch_idx, batch["input_ids"].device))
         bs = batch["input_ids"].shape[0]
         for key, value in out.items():
             self.log(f"train/{key}", value.detach(), prog_bar=key == "loss", batch_size=bs, sync_dist=False)
@@ -154,6 +155,13 @@ class MarsModule(L.LightningModule):
             self.log("train/tokens_per_s", tokens / max(1e-9, now - self._last_batch_time), batch_size=bs)
         self._last_batch_time = now
         return out["loss"]
+
+    def _batch_generator(self, batch_idx: int, device: torch.device) -> torch.Generator:
+        """The random masks of a batch depend only on (seed, epoch, batch, rank), not on the process's RNG
+        history, so a killed-and-resumed run draws exactly the masks of an uninterrupted one."""
+        epoch, rank = (self.current_epoch, self.global_rank) if self._trainer is not None else (0, 0)
+        key = ((int(self.seed) * 1_000_003 + epoch) * 1_000_003 + int(batch_idx)) * 65_537 + rank
+        return torch.Generator(device=device).manual_seed(key % (2**63 - 1))
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -1,55 +1,125 @@
-"""``train.py``'s body: config -> model/data -> Lightning fit -> plain HF checkpoint + run summary."""
+"""``train.py``'s body: config -> checks -> model/data -> Lightning fit -> plain HF checkpoint + run summary.
+
+Order matters: everything that can be wrong with the request (config values, the run folder's
+fingerprint, the data file and its rows, the model folder) fails before the model loads, which takes
+minutes at 7B.  A run folder resumes (``checkpoints/last.ckpt``; the data loader's position is in it) or is
+skipped when finished, but only under the settings it was started with (:mod:`mars.run_fingerprint`).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from mars.data import InstructionDataModule
-from mars.export import export_hf
+from mars.checkpoint_meta import is_complete
+from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
+from mars.export import export_from_trainer
 from mars.loggers import build_logger
-from mars.masking import MASK_SCHEDULES
-from mars.models import load_model, read_mars_metadata
+from mars.masking import MASK_SCHEDULES, mask_ratio
+from mars.models import check_model_source, load_model
 from mars.module import MarsModule
 from mars.objectives import Objective
 from mars.precision import resolve_precision
+from mars.run_fingerprint import check_run_folder, run_fingerprint
 
 log = logging.getLogger(__name__)
 
+LOSS_COLUMNS = ("step", "loss", "loss_mask", "loss_ar", "tokens_per_s")
 
+
+# ------------------------------------------------------------------------------------------
+# Loss curve, written as the run goes
+# ------------------------------------------------------------------------------------------
 class LossHistory(Callback):
-    """Keeps the per-step losses; writes ``losses.csv`` and ``loss_curve.png`` when training ends."""
+    """Appends one row per optimizer step to ``losses.csv`` (the mean over its micro-batches) and redraws
+    ``loss_curve.png`` at every checkpoint and at the end, on global rank 0.
+
+    A resumed run first drops the rows past the step it resumes from (those steps are trained again), so
+    the file covers the whole run once; a killed run keeps every step it finished.
+    """
 
     def __init__(self, out_dir: Path):
-        self.out_dir, self.rows = out_dir, []
+        self.path, self.png = out_dir / "losses.csv", out_dir / "loss_curve.png"
+        self.start_step = 0  # optimizer steps already done when this process started training
+        self.last: dict[str, float] = {}
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._written = 0
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_step = self._written = trainer.global_step
+        if not trainer.is_global_zero:
+            return
+        kept = [r for r in read_losses(self.path) if r["step"] <= self.start_step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(_csv_line(LOSS_COLUMNS) + "".join(_csv_line(_cells(r)) for r in kept))
+        os.replace(tmp, self.path)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         metrics = trainer.callback_metrics
-        row = {"step": trainer.global_step}
-        for key in ("loss", "loss_mask", "loss_ar", "tokens_per_s"):
+        for key in LOSS_COLUMNS[1:]:
             if f"train/{key}" in metrics:
-                row[key] = float(metrics[f"train/{key}"])
-        self.rows.append(row)
+                self._sums[key] = self._sums.get(key, 0.0) + float(metrics[f"train/{key}"])
+                self._counts[key] = self._counts.get(key, 0) + 1
+        if trainer.global_step <= self._written:
+            return  # accumulating gradients: the optimizer has not stepped yet
+        row = {"step": trainer.global_step, **{k: self._sums[k] / self._counts[k] for k in self._sums}}
+        self._sums, self._counts, self._written, self.last = {}, {}, trainer.global_step, row
+        if trainer.is_global_zero:
+            with open(self.path, "a") as handle:
+                handle.write(_csv_line(_cells(row)))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.is_global_zero:
+            plot_losses(read_losses(self.path), self.png)
 
     def on_train_end(self, trainer, pl_module):
-        if not trainer.is_global_zero or not self.rows:
-            return
-        keys = sorted({k for r in self.rows for k in r}, key=lambda k: (k != "step", k))
-        lines = [",".join(keys)] + [",".join(str(r.get(k, "")) for k in keys) for r in self.rows]
-        (self.out_dir / "losses.csv").write_text("\n".join(lines) + "\n")
-        plot_losses(self.rows, self.out_dir / "loss_curve.png")
+        if trainer.is_global_zero:
+            plot_losses(read_losses(self.path), self.png)
+
+
+def _csv_line(cells: Sequence[Any]) -> str:
+    return ",".join(str(c) for c in cells) + "\n"
+
+
+def _cells(row: dict[str, Any]) -> list[Any]:
+    return [row.get(k, "") for k in LOSS_COLUMNS]
+
+
+def read_losses(path: Path) -> list[dict[str, float]]:
+    """The rows of a ``losses.csv`` (``step`` as int, other columns as float where present)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    if not lines:
+        return []
+    header = lines[0].split(",")
+    rows = []
+    for line in lines[1:]:
+        values = line.split(",")
+        if len(values) != len(header):
+            continue  # a line torn by a kill
+        row = {k: float(v) for k, v in zip(header, values) if v != ""}
+        if "step" in row:
+            row["step"] = int(row["step"])
+            rows.append(row)
+    return rows
 
 
 def plot_losses(rows: list[dict[str, float]], path: Path) -> None:
+    if not rows:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,22 +136,112 @@ def plot_losses(rows: list[dict[str, float]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=120)
     plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------
+# Export at the end of training (inside fit, while a sharded model can still be gathered)
+# ------------------------------------------------------------------------------------------
+def reached_end(trainer) -> bool:
+    """True when fit stopped because it reached ``max_steps`` / ``max_epochs`` after at least one step."""
+    if trainer.global_step < 1 or trainer.interrupted:
+        return False
+    if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch >= trainer.max_epochs
+
+
+class HFExport(Callback):
+    """Writes the plain Hugging Face checkpoint when training ends, on every strategy: a sharded model
+    (FSDP, DeepSpeed ZeRO-3) is gathered on all ranks and saved by global rank 0 (:mod:`mars.export`).
+    ``complete`` is true only when the run reached its configured end (never for zero steps)."""
+
+    def __init__(self, export_dir: Path, tokenizer, metadata: dict[str, Any]):
+        self.export_dir, self.tokenizer, self.metadata = export_dir, tokenizer, metadata
+        self.exported: Path | None = None
+        self.complete = False
+
+    def on_train_end(self, trainer, pl_module):
+        self.complete = reached_end(trainer)
+        if trainer.global_step < 1:
+            log.warning("no optimizer step was taken: nothing to export")
+            return
+        meta = dict(self.metadata, global_step=trainer.global_step, complete=self.complete)
+        self.exported = export_from_trainer(trainer, pl_module.model, self.tokenizer, self.export_dir, meta)
+
+
+# ------------------------------------------------------------------------------------------
+# Checks before anything loads
+# ------------------------------------------------------------------------------------------
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def validate(cfg: DictConfig) -> Objective:
-    """Every check that needs no model, before anything expensive."""
-    if not isinstance(cfg.block, int) or cfg.block < 1:
+    """Every check that needs no model, before anything expensive: config values, the model source and
+    the data file (its existence; its rows are read and checked by :func:`preload_rows`)."""
+    if not _int(cfg.block) or cfg.block < 1:
         raise ValueError(f"block must be an integer >= 1, got {cfg.block!r}")
     objective = Objective(**OmegaConf.to_container(cfg.objective))
-    if cfg.mask_schedule.name not in MASK_SCHEDULES:
-        raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {cfg.mask_schedule.name!r}")
-    if cfg.optim.lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    schedule = OmegaConf.to_container(cfg.mask_schedule)
+    name = schedule.pop("name", None)
+    if name not in MASK_SCHEDULES:
+        raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {name!r}")
+    try:
+        mask_ratio(name, 0, 1, 1, **schedule)  # range checks of the schedule's own settings
+    except TypeError as err:
+        raise ValueError(f"mask_schedule={name} does not take the settings {sorted(schedule)}: {err}") from None
+    optim = cfg.optim
+    if not _number(optim.lr) or optim.lr <= 0:
+        raise ValueError(f"optim.lr must be a number > 0, got {optim.lr!r}")
+    if not _number(optim.get("weight_decay", 0.0)) or optim.get("weight_decay", 0.0) < 0:
+        raise ValueError(f"optim.weight_decay must be a number >= 0, got {optim.get('weight_decay')!r}")
+    if not _number(optim.warmup_ratio) or not 0 <= optim.warmup_ratio < 1:
+        raise ValueError(f"optim.warmup_ratio must be in [0, 1) (the share of steps spent warming up), "
+                         f"got {optim.warmup_ratio!r}")
+    betas = list(optim.get("betas", [0.9, 0.999]))
+    if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
     if cfg.resume not in ("auto", "never"):
         raise ValueError(f"resume must be auto | never, got {cfg.resume!r}")
+    if not _int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {cfg.checkpoint_every!r}")
+    trainer = cfg.trainer
+    max_steps, max_epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
+    if max_steps == 0 or max_epochs == 0:
+        raise ValueError(f"trainer.max_steps={max_steps}, trainer.max_epochs={max_epochs}: this trains nothing, and "
+                         "an untrained export must not stand for a finished run. Use trainer.max_steps=-1 with "
+                         "max_epochs >= 1, or max_steps >= 1.")
+    if not _int(max_steps) or max_steps < -1:
+        raise ValueError(f"trainer.max_steps must be -1 (no limit: max_epochs decides) or >= 1, got {max_steps!r}")
+    if max_epochs is not None and (not _int(max_epochs) or max_epochs < -1):
+        raise ValueError(f"trainer.max_epochs must be -1, null or >= 1, got {max_epochs!r}")
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    if not _int(accumulate) or accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    if data.get("source") == "self_distill":
+        check_data_config({**data, "source": "jsonl"})  # the rows file is built later, before the model loads
+    else:
+        check_data_config(data)
+        data_file(data["source"], data.get("path"), data.get("split", "train"))
+    check_model_source(cfg.model.name_or_path)
     return objective
+
+
+def preload_rows(data_cfg: dict[str, Any]):
+    """Read and check every row of a file-backed source (hub datasets are read here too): malformed JSON,
+    an empty file, a row without messages or without an assistant turn fail naming the file and line."""
+    rows = load_rows(**{k: data_cfg.get(k) for k in ("source", "path", "hub_id", "split", "limit")})
+    check_rows(rows)
+    return rows
 
 
 def build_strategy(trainer_cfg: dict[str, Any], model) -> Any:
@@ -97,6 +257,8 @@ def build_strategy(trainer_cfg: dict[str, Any], model) -> Any:
 
 
 def resolve_resume(cfg: DictConfig, out_dir: Path) -> str | None:
+    """The checkpoint to resume from: ``ckpt_path`` if given, else the folder's ``last.ckpt`` (a file, or a
+    DeepSpeed checkpoint folder).  Lightning reads it; nothing is loaded here."""
     if cfg.ckpt_path:
         if not Path(cfg.ckpt_path).exists():
             raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
@@ -114,25 +276,52 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def run(cfg: DictConfig) -> Path:
-    """Train and export; returns the HF checkpoint directory. A finished run is skipped unless overwrite."""
+def launched_as_rank_zero() -> bool:
+    """Global rank 0 of the job, read from the launcher's environment (before Lightning sets ranks):
+    torchrun/SLURM set ``RANK``; Lightning's own DDP launcher starts the other ranks with ``LOCAL_RANK``
+    and ``NODE_RANK``."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------
+def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
+    """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
+    unless ``overwrite``; ``callbacks`` are added to the trainer's."""
     objective = validate(cfg)
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
-    if (read_mars_metadata(export_dir) or {}).get("complete") and not cfg.overwrite:
-        log.info("%s already holds a finished checkpoint; skipping (overwrite=true to retrain)", export_dir)
+    rank_zero = launched_as_rank_zero()
+    check_run_folder(out_dir, export_dir, run_fingerprint(cfg), overwrite=bool(cfg.overwrite), write=rank_zero,
+                     run_name=cfg.run_name)
+    if not cfg.overwrite and is_complete(export_dir):
+        log.info("%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)",
+                 export_dir)
         print(f"checkpoint (already trained): {export_dir}")
         return export_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    L.seed_everything(cfg.seed, workers=True)
+    if rank_zero:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     m = cfg.model
-    loaded = load_model(m.name_or_path, tiny=OmegaConf.to_container(m.tiny) if m.tiny else None,
-                        mask_token=m.mask_token, allow_new_row=m.allow_new_embedding_row,
+    tiny = OmegaConf.to_container(m.tiny) if m.get("tiny") else None
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    if data_cfg.get("source") == "self_distill":
+        from mars.self_distill import training_rows
+
+        # the model answers its prompts once (cached, fingerprinted); the rows file then trains like any JSONL
+        data_cfg = training_rows(data_cfg, model_name=m.name_or_path, tiny=tiny)
+    elif data_cfg.pop("distill", None) is not None:
+        log.info("data.distill is ignored: data.source=%s is not self_distill", data_cfg.get("source"))
+    rows = preload_rows(data_cfg)
+
+    L.seed_everything(cfg.seed, workers=True)
+    loaded = load_model(m.name_or_path, tiny=tiny, mask_token=m.mask_token, allow_new_row=m.allow_new_embedding_row,
                         attn_implementation=m.attn_implementation)
     base_params = sum(p.numel() for p in loaded.model.parameters())
-    data = InstructionDataModule(loaded.tokenizer, seed=cfg.seed, **OmegaConf.to_container(cfg.data))
-    data.setup()  # tokenize now: bad rows or an empty dataset fail before the trainer starts
+    data = InstructionDataModule(loaded.tokenizer, seed=cfg.seed, rows=rows, **data_cfg)
+    data.setup()  # tokenize now: an empty dataset fails before the trainer starts
     module = MarsModule(loaded.model, loaded.mask.id, block_size=cfg.block, objective=objective,
                         mask_schedule=OmegaConf.to_container(cfg.mask_schedule), lr=cfg.optim.lr,
                         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
@@ -143,46 +332,56 @@ def run(cfg: DictConfig) -> Path:
     # precision=auto: bf16-mixed on GPUs, bf16-true (+ fp32 master weights) on native-bf16 CPUs, else 32-true
     trainer_cfg["precision"] = resolve_precision(trainer_cfg.get("precision", "auto"), trainer_cfg.get("accelerator"))
     module.master_weights = cfg.optim.get("master_weights", "auto")
+    # the data module deals whole length-grouped batches to the ranks itself (and resumes them); Lightning's
+    # sampler wrapper would split every batch across ranks and could not be resumed
+    if trainer_cfg.pop("use_distributed_sampler", False):
+        log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
     strategy = build_strategy(trainer_cfg, loaded.model)
     history = LossHistory(out_dir)
-    callbacks = [
+    exporter = HFExport(export_dir, loaded.tokenizer, dict(
+        block_size=cfg.block, objective=objective.name, alpha=objective.alpha, intra_block=objective.intra_block,
+        mask_schedule=cfg.mask_schedule.name, mask_token=loaded.mask.token, mask_token_id=loaded.mask.id,
+        mask_token_policy=loaded.mask.how, base_model=m.name_or_path, base_num_parameters=base_params))
+    all_callbacks = [
         ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True,
                         save_top_k=0),
         TQDMProgressBar(refresh_rate=1),
         history,
+        exporter,
+        *callbacks,
     ]
     logger = build_logger(OmegaConf.to_container(cfg.logger), out_dir, cfg.run_name,
                           OmegaConf.to_container(cfg, resolve=True))
     if logger:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=logger, default_root_dir=out_dir,
-                        enable_checkpointing=True, **trainer_cfg)
+        all_callbacks.append(LearningRateMonitor(logging_interval="step"))
+    trainer = L.Trainer(strategy=strategy, callbacks=all_callbacks, logger=logger, default_root_dir=out_dir,
+                        enable_checkpointing=True, use_distributed_sampler=False, **trainer_cfg)
     start = time.perf_counter()
-    steps_before = 0
-    ckpt = resolve_resume(cfg, out_dir)
-    if ckpt:
-        steps_before = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("global_step", 0))
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    trainer.fit(module, datamodule=data, ckpt_path=resolve_resume(cfg, out_dir))
     seconds = time.perf_counter() - start
 
     if trainer.is_global_zero:
-        params = sum(p.numel() for p in module.model.parameters())
-        export_hf(module.model, loaded.tokenizer, export_dir, dict(
-            block_size=cfg.block, objective=objective.name, alpha=objective.alpha,
-            intra_block=objective.intra_block, mask_schedule=cfg.mask_schedule.name,
-            mask_token=loaded.mask.token, mask_token_id=loaded.mask.id, mask_token_policy=loaded.mask.how,
-            base_model=m.name_or_path, base_num_parameters=base_params, global_step=trainer.global_step,
-            complete=True))
-        steps_run = trainer.global_step - steps_before
+        steps_run = trainer.global_step - history.start_step
         summary = {
             "run_name": cfg.run_name, "objective": objective.name, "block": cfg.block,
             "global_step": trainer.global_step, "steps_this_run": steps_run, "fit_seconds": round(seconds, 2),
             "seconds_per_step": round(seconds / max(1, steps_run), 3),
             "peak_memory_mb": round(peak_memory_mb(module.device), 1),
-            "num_parameters": params, "base_num_parameters": base_params,
-            "final": history.rows[-1] if history.rows else {}, "checkpoint": str(export_dir),
+            "num_parameters": sum(p.numel() for p in loaded.model.parameters()) if exporter.exported is None
+            else _exported_parameters(exporter.exported),
+            "base_num_parameters": base_params, "complete": exporter.complete,
+            "final": history.last, "checkpoint": str(exporter.exported) if exporter.exported else None,
         }
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2))
-        print(f"checkpoint: {export_dir}")
+        if exporter.complete:
+            print(f"checkpoint: {export_dir}")
+        else:
+            print(f"training stopped before its configured end; rerun the same command to resume ({out_dir})")
     return export_dir
+
+
+def _exported_parameters(folder: Path) -> int | None:
+    from mars.models import read_mars_metadata
+
+    return (read_mars_metadata(folder) or {}).get("num_parameters")

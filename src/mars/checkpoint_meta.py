@@ -1,0 +1,143 @@
+"""``mars_config.json``: the small metadata file beside an exported checkpoint, read and written here only.
+
+It is what makes a plain Hugging Face directory a MARS checkpoint: the training block size (decoding's
+default window), the objective it was trained with (name, ``alpha``, intra-block pattern), the mask
+token and how it was obtained, the base model and its parameter count (the "no new parameters" check),
+the optimizer step the weights come from and ``complete`` -- true only for the export of a training run
+that reached its configured end.  Training (:mod:`mars.train`) and ``python -m mars.export`` write it
+through :func:`write_metadata`; readers (training's skip check, :func:`mars.models.load_model`,
+evaluation) call :func:`read_metadata`, which validates the fields and names the file and the field
+when one is wrong.  Keys this version does not know are kept (``extra``) and written back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METADATA_FILE = "mars_config.json"
+INTRA_BLOCK = ("causal", "bidirectional")
+
+
+class MetadataError(ValueError):
+    """``mars_config.json`` exists but cannot be used: bad JSON or a field of the wrong type or range."""
+
+
+@dataclass
+class MarsMetadata:
+    block_size: int
+    objective: str
+    mask_token: str
+    mask_token_id: int
+    alpha: float | None = None  # weight of the clean-copy AR loss (None: unknown, e.g. an old export)
+    intra_block: str | None = None  # causal (MARS) | bidirectional (Block Diffusion)
+    mask_schedule: str | None = None
+    mask_token_policy: str | None = None  # existing | spare_row | reused | added_row
+    base_model: str | None = None
+    base_num_parameters: int | None = None
+    num_parameters: int | None = None
+    global_step: int | None = None
+    complete: bool = False  # True only for the export of a training run that reached its configured end
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self, where: str = "mars_config.json") -> None:
+        def bad(name: str, expected: str) -> MetadataError:
+            return MetadataError(f"{where}: field {name!r} must be {expected}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise bad("block_size", "an integer >= 1")
+        if not isinstance(self.objective, str) or not self.objective:
+            raise bad("objective", "a non-empty string")
+        if not isinstance(self.mask_token, str) or not self.mask_token:
+            raise bad("mask_token", "a non-empty string")
+        if not is_int(self.mask_token_id) or self.mask_token_id < 0:
+            raise bad("mask_token_id", "an integer >= 0")
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or self.alpha < 0):
+            raise bad("alpha", "a number >= 0 or null")
+        if self.intra_block is not None and self.intra_block not in INTRA_BLOCK:
+            raise bad("intra_block", f"one of {INTRA_BLOCK} or null")
+        for name in ("base_num_parameters", "num_parameters", "global_step"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise bad(name, "an integer >= 0 or null")
+        if not isinstance(self.complete, bool):
+            raise bad("complete", "true or false")
+
+    # ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**self.extra, **out}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "mars_config.json") -> "MarsMetadata":
+        if not isinstance(data, dict):
+            raise MetadataError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise MetadataError(f"{where}: missing field(s) {missing}; found {sorted(data)}")
+        meta = cls.__new__(cls)  # validated below, with the file named in the message
+        for f in dataclasses.fields(cls):
+            if f.name != "extra":
+                setattr(meta, f.name, data.get(f.name, f.default if f.default is not dataclasses.MISSING else None))
+        meta.extra = {k: v for k, v in data.items() if k not in known}
+        meta.validate(where)
+        return meta
+
+
+def metadata_path(folder: str | os.PathLike) -> Path:
+    return Path(folder) / METADATA_FILE
+
+
+def read_metadata(folder: str | os.PathLike) -> MarsMetadata | None:
+    """The validated metadata of a checkpoint folder, or None when it has no ``mars_config.json``."""
+    path = metadata_path(folder)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MetadataError(f"{path} is not valid JSON ({err})") from None
+    return MarsMetadata.from_dict(data, where=str(path))
+
+
+def write_metadata(folder: str | os.PathLike, meta: MarsMetadata) -> Path:
+    """Write ``mars_config.json`` atomically (a reader never sees half a file)."""
+    meta.validate()
+    path = metadata_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(meta.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """True when ``folder`` holds the export of a finished training run."""
+    meta = read_metadata(folder)
+    return bool(meta and meta.complete)
+
+
+__all__ = ["METADATA_FILE", "MarsMetadata", "MetadataError", "read_metadata", "write_metadata", "is_complete",
+           "metadata_path"]

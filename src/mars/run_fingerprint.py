@@ -1,0 +1,224 @@
+"""The fingerprint of a training run folder: a rerun may resume or skip it only with the same settings.
+
+``outputs/train/<run_name>`` is named after the model, objective, block and mask schedule only, so two
+commands that differ in learning rate, data or step budget land in the same folder.  Before the model
+loads, :func:`check_run_folder` compares the settings that change the trained weights with the ones the
+folder was started with (``fingerprint.json``) and refuses a mismatch, naming each differing key and how to
+proceed; resuming a half-finished run with another optimizer config, or skipping a finished run trained on
+other data, would otherwise hand back a checkpoint whose recorded config is false.
+
+In the fingerprint (they change the result):
+
+- ``model``: ``name_or_path``, ``tiny`` (the random model's shape), ``mask_token``,
+  ``allow_new_embedding_row``; a local model folder also by a digest of its ``config.json`` and weight
+  files (a retrained stage-1 folder under the same path is another model).
+- ``data``: every key except ``path`` and ``num_workers``; the file behind ``path`` (and the offline split)
+  by a digest of its content, so the same file under another path matches and an edited file does not.
+  The self-distillation sub-config ``data.distill`` likewise, except ``threads``, ``batch_size`` (the
+  answers do not depend on them) and ``root`` (where the cache lives), its prompt file by content.
+- ``objective`` (name, ``mask_weight``, ``alpha``, ``intra_block``), ``block``, ``mask_schedule``,
+  ``optim``, ``seed``.
+- ``trainer``: ``max_steps``, ``max_epochs``, ``precision``, ``accumulate_grad_batches``,
+  ``gradient_clip_val`` and the number of processes (``devices`` x ``num_nodes``, resolved): with the
+  data's batch size they fix the effective batch and the learning-rate schedule's length.
+
+Left out (they do not change the trained weights, or only as floating-point noise):
+``gradient_checkpointing`` (recomputes the same activations), ``crop_noisy_prompt`` (tested to leave
+losses and gradients unchanged), ``model.attn_implementation`` and ``model.id`` (a kernel and a label),
+``trainer.strategy`` / ``accelerator`` / ``log_every_n_steps`` (how, not what; a checkpoint written under
+another strategy is refused by Lightning itself), ``data.num_workers``, and the bookkeeping keys
+(``run_name``, ``output_dir``, ``export_dir``, ``checkpoint_every``, ``resume``, ``ckpt_path``,
+``overwrite``, ``logger``).  ``ckpt_path`` (resume from a checkpoint of another folder) is deliberately
+not checked: it is the explicit way to continue a run under new settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_FILE = "fingerprint.json"
+VERSION = 1
+MODEL_KEYS = ("name_or_path", "tiny", "mask_token", "allow_new_embedding_row")
+TRAINER_KEYS = ("max_steps", "max_epochs", "precision", "accumulate_grad_batches", "gradient_clip_val")
+DATA_EXCLUDED = ("path", "num_workers")
+DISTILL_EXCLUDED = ("threads", "batch_size", "root")
+# what overwrite=true removes before training from scratch (the logger's folders are left alone)
+RUN_OUTPUTS = ("checkpoints", "losses.csv", "loss_curve.png", "train_summary.json", FINGERPRINT_FILE)
+
+
+class RunMismatchError(ValueError):
+    """The run folder was started with settings that change the result."""
+
+
+# ------------------------------------------------------------------------------------------
+# Digests
+# ------------------------------------------------------------------------------------------
+def file_digest(path: str | os.PathLike, full_limit: int = 256 << 20, chunk: int = 4 << 20) -> str:
+    """sha256 of the content (of its size, first and last 4 MiB past ``full_limit`` bytes)."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}:".encode())
+    with open(path, "rb") as f:
+        if size <= full_limit:
+            for block in iter(lambda: f.read(chunk), b""):
+                h.update(block)
+        else:
+            h.update(f.read(chunk))
+            f.seek(-chunk, os.SEEK_END)
+            h.update(f.read(chunk))
+    return h.hexdigest()[:20]
+
+
+def _model_folder_digest(folder: Path) -> str:
+    files = sorted(p for p in folder.iterdir()
+                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}:{file_digest(p, full_limit=16 << 20, chunk=1 << 20)};".encode())
+    return h.hexdigest()[:20]
+
+
+# ------------------------------------------------------------------------------------------
+# The fingerprint
+# ------------------------------------------------------------------------------------------
+def world_size(trainer: dict[str, Any]) -> int:
+    """Processes a trainer config starts: ``devices`` (resolved as Lightning does) x ``num_nodes``."""
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes") or 1)
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices * nodes
+    # "auto" / -1: every GPU when the accelerator may use them, else one CPU process
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count() * nodes
+    return nodes
+
+
+def _data_fingerprint(data: dict[str, Any]) -> dict[str, Any]:
+    from mars.data import OFFLINE_DATA
+
+    out = {k: v for k, v in data.items() if k not in DATA_EXCLUDED and k != "distill"}
+    if data.get("path"):
+        out["content"] = file_digest(Path(str(data["path"])).expanduser())
+    elif data.get("source") == "offline":
+        out["content"] = file_digest(OFFLINE_DATA / f"{data.get('split', 'train')}.jsonl")
+    distill = data.get("distill")
+    if distill:
+        d = {k: v for k, v in distill.items() if k not in DISTILL_EXCLUDED}
+        prompts = dict(d.get("prompts") or {})
+        if prompts.get("source") == "jsonl" and prompts.get("path"):
+            prompts["content"] = file_digest(Path(str(prompts.pop("path"))).expanduser())
+        d["prompts"] = prompts
+        out["distill"] = d
+    return out
+
+
+def run_fingerprint(cfg) -> dict[str, Any]:
+    """The settings of a composed ``train.yaml`` config that change the trained weights (module docstring)."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    model = {k: c["model"].get(k) for k in MODEL_KEYS}
+    local = Path(str(model["name_or_path"])).expanduser()
+    if model["name_or_path"] not in ("tiny-random",) and local.is_dir():
+        model["content"] = _model_folder_digest(local)
+    trainer = {k: c["trainer"].get(k) for k in TRAINER_KEYS}
+    trainer["world_size"] = world_size(c["trainer"])
+    return {
+        "version": VERSION,
+        "model": model,
+        "data": _data_fingerprint(c["data"]),
+        "objective": c["objective"],
+        "block": c["block"],
+        "mask_schedule": c["mask_schedule"],
+        "optim": c["optim"],
+        "seed": c["seed"],
+        "trainer": trainer,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Comparing and recording
+# ------------------------------------------------------------------------------------------
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for key, value in d.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts)."""
+    a, b = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(current)))
+    missing = "<missing>"
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
+
+
+def read_fingerprint(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(out_dir) / FINGERPRINT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, fingerprint: dict[str, Any], *,
+                     overwrite: bool = False, write: bool = True, run_name: str | None = None) -> None:
+    """Refuse a folder started with other settings; with ``overwrite`` clear it for a fresh run.
+
+    ``write=False`` (ranks other than 0) only checks.  On success the folder records ``fingerprint``.
+    """
+    out, export = Path(out_dir), Path(export_dir)
+    if overwrite:
+        if write:
+            for name in RUN_OUTPUTS:
+                target = out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+            if export.is_dir():
+                shutil.rmtree(export)
+    else:
+        saved = read_fingerprint(out)
+        if saved is not None:
+            diff = differences(saved, fingerprint)
+            if diff:
+                shown = "; ".join(f"{k}: folder has {a!r}, now {b!r}" for k, a, b in diff[:10])
+                more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
+                raise RunMismatchError(
+                    f"The run folder {out} was started with other settings ({shown}{more}). Resuming or "
+                    "skipping it would give a checkpoint whose recorded config is false. Start a separate run "
+                    f"with run_name=<new name> (now {run_name!r}) or output_dir=..., or retrain this folder from "
+                    "scratch with overwrite=true (deletes its checkpoints and export)."
+                )
+        elif (out / "checkpoints").is_dir() or (export / "mars_config.json").is_file():
+            log.warning("%s was written before run fingerprints existed; its settings cannot be checked. "
+                        "Recording the current ones.", out)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / FINGERPRINT_FILE, fingerprint)
+
+
+__all__ = ["FINGERPRINT_FILE", "RunMismatchError", "run_fingerprint", "check_run_folder", "differences",
+           "read_fingerprint", "file_digest", "world_size"]

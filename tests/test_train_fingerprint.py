@@ -1,0 +1,76 @@
+"""A run folder resumes or is skipped only under the settings it was started with; a mismatch is refused
+before the model loads, with a message that says how to proceed."""
+
+import json
+
+import pytest
+
+from mars.run_fingerprint import RunMismatchError, run_fingerprint
+from mars.train import run
+
+from test_train_resume import StopAfter
+
+
+def base(tiny_train_overrides):
+    return tiny_train_overrides + ["checkpoint_every=1", "trainer.max_steps=2"]
+
+
+CHANGES = ["optim.lr=1e-3", "trainer.max_steps=3", "seed=1", "objective.alpha=0.5", "data.max_length=64",
+           "data.limit=6", "trainer.accumulate_grad_batches=2", "mask_schedule=linear_ramp", "block=2"]
+
+
+def test_a_finished_run_with_other_settings_is_refused_not_skipped(compose_cfg, tiny_train_overrides, tmp_path,
+                                                                   monkeypatch):
+    run(compose_cfg("train", base(tiny_train_overrides)))
+    exported = (tmp_path / "run" / "hf" / "model.safetensors").stat().st_mtime_ns
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mismatch was found")
+
+    monkeypatch.setattr("mars.train.load_model", no_loading)
+    for change in CHANGES:
+        key = change.split("=")[0].replace("mask_schedule", "mask_schedule.name")
+        overrides = base(tiny_train_overrides) + [change, f"output_dir={tmp_path / 'run'}"]  # same folder
+        with pytest.raises(RunMismatchError, match=rf"{key}: folder has .*, now .*run_name=.*overwrite=true"):
+            run(compose_cfg("train", overrides))
+    assert (tmp_path / "run" / "hf" / "model.safetensors").stat().st_mtime_ns == exported
+
+
+def test_a_half_finished_run_is_not_resumed_under_other_settings_and_overwrite_starts_afresh(
+        compose_cfg, tiny_train_overrides, tmp_path):
+    with pytest.raises(StopAfter.Killed):
+        run(compose_cfg("train", base(tiny_train_overrides)), callbacks=[StopAfter(1)])
+    config_before = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(RunMismatchError, match="optim.lr"):
+        run(compose_cfg("train", base(tiny_train_overrides) + ["optim.lr=1e-3"]))
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_before  # the record stays true
+    # overwrite=true: the old checkpoints go, training starts at step 0 under the new settings
+    run(compose_cfg("train", base(tiny_train_overrides) + ["optim.lr=1e-3", "overwrite=true"]))
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["steps_this_run"] == 2 and summary["global_step"] == 2
+    assert "lr: 0.001" in (tmp_path / "run" / "config.yaml").read_text()
+    # and the folder now belongs to the new settings: the same command is skipped, the old one refused
+    run(compose_cfg("train", base(tiny_train_overrides) + ["optim.lr=1e-3"]))
+    with pytest.raises(RunMismatchError):
+        run(compose_cfg("train", base(tiny_train_overrides)))
+
+
+def test_the_fingerprint_ignores_how_and_where_but_not_what(compose_cfg, tiny_train_overrides, tmp_path):
+    fp = run_fingerprint(compose_cfg("train", tiny_train_overrides))
+    same = ["gradient_checkpointing=true", "crop_noisy_prompt=false", "checkpoint_every=7", "data.num_workers=1",
+            "logger=csv", "model.attn_implementation=eager", f"output_dir={tmp_path / 'elsewhere'}"]
+    for override in same:
+        assert run_fingerprint(compose_cfg("train", tiny_train_overrides + [override])) == fp, override
+    # the data file by content: a copy elsewhere matches, an edited copy does not
+    from conftest import TINY_SFT
+
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(TINY_SFT.read_text())
+    assert run_fingerprint(compose_cfg("train", tiny_train_overrides + [f"data.path={copy}"])) == fp
+    copy.write_text(TINY_SFT.read_text().replace("Paris", "Lyon"))
+    assert run_fingerprint(compose_cfg("train", tiny_train_overrides + [f"data.path={copy}"])) != fp
+    # the self-distillation settings that change the answers are in it, those that do not are not
+    distill = ["data=self_distill", "data.distill.prompts.source=jsonl", f"data.distill.prompts.path={copy}"]
+    d = run_fingerprint(compose_cfg("train", tiny_train_overrides + distill))
+    assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.batch_size=3"])) == d
+    assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.max_new_tokens=9"])) != d
