@@ -124,8 +124,17 @@ def export_from_trainer(trainer, model, tokenizer, out_dir: str | os.PathLike, m
 def read_lightning_checkpoint(ckpt_path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model weights (keys without ``model.``) and the small fields (``global_step``, ``epoch``) of a
     Lightning checkpoint: a file (read with ``weights_only=True``: tensors and plain containers, no
-    arbitrary objects) or a DeepSpeed checkpoint folder (DeepSpeed's own ZeRO-to-fp32 conversion)."""
+    arbitrary objects), an FSDP sharded checkpoint folder (torch's own DCP-to-file conversion) or a
+    DeepSpeed checkpoint folder (DeepSpeed's own ZeRO-to-fp32 conversion)."""
     path = Path(ckpt_path)
+    if path.is_dir() and (path / "meta.pt").is_file():  # FSDP sharded (torch.distributed.checkpoint)
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(path), f"{tmp}/full.pt")
+            state = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+        return _strip(state), {k: meta[k] for k in ("global_step", "epoch") if isinstance(meta.get(k), int)}
     if path.is_dir():  # DeepSpeed ZeRO shards
         from lightning.pytorch.utilities.deepspeed import get_fp32_state_dict_from_zero_checkpoint
 

@@ -156,6 +156,19 @@ class MarsModule(L.LightningModule):
         self._last_batch_time = now
         return out["loss"]
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's FSDP precision plugin refuses norm clipping (``trainer.gradient_clip_val`` of every
+        trainer config): under FSDP the norm is computed over all shards by FSDP's own ``clip_grad_norm_``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if gradient_clip_val and isinstance(self.trainer.model, FullyShardedDataParallel):
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError(f"under FSDP only norm clipping is supported, got {gradient_clip_algorithm!r}")
+            self.trainer.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
     def _batch_generator(self, batch_idx: int, device: torch.device) -> torch.Generator:
         """The random masks of a batch depend only on (seed, epoch, batch, rank), not on the process's RNG
         history, so a killed-and-resumed run draws exactly the masks of an uninterrupted one."""
