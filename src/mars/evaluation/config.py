@@ -1,20 +1,24 @@
 """Turn an ``evaluate.yaml`` config into a checked plan, before any model is loaded.
 
 Everything that can be wrong with the request fails here with a message naming the bad value: a
-threshold outside (0, 1], an unknown task, a checkpoint folder without a mask token, a results folder
-written by a different configuration.  This module imports neither torch nor lm-eval at import time
+threshold outside (0, 1] (or an empty sweep), any decoding setting (through DecodingSettings), an
+unknown task, a checkpoint folder without a mask token, a results folder holding results of a different
+configuration, tasks that would run model-written code where no sandbox can be made.  Nothing is
+written before all of it has passed.  This module imports neither torch nor lm-eval at import time
 (evaluate.py imports it to register the run-name resolver).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 4
 METRICS = ("probability", "entropy", "margin")
@@ -78,6 +82,18 @@ def block_size_for(cfg: DictConfig | dict) -> int:
     return DEFAULT_BLOCK_SIZE
 
 
+def block_size_mismatch(trained: Any, used: int) -> str | None:
+    """A warning when decoding with another block size than the checkpoint was trained with (None if
+    they agree or the training block size is unknown)."""
+    if not trained or int(trained) == int(used):
+        return None
+    return (
+        f"decoding.block_size={used} differs from the checkpoint's training block size {trained} "
+        "(mars_config.json): the model learned to fill blocks of that size, so acceptance and accuracy at "
+        f"other sizes are not what it was trained for (leave decoding.block_size=null to use {trained})"
+    )
+
+
 def model_label(cfg: DictConfig | dict) -> str:
     if cfg.get("checkpoint"):
         return _checkpoint_label(str(cfg["checkpoint"]))
@@ -137,6 +153,11 @@ def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
     sweep = cfg.get("thresholds")
     if sweep is not None and not isinstance(sweep, (list, tuple)) and not OmegaConf.is_list(sweep):
         sweep = [sweep]
+    if sweep is not None and len(sweep) == 0:
+        raise ThresholdError(
+            "thresholds=[] names no threshold: list at least one (e.g. thresholds=[1.0,0.9]), or leave "
+            "thresholds=null and set threshold=<value>"
+        )
     if sweep:
         values = [check_threshold(v, metric) for v in sweep]
         ref = reference_threshold(metric)
@@ -195,10 +216,14 @@ def fingerprint_of(resolved: dict, block_size: int, suite) -> dict[str, Any]:
     }
 
 
-def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
-    """Validate the config and build the plan: cheap checks first, lm-eval's task index last."""
+def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbox: bool | None = None) -> Plan:
+    """Validate the config and build the plan: cheap checks first, lm-eval's task index last.
+
+    ``check_results_dir=False`` plans without looking at the results folder; ``check_sandbox`` (default:
+    as ``check_results_dir``) checks that tasks running model-written code can run here (a sandbox, or the
+    explicit opt-in), so a plan-only check of configs does not depend on this machine."""
     from mars.evaluation.store import ResultsDir
-    from mars.evaluation.tasks import expand_suite, resolve_path, suite_from_config, task_manager
+    from mars.evaluation.tasks import check_code_execution, expand_suite, resolve_path, suite_from_config, task_manager
 
     resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     resolved.pop("hydra", None)
@@ -222,14 +247,21 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True) -> Plan:
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
     validate_dtype(resolved.get("dtype"))
+    if not isinstance(resolved.get("fidelity", True), bool):
+        raise ValueError(f"fidelity must be true or false, got {resolved.get('fidelity')!r}")
     if decoding.get("verify") and thresholds != [reference_threshold(str(decoding.get("metric", "probability")))]:
         raise ThresholdError(
             f"decoding.verify=true decodes exactly greedy, so thresholds {thresholds} mean nothing there: run it at "
             "threshold=1.0 with reference=false (sweep decoding.draft_threshold instead)"
         )
+    mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
+    if mismatch:
+        log.warning(mismatch)
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
     manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
     expand_suite(suite, manager)
+    if check_results_dir if check_sandbox is None else check_sandbox:
+        check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
     out = resolved.get("output_dir") or "outputs/eval/" + run_name(
         model_label(resolved), resolved.get("checkpoint"), block, suite.name, decoding.get("name"))
     output_dir = Path(out).expanduser()

@@ -6,18 +6,26 @@ Layout (``outputs/eval/<run-name>/``)::
     samples/<threshold>/<task>.jsonl per-sample outputs, metrics and decoder stats of one point
     samples/<threshold>/<task>.json  the point's summary (lm-eval metrics, tokens/forward, timing);
                                      written last, so its presence marks the point complete
+    partial/<threshold>/<task>.jsonl append-only cache of the point's finished generations (one line
+                                     per request, keyed by a hash of prompt + settings + config
+                                     fingerprint), written after every decoded batch: a killed run
+                                     resumes at (threshold, task, sample) and decodes only what is
+                                     missing; removed once the point is complete
     points.json / points.csv         every point of the folder, aggregated
     table.md                         paper-style table (Tables 4/8)
     pareto_<task>.png                accuracy vs tokens per forward
 
-Every file is written to a temporary sibling and renamed, so an interrupted run never leaves a
-half-written file that looks complete.
+Every file but the partial cache is written to a temporary sibling and renamed, so an interrupted run
+never leaves a half-written file that looks complete; the partial cache's lines are read up to the
+last whole one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -79,6 +87,53 @@ def threshold_key(threshold: float) -> str:
     return repr(float(round(float(threshold), 6)))
 
 
+def fingerprint_hash(fingerprint: dict) -> str:
+    """A short stable hash of a config fingerprint (salts the partial cache's request keys)."""
+    text = json.dumps(fingerprint, sort_keys=True, default=_json_default)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class RequestCache:
+    """Append-only cache of finished generations of one (threshold, task): a JSON line per request.
+
+    ``append`` writes a whole batch with one ``write`` call and flushes it, so a killed process loses at
+    most the batch in flight; ``load`` keeps every whole line (a torn last line is skipped, and the next
+    append starts on a fresh line).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def load(self) -> dict[str, dict]:
+        rows: dict[str, dict] = {}
+        if not self.path.is_file():
+            return rows
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if not line.endswith("\n"):
+                    break  # torn by a kill mid-write
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and "key" in row:
+                    rows[row["key"]] = row
+        return rows
+
+    def append(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(r, default=_json_default, ensure_ascii=False) + "\n" for r in rows)
+        with open(self.path, "ab+") as handle:
+            if handle.tell() > 0:
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":
+                    text = "\n" + text  # end a torn line first
+            handle.write(text.encode("utf-8"))
+            handle.flush()
+
+
 class ResultsMismatchError(ValueError):
     """The results folder was written by a run whose result-relevant config differs."""
 
@@ -115,21 +170,86 @@ class ResultsDir:
     def summary_path(self, threshold: float, task: str) -> Path:
         return self.root / "samples" / threshold_key(threshold) / f"{task}.json"
 
+    def partial_path(self, threshold: float, task: str, rank: int = 0) -> Path:
+        suffix = f".rank{rank}" if rank else ""
+        return self.root / "partial" / threshold_key(threshold) / f"{task}{suffix}.jsonl"
+
+    # -- partial generations -------------------------------------------------------------------
+    def request_cache(self, threshold: float, task: str, rank: int = 0) -> RequestCache:
+        """Where this process appends the finished generations of a point in progress."""
+        return RequestCache(self.partial_path(threshold, task, rank))
+
+    def load_partial(self, threshold: float, task: str) -> dict[str, dict]:
+        """Every finished generation of the point on disk (all ranks' files)."""
+        folder = self.partial_path(threshold, task).parent
+        rows: dict[str, dict] = {}
+        if folder.is_dir():
+            for path in sorted(folder.glob(f"{task}.jsonl")) + sorted(folder.glob(f"{task}.rank*.jsonl")):
+                rows.update(RequestCache(path).load())
+        return rows
+
+    def partial_points(self) -> list[tuple[float, str]]:
+        """(threshold, task) of every point with partial generations on disk."""
+        base = self.root / "partial"
+        points = set()
+        if base.is_dir():
+            for folder in base.iterdir():
+                try:
+                    threshold = float(folder.name)
+                except ValueError:
+                    continue
+                for path in folder.glob("*.jsonl"):
+                    points.add((threshold, path.name.removesuffix(".jsonl").split(".rank")[0]))
+        return sorted(points)
+
+    def discard_partial(self, threshold: float | None = None, task: str | None = None) -> None:
+        """Drop the partial cache of one point (after it completed), or all of it."""
+        if threshold is None:
+            shutil.rmtree(self.root / "partial", ignore_errors=True)
+            return
+        folder = self.partial_path(threshold, task or "").parent
+        for path in list(folder.glob(f"{task}.jsonl")) + list(folder.glob(f"{task}.rank*.jsonl")):
+            path.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+            folder.parent.rmdir()
+        except OSError:
+            pass  # other points still in progress
+
     # -- config fingerprint --------------------------------------------------------------------
+    def saved_fingerprint(self) -> dict | None:
+        if not self.config_path.is_file():
+            return None
+        try:
+            saved = yaml.safe_load(self.config_path.read_text()) or {}
+        except yaml.YAMLError:
+            return None  # a torn config.yaml cannot vouch for anything
+        return saved.get("fingerprint") if isinstance(saved, dict) else None
+
+    def complete_points(self) -> list[tuple[float, str]]:
+        """(threshold, task) of every complete point in the folder."""
+        points = []
+        for threshold in self.thresholds_on_disk():
+            folder = self.root / "samples" / threshold_key(threshold)
+            for summary in sorted(folder.glob("*.json")):
+                if self.is_complete(threshold, summary.stem):
+                    points.append((threshold, summary.stem))
+        return points
+
     def check_compatible(self, fingerprint: dict) -> None:
         """Raise if the folder holds results of a run whose result-relevant config differs.
 
         ``fingerprint`` is the part of the config that changes results (model, checkpoint, decoding,
-        tasks, limit, ...); thresholds are not part of it, so a sweep can add points later.
+        tasks, limit, ...); thresholds are not part of it, so a sweep can add points later.  A folder
+        that holds no complete point (a run that failed or was killed before finishing one) is not
+        refused: nothing in it can be mixed up, and its partial generations are keyed by the
+        fingerprint, so another config never reuses them.
         """
-        if not self.config_path.is_file():
-            return
-        saved = yaml.safe_load(self.config_path.read_text()) or {}
-        saved_fp = saved.get("fingerprint")
+        saved_fp = self.saved_fingerprint()
         if saved_fp is None:
             return
         diff = differing_keys(saved_fp, fingerprint)
-        if diff:
+        if diff and self.complete_points():
             details = "; ".join(
                 f"{k}: saved {_flatten(saved_fp).get(k, '<missing>')!r} vs now {_flatten(fingerprint).get(k, '<missing>')!r}"
                 for k in diff[:8]

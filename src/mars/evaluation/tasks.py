@@ -17,6 +17,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+EVAL_ROOT = REPO_ROOT / "eval"
+# The sandbox every task of eval/ runs model-written code in (a plain file: lm-eval loads task helpers
+# by path, so it lives beside them and is loaded by path here too, as one module).
+CODE_SANDBOX = EVAL_ROOT / "offline" / "humaneval" / "sandbox.py"
 
 
 class UnknownTaskError(ValueError):
@@ -161,6 +165,61 @@ def expand_suite(suite: Suite, manager=None) -> Suite:
                 raise ValueError(f"task {leaf!r} appears in both {seen[leaf]!r} and {spec.name!r}")
             seen[leaf] = spec.name
     return suite
+
+
+def code_sandbox():
+    """eval/offline/humaneval/sandbox.py as a module (the same instance the task helpers use)."""
+    import importlib.util
+    import sys
+
+    name = "mars_eval_code_sandbox"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, CODE_SANDBOX)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def code_tasks(suite: Suite, manager) -> tuple[list[str], list[str]]:
+    """Leaves that execute model-written code (``unsafe_code: true``): (ours, run in the sandbox of
+    eval/; others, e.g. lm-eval's built-in humaneval/mbpp, which run code uncontained)."""
+    ours, others = [], []
+    root = EVAL_ROOT.resolve()
+    for leaf in suite.leaves:
+        entry = manager.task_index.get(leaf)
+        if entry is None or not (entry.cfg or {}).get("unsafe_code"):
+            continue
+        path = Path(entry.yaml_path).resolve() if entry.yaml_path else None
+        (ours if path is not None and path.is_relative_to(root) else others).append(leaf)
+    return ours, others
+
+
+def check_code_execution(suite: Suite, manager) -> str | None:
+    """Before any model loads: tasks that run model-written code may run here.
+
+    Ours need a working sandbox (bubblewrap) or the explicit opt-in ``MARS_ALLOW_UNSANDBOXED_CODE=1``;
+    tasks that run code outside our sandbox are refused without that opt-in.  Returns a line saying how
+    code will run (None when no task runs code)."""
+    ours, others = code_tasks(suite, manager)
+    if not ours and not others:
+        return None
+    if not suite.confirm_run_unsafe_code:
+        raise ValueError(
+            f"benchmarks={suite.name}: tasks {ours + others} execute model-written code; set "
+            "confirm_run_unsafe_code: true in the benchmarks config to run them (in a sandbox)"
+        )
+    sandbox = code_sandbox()
+    if others and not sandbox.unsandboxed_allowed():
+        raise sandbox.SandboxUnavailable(
+            f"benchmarks={suite.name}: tasks {others} execute model-written code outside the mars sandbox "
+            f"(lm-eval runs it in a fork of the process holding the model, uncontained). Use the sandboxed "
+            f"copies in eval/ (e.g. humaneval_instruct_sandboxed, mars_humaneval) or set "
+            f"{sandbox.OPT_IN_ENV}=1 to run them anyway."
+        )
+    how = sandbox.require_sandbox(f"the code written for {ours + others}")
+    log.info("tasks %s execute model-written code: %s", ours + others, how)
+    return how
 
 
 def primary_metric(task_results: dict[str, Any], metric: str | None, filt: str | None) -> tuple[str, float]:

@@ -1,9 +1,19 @@
 """``evaluate.py``'s body: a threshold sweep over a benchmark suite with the model loaded once.
 
-For every threshold (the AR reference point first) the leaf tasks whose samples file is not complete
-run through lm-eval with the MARS adapter; each finished (threshold, task) point is written at once,
-so an interrupted sweep resumes where it stopped.  Then the folder's points are aggregated into
-points.json/csv, the paper-style table and the Pareto plots, and optionally sent to W&B.
+Nothing is written before the whole config has been checked (config.prepare: thresholds, every
+decoding setting, tasks, checkpoint, results folder, code sandbox).  Then, for every threshold (the AR
+reference point first) the leaf tasks whose samples file is not complete run through lm-eval with the
+MARS adapter; the adapter appends every decoded batch to the point's partial cache and each finished
+(threshold, task) point is written at once, so an interrupted sweep resumes where it stopped, down to
+the sample.  Then the folder's points are aggregated into points.json/csv, the paper-style table and the
+Pareto plots, and optionally sent to W&B.
+
+Data parallel (``torchrun --nproc-per-node N evaluate.py ...`` or ``accelerate launch evaluate.py ...``):
+every rank loads the model, lm-eval gives each rank every N-th document, the per-request records are
+gathered on rank 0, and only rank 0 writes to the results folder.  Decoder seconds are then summed over
+ranks (tokens/s is per process).
+
+(This module is not called ``run``: see the package docstring.)
 """
 
 from __future__ import annotations
@@ -12,7 +22,6 @@ import logging
 import os
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +29,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mars.evaluation.config import Plan, prepare, reference_threshold
-from mars.evaluation.store import ResultsDir, threshold_key
-from mars.evaluation.tasks import primary_metric, task_manager
+from mars.evaluation.store import ResultsDir, differing_keys, fingerprint_hash, threshold_key
+from mars.evaluation.tasks import code_sandbox, primary_metric, task_manager
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +46,18 @@ class EvalOutcome:
     lm: Any = None
 
 
+def _rank() -> int:
+    """This process's rank under torchrun / accelerate launch (0 otherwise), before any process group."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 def _device(name: str | None) -> str:
     from mars.hardware import resolve_device
 
-    return resolve_device(name)
+    device = resolve_device(name)
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per rank
+    return device
 
 
 def _dtype(name: str | None, device: str) -> str:
@@ -75,7 +92,7 @@ def build_lm(plan: Plan, loaded):
     decoding = dict(plan.decoding)
     return MarsLM(
         model=loaded.model, tokenizer=loaded.tokenizer, mask_token_id=loaded.mask.id,
-        threshold=plan.thresholds[0], decoding=decoding,
+        threshold=plan.thresholds[0], decoding=decoding, fidelity=bool(plan.resolved.get("fidelity", True)),
     )
 
 
@@ -95,7 +112,8 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
     suite = plan.suite
     seed = int(plan.resolved.get("seed") or 0)
     _seed_everything(seed)  # before loading: some tasks shuffle choices while loading (GPQA)
-    if suite.confirm_run_unsafe_code:
+    if suite.confirm_run_unsafe_code and code_sandbox().unsandboxed_allowed():
+        # only with the explicit opt-in: lm-eval's built-in code tasks (evaluate's code_eval) run unsandboxed
         os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
     loaded = (plan.task_manager or task_manager(suite)).load(leaves)
     for name, task in loaded["tasks"].items():
@@ -144,7 +162,10 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
         row["score"] = values.get(m)
         record = lm.records.get((task, doc_id))
         if record is not None:
-            row.update(tokens=record.tokens, forwards=record.forwards, finish_reason=record.finish_reason)
+            row.update(tokens=record.tokens, forwards=record.forwards, finish_reason=record.finish_reason,
+                       output_ids=record.output_ids, from_mask=record.from_mask, resumed=record.resumed)
+            if record.fidelity is not None:
+                row["fidelity"] = record.fidelity
         rows.append(row)
     return rows
 
@@ -169,17 +190,64 @@ def _write_points(plan: Plan, store: ResultsDir, threshold: float, leaves: list[
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         store.write_point(threshold, leaf, rows, summary)
+        store.discard_partial(threshold, leaf)  # the point holds every generation now
+
+
+def _gather_records(lm) -> None:
+    """Data parallel: every rank's per-request records and task statistics, merged on rank 0."""
+    if getattr(lm, "world_size", 1) <= 1:
+        return
+    parts = lm.gather_object((dict(lm.records), {k: v.__dict__ for k, v in lm.task_stats.items()}), dst=0)
+    if lm.rank != 0:
+        return
+    lm.reset_records()
+    for records, stats in parts:
+        lm.records.update(records)
+        for task, values in stats.items():
+            total = lm.task_stats[task]
+            for name, value in values.items():
+                setattr(total, name, getattr(total, name) + value)
+
+
+def _attach_log_file(store: ResultsDir) -> logging.Handler:
+    """evaluate.log in the results folder (written only once the config has passed every check)."""
+    store.root.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(store.root / "evaluate.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
     """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an adapter (tests, notebooks)."""
+    plan = prepare(cfg)  # every check; nothing has been written yet
+    store = ResultsDir(plan.output_dir)
+    rank = _rank()
+    handler = None
+    if rank == 0:
+        saved = store.saved_fingerprint()
+        if saved is not None and differing_keys(saved, plan.fingerprint):
+            # prepare() let it through: no complete point, so nothing of the old config is kept
+            log.info("%s held no complete point of its earlier config: starting it afresh", store.root)
+            store.discard_partial()
+        for thr, leaf in store.partial_points():  # left behind by a kill right after a point completed
+            if store.is_complete(thr, leaf):
+                store.discard_partial(thr, leaf)
+        handler = _attach_log_file(store)
+        store.write_config(plan.resolved, plan.fingerprint)
+    try:
+        return _sweep(plan, store, rank, lm)
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     from mars.evaluation.aggregate import collect_points
     from mars.evaluation.plots import plot_pareto
     from mars.evaluation.report import write_reports
 
-    plan = prepare(cfg)
-    store = ResultsDir(plan.output_dir)
-    store.write_config(plan.resolved, plan.fingerprint)
     todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
     for thr, leaves in todo.items():
         done = len(plan.suite.leaves) - len(leaves)
@@ -195,6 +263,8 @@ def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
     if any(todo.values()):
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
+        lm.fidelity = bool(plan.resolved.get("fidelity", True))
+        lm.use_results_dir(store, fingerprint_hash(plan.fingerprint))
         for thr, leaves in todo.items():
             if not leaves:
                 continue
@@ -202,8 +272,12 @@ def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
             log.info("threshold %s: running %s", threshold_key(thr), ", ".join(leaves))
             t0 = time.perf_counter()
             results = _run_lm_eval(plan, lm, leaves)
-            _write_points(plan, store, thr, leaves, results, lm, time.perf_counter() - t0)
+            _gather_records(lm)
+            if rank == 0:
+                _write_points(plan, store, thr, leaves, results, lm, time.perf_counter() - t0)
             computed.extend((thr, leaf) for leaf in leaves)
+    if rank != 0:
+        return EvalOutcome(plan, store.root, [], "", [], computed, lm)
 
     points = collect_points(plan, store)
     table = write_reports(plan, store, points)
