@@ -35,6 +35,9 @@ def test_unknown_keys_and_bad_values_name_the_field():
 def test_strings_from_cli_arguments_are_coerced():
     s = DecodingSettings.from_mapping({"threshold": "0.9", "block_size": "8", "verify": "false", "window": "none"})
     assert (s.threshold, s.block_size, s.verify, s.window) == (0.9, 8, False, None)
+    # "none" is a value of cache and fallback, not a missing value
+    s = DecodingSettings.from_mapping({"cache": "none", "fallback": "none", "max_accept": "null"})
+    assert (s.cache, s.fallback, s.max_accept) == ("none", "none", None)
 
 
 def test_threshold_rules_are_shared_with_the_evaluation_config():

@@ -186,7 +186,9 @@ class DecodingSettings:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"unknown decoding setting(s) {unknown}; allowed: {sorted(cls.field_names())}")
-        return cls(**{k: _coerce(v) for k, v in values.items() if v is not None})
+        nullable = {f.name for f in dataclasses.fields(cls) if f.default is None}
+        values = {k: _coerce(v, nullable=k in nullable) for k, v in values.items()}
+        return cls(**{k: v for k, v in values.items() if v is not None})
 
     def replace(self, **changes: Any) -> "DecodingSettings":
         return dataclasses.replace(self, **changes)
@@ -195,13 +197,14 @@ class DecodingSettings:
         return dataclasses.asdict(self)
 
 
-def _coerce(value: Any) -> Any:
-    """Numbers and booleans that arrive as strings (lm-eval ``--model_args``, query strings) become values."""
+def _coerce(value: Any, nullable: bool = False) -> Any:
+    """Numbers and booleans that arrive as strings (lm-eval ``--model_args``, query strings) become values;
+    "none"/"null" mean None only for fields whose default is None (``cache=none`` is a strategy name)."""
     if isinstance(value, str):
         lowered = value.strip().lower()
         if lowered in ("true", "false"):
             return lowered == "true"
-        if lowered in ("none", "null"):
+        if lowered in ("none", "null") and nullable:
             return None
         for cast in (int, float):
             try:
