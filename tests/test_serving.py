@@ -176,6 +176,21 @@ def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(serv
     assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
 
 
+def test_several_prompts_in_one_completion_request(loaded, server):
+    prompts = [PROMPTS[2], PROMPTS[5], [5, 6, 7, 8]]
+    expected = [offline(loaded, server, p, 12) for p in prompts]
+    c = client(server)
+    r = c.completions.create(model="tiny-random", prompt=prompts[:2], max_tokens=12)
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == [e[0] for e in expected[:2]]
+    assert r.usage.completion_tokens == sum(len(e[1]) for e in expected[:2])
+    assert len(r.model_extra["mars"]["choices"]) == 2
+    texts = {}
+    for ch in c.completions.create(model="tiny-random", prompt=[prompts[2], prompts[2]], max_tokens=12, stream=True):
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: expected[2][0], 1: expected[2][0]}
+
+
 def test_stop_strings_cut_like_offline_generate_streamed_or_not(loaded, server):
     c = client(server)
     prompt = PROMPTS[1]

@@ -119,8 +119,9 @@ def create_app(state: ServingState) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.loop.accepting
+        snap = state.loop.snapshot()
         body = {"status": "ok" if ok else ("draining" if state.loop.alive else "stopped"),
-                "model": state.model_name, **{k: state.loop.snapshot()[k] for k in ("queued", "running", "tau")}}
+                "model": state.model_name, **{k: snap[k] for k in ("queued", "running", "tau")}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

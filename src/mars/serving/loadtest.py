@@ -390,7 +390,8 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"chat requests of at most {args.max_tokens} new tokens, greedy, prompts from data/prompts/heldout.jsonl of at "
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
         "tokens/s are completed work over the span from the first arrival to the last completion. "
-        f"Adaptive: tau between {args.tau_min} and 1.0, {args.adaptive_signal} signal.", "",
+        f"Adaptive: tau between {args.tau_min} and 1.0, {args.adaptive_signal} signal, target_queue "
+        f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults).", "",
         *lines, "",
         saturation_check(rows), "",
         f"tau=1.0 outputs identical across load levels: {consistency.get('identical')}/{consistency.get('prompts')} "
@@ -460,7 +461,9 @@ def parse_args(argv=None):
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--tau-min", type=float, default=0.9, help="the adaptive policy's lower bound")
     p.add_argument("--adaptive-signal", default="queue", choices=["queue", "latency"])
-    p.add_argument("--target-queue", type=float, default=None, help="adaptive.target_queue (default: max_batch)")
+    p.add_argument("--target-queue", type=float, default=None,
+                   help="adaptive.target_queue (default: half of max_batch: relax once the batch is half full "
+                        "and requests keep coming)")
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--burst-max-tokens", type=int, default=16)
@@ -487,7 +490,7 @@ def main(argv=None) -> None:
     common = [f"model={args.model}", f"max_batch={args.max_batch}", f"max_queue={args.max_queue}",
               f"max_tokens={args.max_tokens}", f"threads={args.threads}", f"dtype={args.dtype}",
               f"tau_min={args.tau_min}", f"adaptive.signal={args.adaptive_signal}",
-              f"adaptive.target_queue={args.target_queue or args.max_batch}"]
+              f"adaptive.target_queue={args.target_queue or max(1, args.max_batch // 2)}"]
     if args.checkpoint:
         common.append(f"checkpoint={args.checkpoint}")
     if args.tau_min > 0.9 and "tau0.9" in policies:
@@ -498,31 +501,42 @@ def main(argv=None) -> None:
     levels: list[tuple[str, float, list[Result]]] = []
     bursts: dict = {}
     started = time.monotonic()
-    for policy in policies:
-        server = ServerProcess(common + policy_overrides[policy], out / "server_logs" / policy)
-        try:
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f}s] {msg}", flush=True)
+
+    # All servers run side by side (an idle one costs next to nothing) and the levels interleave the
+    # policies, rate by rate, in rotating order: on a machine shared with other jobs, every policy then
+    # meets the same background load.
+    servers = {p: ServerProcess(common + policy_overrides[p], out / "server_logs" / p) for p in policies}
+    try:
+        names = {}
+        for p, server in servers.items():
             server.wait_ready()
-            model = _served_name(server.url)
-            print(f"[{time.monotonic() - started:6.0f}s] {policy}: serving {model} at {server.url}", flush=True)
-            for rate in rates:
-                arrivals = schedule(rate, args.duration, args.seed)
+            names[p] = _served_name(server.url)
+            say(f"{p}: serving {names[p]} at {server.url}")
+        for i, rate in enumerate(rates):
+            arrivals = schedule(rate, args.duration, args.seed)
+            for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
+                server = servers[policy]
                 # every level starts at the first prompt: tau=1.0 outputs of one prompt at different loads
                 # must be identical, and every policy is compared with them
-                res, trace = asyncio.run(run_level(server.url, model, policy, rate, arrivals, prompts, 0,
+                res, trace = asyncio.run(run_level(server.url, names[policy], policy, rate, arrivals, prompts, 0,
                                                    args.max_tokens, args.level_limit, args.timeout))
                 asyncio.run(wait_idle(server.url))
                 results += res
                 traces[f"{policy}@{rate:g}"] = trace
                 levels.append((policy, rate, res))
                 ok = [r for r in res if r.status == 200]
-                print(f"[{time.monotonic() - started:6.0f}s] {policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, "
-                      f"p95 {fmt(pct([r.latency for r in ok], 95), 1)} s", flush=True)
-            if policy == "tau1.0" and not args.no_burst:
-                bursts = asyncio.run(burst(server, model, 4 * args.max_queue, args.burst_max_tokens, args.timeout))
-                print(f"[{time.monotonic() - started:6.0f}s] burst: {bursts}", flush=True)
-        finally:
-            code = server.stop()
-            print(f"[{time.monotonic() - started:6.0f}s] {policy}: server stopped (exit {code})", flush=True)
+                say(f"{policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, p95 {fmt(pct([r.latency for r in ok], 95), 1)} s")
+        if "tau1.0" in servers and not args.no_burst:
+            bursts = asyncio.run(burst(servers["tau1.0"], names["tau1.0"], 4 * args.max_queue, args.burst_max_tokens,
+                                       args.timeout))
+            say(f"burst: {bursts}")
+    finally:
+        for p, server in servers.items():
+            say(f"{p}: server stopped (exit {server.stop()})")
+    levels.sort(key=lambda x: (policies.index(x[0]), x[1]))
     # tau=1.0 outputs are the reference (they do not depend on the load); check that they agree
     reference: dict[int, list[int]] = {}
     seen: dict[int, set] = {}

@@ -47,7 +47,7 @@ class LoadSample:
 @dataclass(frozen=True)
 class AdaptiveSettings:
     signal: str = "queue"
-    target_queue: float = 8.0
+    target_queue: float = 4.0
     target_latency_s: float = 10.0
     high: float = 1.0
     low: float = 0.5
