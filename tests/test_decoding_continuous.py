@@ -112,3 +112,35 @@ def test_generation_past_the_context_is_refused(model, tokenizer):
     with pytest.raises(ValueError, match="would reach position 260, past the model's context of 256"):
         generate(model, tokenizer, [[5] * 200], max_new_tokens=60)
     assert len(generate(model, tokenizer, [[5] * 200], max_new_tokens=56).token_ids[0]) <= 56
+
+
+def test_joining_rows_are_prefilled_in_a_forward_of_their_own(model, tokenizer):
+    engine = DecodeEngine(ModelRunner(model), DecodingSettings(max_new_tokens=12), MASK_ID, [2], tokenizer)
+    first = engine.make_request([5, 6, 7])
+    engine.admit([first])
+    engine.step()
+    joining = engine.make_request(random_prompts((40,), seed=9)[0])
+    engine.admit([joining])
+    assert engine.live == 2 and len(engine.rows) == 1  # waits for the next step's prefill
+    before = engine.forwards
+    events = engine.step()
+    assert engine.forwards == before + 2  # the running row's step, then the newcomer's prefill
+    assert {e.request.id for e in events} == {first.id, joining.id} and len(engine.rows) == 2
+    assert all(len(e.tokens) == 1 for e in events)
+
+
+def test_a_live_rows_threshold_can_change(model, tokenizer):
+    prompt = random_prompts((9,), seed=2)[0]
+    engine = DecodeEngine(ModelRunner(model), DecodingSettings(max_new_tokens=30), MASK_ID, [2], tokenizer)
+    req = engine.make_request(prompt)
+    engine.admit([req])
+    steps = [len(engine.step()[0].tokens) for _ in range(3)]
+    assert steps == [1, 1, 1]
+    assert engine.set_threshold(req.id, 0.2)
+    accepted = []
+    while engine.live:
+        accepted += [len(e.tokens) for e in engine.step()]
+    assert max(accepted) > 1
+    with pytest.raises(ValueError, match="threshold"):
+        engine.set_threshold(req.id, 1.5)
+    assert not engine.set_threshold("no such request", 0.9)

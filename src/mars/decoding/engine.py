@@ -97,6 +97,7 @@ class DecodeEngine:
         self.stepped = False
         self.forwards = 0
         self.seconds = 0.0
+        self.joining: list[Request] = []  # admitted while rows run (cursor cache): prefilled at the next step
         self.out_h: list[list[int]] = []  # generated ids per live row (host copy, for streaming and stops)
         self.mask_h: list[list[bool]] = []  # per generated id: accepted from a mask prediction (not verified)
 
@@ -129,27 +130,54 @@ class DecodeEngine:
                        exact=is_exact_threshold(thr, s.metric), **kwargs)
 
     def admit(self, requests: Sequence[Request]) -> None:
-        """Add requests to the running batch (they take part from the next step on)."""
+        """Add requests to the batch.  With the cursor cache, requests joining rows that are already
+        running are prefilled in a forward of their own at the next step and then merge into the running
+        batch, so the running rows never pay for a newcomer's (padded) prompt."""
         if not requests:
             return
         if self.settings.cache == "block" and self.stepped:
             raise RuntimeError("cache='block' synchronises rows on shared block boundaries; requests can only "
                                "join before the first step (use cache='cursor' for continuous batching)")
-        s = self.settings
-        per_step = s.max_accept if s.max_accept is not None else self.W
-        caps = [1 if (r.exact and not r.verify) else per_step for r in requests]
+        if self.settings.cache == "cursor" and len(self.rows):
+            self.joining.extend(requests)
+            return
+        self._add(requests)
+
+    def _add(self, requests: Sequence[Request]) -> None:
         if any(r.temperature > 0 and r.verify for r in requests) and self.rows.draft_logq is None and self.K:
             vocab = self.runner.vocab_size
             self.rows.draft_logq = torch.zeros((len(self.rows), self.K, vocab), device=self.device)
-        self.rows.add(list(requests), caps, extra=self.W + self.K + 2)
+        self.rows.add(list(requests), [self._cap(r) for r in requests], extra=self.W + self.K + 2)
         self.out_h.extend([] for _ in requests)
         self.mask_h.extend([] for _ in requests)
         if self.cache is not None:
             self.cache.add_rows(len(requests))
 
+    def _cap(self, request: Request) -> int:
+        """Tokens a step may accept for this request: one for exact rows (threshold 1.0), else the window."""
+        s = self.settings
+        return 1 if (request.exact and not request.verify) else (s.max_accept if s.max_accept is not None else self.W)
+
+    def set_threshold(self, request_id, threshold: float) -> bool:
+        """Change a live request's threshold (a server's load-adaptive knob); it applies from the next step."""
+        thr = validate_threshold(threshold, self.settings.metric)
+        for r in self.joining:
+            if r.id == request_id:
+                r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
+                return True
+        for i, r in enumerate(self.rows.requests):
+            if r.id == request_id:
+                if r.verify:
+                    return False  # verified rows are exact at any threshold
+                r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
+                self.rows.thr[i] = thr
+                self.rows.cap[i] = self.rows.cap_h[i] = self._cap(r)
+                return True
+        return False
+
     def cancel(self, request_id) -> bool:
         """Mark a request cancelled; it leaves the batch at the next step (reason ``cancelled``)."""
-        for r in self.rows.requests:
+        for r in [*self.rows.requests, *self.joining]:
             if r.id == request_id:
                 r.cancelled = True
                 return True
@@ -157,27 +185,51 @@ class DecodeEngine:
 
     @property
     def live(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.joining)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """One forward for every live row; returns what each row accepted (and who finished)."""
+        """One forward for every running row (plus one prefill forward for rows joining them); returns
+        what each row accepted and who finished."""
         events = self._retire_cancelled()
-        if not len(self.rows):
-            return events
+        joining = [r for r in self.joining if not r.cancelled]
+        events += [StepEvent(r, [], self.forwards, Finished(r, [], 0, "cancelled")) for r in self.joining if r.cancelled]
+        self.joining = []
         t0 = time.perf_counter()
+        if len(self.rows):
+            events += self._step_rows()
+        if joining:
+            events += self._prefill(joining)
+        self.seconds += time.perf_counter() - t0
+        return events
+
+    def _step_rows(self) -> list[StepEvent]:
         plan = self._plan()
         with packed_gqa(self.runner.model):
             logits = self._forward(plan)
         self.forwards += 1
         self.rows.forwards_h += 1
         accepted = self._accept(plan, logits)
-        events += self._commit_and_retire(plan, accepted)
+        events = self._commit_and_retire(plan, accepted)
         self.stepped = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - t0
+        return events
+
+    def _prefill(self, requests: list[Request]) -> list[StepEvent]:
+        """Joining rows take their first step in a batch of their own, then merge into the running one."""
+        group = DecodeEngine(self.runner, self.settings, self.mask_id, self.eos.tolist(), self.tokenizer)
+        group._add(requests)
+        events = group._step_rows()
+        for e in events:
+            e.forward = self.forwards + 1
+        self.forwards += 1
+        self.rows.extend(group.rows)
+        self.out_h.extend(group.out_h)
+        self.mask_h.extend(group.mask_h)
+        if self.cache is not None and group.cache is not None:
+            self.cache.extend(group.cache)
         return events
 
     def _plan(self) -> dict:

@@ -68,6 +68,20 @@ class RaggedKVLayer(CacheLayerMixin):
             self.keys = self.keys.index_select(0, rows)
             self.values = self.values.index_select(0, rows)
 
+    def extend(self, other: "RaggedKVLayer") -> None:
+        if not other.is_initialized:
+            return
+        if not self.is_initialized:
+            self.keys, self.values = other.keys, other.values
+            self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
+            return
+        width = max(self.keys.shape[2], other.keys.shape[2])
+        for layer in (self, other):
+            if layer.keys.shape[2] < width:
+                layer._pad_positions(width)
+        self.keys = torch.cat([self.keys, other.keys])
+        self.values = torch.cat([self.values, other.values])
+
     def add_rows(self, count: int) -> None:
         if self.is_initialized:
             shape = (count, *self.keys.shape[1:])
@@ -96,6 +110,12 @@ class RaggedKVCache(Cache):
         """Keep only ``rows`` (drop finished ones from the batch)."""
         for layer in self.layers:
             layer.select_rows(rows)
+
+    def extend(self, other: "RaggedKVCache") -> None:
+        """Append ``other``'s rows (a group prefilled on its own joins the running batch)."""
+        self.capacity = max(self.capacity, other.capacity)
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.extend(theirs)
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows (requests joining the running batch)."""

@@ -144,6 +144,28 @@ class RowBatch:
             self.proposed.append([0] * self.K)
             self.accepted.append([0] * self.K)
 
+    def extend(self, other: "RowBatch") -> None:
+        """Append ``other``'s rows (a prefilled group joining the running batch)."""
+        if not len(other):
+            return
+        if other.width > self.width:
+            self._grow(other.width)
+        elif self.width > other.width:
+            other._grow(self.width)
+        if (self.draft_logq is None) != (other.draft_logq is None):
+            for batch in (self, other):
+                if batch.draft_logq is None:
+                    vocab = (other.draft_logq if batch is self else self.draft_logq).shape[-1]
+                    batch.draft_logq = torch.zeros((len(batch), self.K, vocab), device=self.device)
+        for name in ("seq", "n", "start", "end", "thr", "cap", "temp", "verify", "drafts", "n_drafts", "guess"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        if self.draft_logq is not None:
+            self.draft_logq = torch.cat([self.draft_logq, other.draft_logq])
+        for name in ("n_h", "start_h", "plen_h", "end_h", "cap_h", "verify_h", "n_drafts_h", "forwards_h"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+        for name in ("requests", "generators", "proposed", "accepted"):
+            getattr(self, name).extend(getattr(other, name))
+
     def _grow(self, width: int) -> None:
         pad = torch.full((self.seq.shape[0], width - self.width), self.mask_id, dtype=torch.long, device=self.device)
         self.seq = torch.cat([self.seq, pad], dim=1)
