@@ -2,7 +2,8 @@
 continuous batching; HTTP handlers only submit jobs and read their events.
 
 Each iteration: take cancellations and admit waiting jobs into free rows (at the threshold the tau
-policy gives them *now*, not when they arrived), run one engine step (one batched forward), turn each
+policy gives them *now*, not when they arrived, and running rows follow later changes of it), run one engine
+step (one batched forward), turn each
 row's accepted tokens into a text delta and hand it to the job's sink (the handler's asyncio queue),
 update the policy and the metrics.  Bounded memory: at most ``max_batch`` rows and ``max_queue``
 waiting jobs beyond the free rows; :meth:`EngineLoop.submit` refuses more (the route answers 429).
@@ -217,6 +218,7 @@ class EngineLoop:
         tau = self.policy.update(LoadSample(now, waiting=waiting + len(admit), running=len(self.live),
                                             recent_latency_s=self._recent_latency,
                                             oldest_age_s=None if oldest is None else now - oldest))
+        self._retune(tau)
         self._admit(admit, now)
         self.metrics.refresh(queued=waiting, running=self.engine.live, tau=tau, now=now)
         if not self.engine.live:
@@ -225,6 +227,16 @@ class EngineLoop:
             return True
         self._step()
         return True
+
+    def _retune(self, tau: float) -> None:
+        """A new server tau reaches the running rows that follow it (no threshold of their own, not verified)
+        from their next step, so a load spike speeds up the requests already decoding, not only new ones."""
+        for job in self.live.values():
+            if job.threshold is not None or job.verify or job.failed:
+                continue
+            served = self.policy.for_request(None, False)
+            if served != job.served_tau and self.engine.set_threshold(job.id, served):
+                job.served_tau = served
 
     def _admit(self, jobs: list[Job], now: float) -> None:
         requests = []
