@@ -170,8 +170,10 @@ class DecodeEngine:
                 if r.verify:
                     return False  # verified rows are exact at any threshold
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
-                self.rows.thr[i] = thr
-                self.rows.cap[i] = self.rows.cap_h[i] = self._cap(r)
+                with torch.inference_mode():  # the row tensors were made inside a step
+                    self.rows.thr[i] = thr
+                    self.rows.cap[i] = self._cap(r)
+                self.rows.cap_h[i] = self._cap(r)
                 return True
         return False
 
