@@ -74,3 +74,16 @@ def test_the_fingerprint_ignores_how_and_where_but_not_what(compose_cfg, tiny_tr
     d = run_fingerprint(compose_cfg("train", tiny_train_overrides + distill))
     assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.batch_size=3"])) == d
     assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.max_new_tokens=9"])) != d
+
+
+def test_a_request_that_failed_before_training_does_not_lock_its_folder(compose_cfg, tiny_train_overrides, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi", "response": "hello"}\n{"prompt": "broken\n')
+    overrides = base(tiny_train_overrides) + [f"data.path={rows}"]
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        run(compose_cfg("train", overrides))
+    from conftest import TINY_SFT
+
+    rows.write_text(TINY_SFT.read_text())  # fixed: other content, so another fingerprint
+    run(compose_cfg("train", overrides))
+    assert json.loads((tmp_path / "run" / "train_summary.json").read_text())["complete"]

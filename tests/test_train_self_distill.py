@@ -2,6 +2,7 @@
 those rows, and a second run reuses the cached answers instead of generating again."""
 
 import json
+from pathlib import Path
 
 from mars.train import run
 
@@ -64,7 +65,7 @@ def test_self_distilled_rows_train_and_the_cache_is_reused(compose_cfg, tiny_tra
 
     first = run(compose_cfg("train", distill_overrides(tiny_train_overrides, tmp_path, tmp_path / "first")))
     assert calls == ["distill", "train model"]  # the answers exist before the training model loads
-    rows = [json.loads(line) for line in open(used[0])]
+    rows = [json.loads(line) for line in Path(used[0]).read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [f"p{i}" for i in range(len(PROMPTS))]
     assert all(r["messages"][-1]["content"] and r["finished"] is False for r in rows)  # cut at 8 tokens
     assert json.loads((tmp_path / "first" / "train_summary.json").read_text())["global_step"] == 2

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from mars.checkpoint_meta import METADATA_FILE  # noqa: F401  (re-exported)
+from mars.checkpoint_meta import METADATA_FILE
 
 log = logging.getLogger(__name__)
 

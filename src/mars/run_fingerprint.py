@@ -182,15 +182,21 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, fingerprint: dict[str, Any], *,
-                     overwrite: bool = False, write: bool = True, run_name: str | None = None) -> None:
-    """Refuse a folder started with other settings; with ``overwrite`` clear it for a fresh run.
+def holds_results(out_dir: str | os.PathLike, export_dir: str | os.PathLike) -> bool:
+    """A checkpoint or an export: something a rerun would resume from or skip for."""
+    checkpoints = Path(out_dir) / "checkpoints"
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (Path(export_dir) / "mars_config.json").is_file()
 
-    ``write=False`` (ranks other than 0) only checks.  On success the folder records ``fingerprint``.
-    """
+
+def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, fingerprint: dict[str, Any], *,
+                     overwrite: bool = False, clear: bool = True, run_name: str | None = None) -> None:
+    """Refuse a folder that holds checkpoints or an export of other settings; with ``overwrite`` clear it
+    for a fresh run (only where ``clear``: global rank 0).  Writes nothing else: the fingerprint is recorded
+    by :func:`record_fingerprint` once training starts, so a request that fails before (bad rows, a model
+    that does not load) leaves no record that would refuse its corrected rerun."""
     out, export = Path(out_dir), Path(export_dir)
     if overwrite:
-        if write:
+        if clear:
             for name in RUN_OUTPUTS:
                 target = out / name
                 if target.is_dir():
@@ -199,26 +205,31 @@ def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, 
                     target.unlink()
             if export.is_dir():
                 shutil.rmtree(export)
-    else:
-        saved = read_fingerprint(out)
-        if saved is not None:
-            diff = differences(saved, fingerprint)
-            if diff:
-                shown = "; ".join(f"{k}: folder has {a!r}, now {b!r}" for k, a, b in diff[:10])
-                more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
-                raise RunMismatchError(
-                    f"The run folder {out} was started with other settings ({shown}{more}). Resuming or "
-                    "skipping it would give a checkpoint whose recorded config is false. Start a separate run "
-                    f"with run_name=<new name> (now {run_name!r}) or output_dir=..., or retrain this folder from "
-                    "scratch with overwrite=true (deletes its checkpoints and export)."
-                )
-        elif (out / "checkpoints").is_dir() or (export / "mars_config.json").is_file():
-            log.warning("%s was written before run fingerprints existed; its settings cannot be checked. "
-                        "Recording the current ones.", out)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / FINGERPRINT_FILE, fingerprint)
+        return
+    if not holds_results(out, export):
+        return  # nothing to resume or skip: any earlier record is simply replaced
+    saved = read_fingerprint(out)
+    if saved is None:
+        log.warning("%s was written before run fingerprints existed; its settings cannot be checked. "
+                    "Recording the current ones.", out)
+        return
+    diff = differences(saved, fingerprint)
+    if diff:
+        shown = "; ".join(f"{k}: folder has {a!r}, now {b!r}" for k, a, b in diff[:10])
+        more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
+        raise RunMismatchError(
+            f"The run folder {out} was started with other settings ({shown}{more}). Resuming or skipping it "
+            "would give a checkpoint whose recorded config is false. Start a separate run with "
+            f"run_name=<new name> (now {run_name!r}) or output_dir=..., or retrain this folder from scratch "
+            "with overwrite=true (deletes its checkpoints and export)."
+        )
 
 
-__all__ = ["FINGERPRINT_FILE", "RunMismatchError", "run_fingerprint", "check_run_folder", "differences",
-           "read_fingerprint", "file_digest", "world_size"]
+def record_fingerprint(out_dir: str | os.PathLike, fingerprint: dict[str, Any]) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / FINGERPRINT_FILE, fingerprint)
+
+
+__all__ = ["FINGERPRINT_FILE", "RunMismatchError", "check_run_folder", "differences", "file_digest", "holds_results",
+           "read_fingerprint", "record_fingerprint", "run_fingerprint", "world_size"]

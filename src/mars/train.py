@@ -30,7 +30,7 @@ from mars.models import check_model_source, load_model
 from mars.module import MarsModule
 from mars.objectives import Objective
 from mars.precision import resolve_precision
-from mars.run_fingerprint import check_run_folder, run_fingerprint
+from mars.run_fingerprint import check_run_folder, record_fingerprint, run_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def launched_as_rank_zero() -> bool:
     and ``NODE_RANK``."""
     if "RANK" in os.environ:
         return int(os.environ["RANK"]) == 0
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -294,15 +294,14 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     objective = validate(cfg)
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
-    check_run_folder(out_dir, export_dir, run_fingerprint(cfg), overwrite=bool(cfg.overwrite), write=rank_zero,
+    fingerprint = run_fingerprint(cfg)
+    check_run_folder(out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero,
                      run_name=cfg.run_name)
     if not cfg.overwrite and is_complete(export_dir):
         log.info("%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)",
                  export_dir)
         print(f"checkpoint (already trained): {export_dir}")
         return export_dir
-    if rank_zero:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.get("tiny") else None
@@ -356,6 +355,9 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         all_callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(strategy=strategy, callbacks=all_callbacks, logger=logger, default_root_dir=out_dir,
                         enable_checkpointing=True, use_distributed_sampler=False, **trainer_cfg)
+    if rank_zero:  # everything loaded: from here on the folder belongs to these settings
+        record_fingerprint(out_dir, fingerprint)
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=resolve_resume(cfg, out_dir))
     seconds = time.perf_counter() - start
