@@ -297,7 +297,8 @@ def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSetti
             raise ValueError(f"{folder} holds self-distilled data of another model or decoding setting; "
                              "delete it or choose distill.root")
     folder.mkdir(parents=True, exist_ok=True)
-    _write_text(meta_path, json.dumps({"fingerprint": fp}, indent=2) + "\n")
+    if not meta_path.is_file():
+        _write_text(meta_path, json.dumps({"fingerprint": fp}, indent=2) + "\n")
     set_hash = prompt_set_hash(prompts)[:16]
     set_rows, set_meta = folder / "sets" / f"{set_hash}.jsonl", folder / "sets" / f"{set_hash}.json"
     if set_meta.is_file() and json.loads(set_meta.read_text()).get("complete") and set_rows.is_file():
@@ -385,7 +386,7 @@ def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None =
     data_cfg = dict(data_cfg)
     distill = dict(data_cfg.pop("distill", None) or {})
     spec = PromptSpec(**dict(distill.pop("prompts", None) or {}))
-    drop_unfinished = bool(distill.pop("drop_unfinished", True))
+    drop_unfinished = bool(distill.pop("drop_unfinished", False))
     settings = DistillSettings(**distill)
     prompts = load_prompts(spec)
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) > 0:
