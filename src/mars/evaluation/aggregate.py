@@ -1,26 +1,58 @@
 """From the per-(threshold, task) files of a results folder to one row per table cell ("point").
 
 A suite entry that is a group (BBH, MMLU-Pro) scores the size-weighted mean of its leaves, and its
-decoder statistics are summed over the leaves.  ``agreement`` is the share of samples whose output
-text equals the reference-threshold (AR, tau = 1.0) output: a fidelity figure the paper does not report.
-The ``Average`` row is the unweighted mean over the suite's entries, as in the paper's Avg column.
+decoder statistics are summed over the leaves; its documents are pooled (keyed by leaf and doc id) for
+the intervals.  Every point carries, besides the paper's accuracy and tokens per forward:
+
+- 95% intervals (:mod:`mars.evaluation.agreement`): accuracy (Wilson for 0/1 scores, else bootstrap),
+  its change from tau = 1.0 as a *paired* bootstrap over the same documents (``accuracy_delta_lo/hi``),
+  tokens per forward over requests;
+- agreement with the same run's tau = 1.0 output of the same prompt: ``agreement`` (identical text),
+  ``agreement_chrf``, ``agreement_token_f1``, and from the decoder's per-sample ``fidelity`` record the
+  share of mask-accepted tokens equal to the model's own greedy AR choice (``fidelity``), the same over
+  all tokens (``ar_equal``) and the share of tokens taken from masks (``mask_share``), each with ``_lo/_hi``;
+- for each folder in ``compare``, the paired difference against that run on the same documents, at the
+  same threshold (``compare_delta``) and against its tau = 1.0 point (``compare_ar_delta``): e.g. MARS at
+  0.9 against the AR-SFT model trained for as many steps.  points.json lists every compared run under
+  ``compare``; points.csv has the first one's columns.
+
+A suite entry may say ``score: chrf`` (or ``token_f1``, ``exact``): its accuracy is then that similarity
+to the tau = 1.0 output rather than lm-eval's metric (the held-out prompts have no gold answer), and it is
+left out of the Average's accuracy.  The ``Average`` row is the unweighted mean over the suite's entries
+(accuracy over the metric-scored ones), as in the paper's Avg column; its intervals come from a stratified
+bootstrap for the paired changes and the entries' own intervals combined for the rest.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from mars.evaluation import agreement as stats
 from mars.evaluation.config import Plan, reference_threshold
-from mars.evaluation.store import ResultsDir, write_json, atomic_write_text
+from mars.evaluation.store import ResultsDir, atomic_write_text, write_json
 
 AVERAGE = "Average"
+SCORE_KINDS = ("metric", "chrf", "token_f1", "exact")
+INTERVAL_KEYS = ("accuracy", "accuracy_delta", "tokens_per_forward", "agreement", "agreement_chrf",
+                 "agreement_token_f1", "fidelity", "ar_equal", "mask_share", "compare_delta", "compare_ar_delta")
 FIELDS = (
-    "label", "model", "block_size", "threshold", "task", "lm_eval_task", "metric", "accuracy", "accuracy_delta",
-    "tokens_per_forward", "batch_tokens_per_forward", "tokens_per_second", "wall_seconds", "generated_tokens",
-    "n_samples", "agreement", "is_reference",
+    "label", "model", "block_size", "threshold", "task", "lm_eval_task", "metric", "score",
+    "accuracy", "accuracy_lo", "accuracy_hi", "accuracy_delta", "accuracy_delta_lo", "accuracy_delta_hi", "n_paired",
+    "tokens_per_forward", "tokens_per_forward_lo", "tokens_per_forward_hi", "batch_tokens_per_forward",
+    "tokens_per_second", "wall_seconds", "generated_tokens", "n_samples",
+    "agreement", "agreement_lo", "agreement_hi", "agreement_chrf", "agreement_chrf_lo", "agreement_chrf_hi",
+    "agreement_token_f1", "agreement_token_f1_lo", "agreement_token_f1_hi",
+    "fidelity", "fidelity_lo", "fidelity_hi", "fidelity_tokens", "ar_equal", "ar_equal_lo", "ar_equal_hi",
+    "mask_share", "mask_share_lo", "mask_share_hi",
+    "compare_label", "compare_threshold", "compare_delta", "compare_delta_lo", "compare_delta_hi", "compare_n",
+    "compare_ar_delta", "compare_ar_delta_lo", "compare_ar_delta_hi",
+    "is_reference",
 )
 
 
@@ -29,50 +61,232 @@ def _nanmean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _num(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def score_kinds(benchmarks: Mapping[str, Any] | None) -> dict[str, str]:
+    """Suite entry name -> what its accuracy cell shows (``score:`` in the suite, default ``metric``);
+    an unknown value is refused with the allowed ones."""
+    kinds = {}
+    for entry in (benchmarks or {}).get("tasks") or []:
+        if isinstance(entry, Mapping):
+            kind = str(entry.get("score") or "metric")
+            if kind not in SCORE_KINDS:
+                raise ValueError(f"benchmarks task {entry.get('name')!r}: score must be one of {list(SCORE_KINDS)}, "
+                                 f"got {kind!r}")
+            kinds[str(entry.get("name"))] = kind
+    return kinds
+
+
+class _Samples:
+    """Sample rows of one results folder, read once per (threshold, leaf) and keyed by (leaf, doc id)."""
+
+    def __init__(self, store: ResultsDir):
+        self.store = store
+        self._cache: dict[tuple[float, str], dict] = {}
+
+    def complete(self, threshold: float, leaves: list[str]) -> bool:
+        return bool(leaves) and all(self.store.is_complete(threshold, leaf) for leaf in leaves)
+
+    def rows(self, threshold: float, leaves: list[str]) -> dict[tuple[str, Any], dict] | None:
+        if not self.complete(threshold, leaves):
+            return None
+        out = {}
+        for leaf in leaves:
+            if (threshold, leaf) not in self._cache:
+                self._cache[(threshold, leaf)] = {r["doc_id"]: r for r in self.store.read_samples(threshold, leaf)}
+            out.update({(leaf, doc): row for doc, row in self._cache[(threshold, leaf)].items()})
+        return out
+
+    def scores(self, threshold: float, leaves: list[str], kind: str, reference: float) -> dict | None:
+        """Per-document score: lm-eval's (``metric``) or the similarity to the reference output."""
+        rows = self.rows(threshold, leaves)
+        if rows is None:
+            return None
+        if kind == "metric":
+            return {k: _num(r.get("score")) for k, r in rows.items()}
+        ref = self.rows(reference, leaves)
+        if ref is None:
+            return None
+        return {k: stats.similarity(kind, r.get("output"), ref[k].get("output")) for k, r in rows.items() if k in ref}
+
+
 def agreement(store: ResultsDir, threshold: float, reference: float, leaves: list[str]) -> float | None:
     """Share of samples (over ``leaves``) whose output text equals the reference point's output."""
-    same = total = 0
-    for leaf in leaves:
-        if not store.is_complete(reference, leaf):
-            return None
-        ref = {r["doc_id"]: r.get("output") for r in store.read_samples(reference, leaf)}
-        for row in store.read_samples(threshold, leaf):
-            if row["doc_id"] in ref:
-                total += 1
-                same += int(row.get("output") == ref[row["doc_id"]])
-    return same / total if total else None
+    samples = _Samples(store)
+    rows, ref = samples.rows(threshold, leaves), samples.rows(reference, leaves)
+    if rows is None or ref is None:
+        return None
+    pairs = [(r.get("output"), ref[k].get("output")) for k, r in rows.items() if k in ref]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
-def _entry_point(plan: Plan, store: ResultsDir, threshold: float, spec, reference: float) -> dict[str, Any] | None:
-    if not all(store.is_complete(threshold, leaf) for leaf in spec.leaves):
+def _paired(a: dict | None, b: dict | None) -> stats.Estimate:
+    if not a or not b:
+        return stats.NONE
+    keys = [k for k in a if k in b]
+    return stats.paired_difference([a[k] for k in keys], [b[k] for k in keys])
+
+
+def _compare_label(path: Path) -> str:
+    try:
+        points = json.loads((path / "points.json").read_text())
+        if points and points[0].get("label"):
+            return str(points[0]["label"])
+    except (OSError, ValueError):
+        pass
+    return path.name
+
+
+def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _Samples]], threshold: float, spec,
+                 reference: float, kind: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    store = samples.store
+    if not samples.complete(threshold, spec.leaves):
         return None
     summaries = [store.read_summary(threshold, leaf) for leaf in spec.leaves]
     n = sum(s["n_samples"] for s in summaries)
-    acc = sum(s["accuracy"] * s["n_samples"] for s in summaries) / n if n else float("nan")
     dec = [s.get("decoder") or {} for s in summaries]
     tokens = sum(d.get("generated_tokens", 0) for d in dec)
     row_fw = sum(d.get("row_forwards", 0) for d in dec)
     batch_fw = sum(d.get("batch_forwards", 0) for d in dec)
     seconds = sum(d.get("seconds", 0.0) for d in dec)
-    return {
+
+    rows = samples.rows(threshold, spec.leaves) or {}
+    ref_rows = samples.rows(reference, spec.leaves)
+    scores = samples.scores(threshold, spec.leaves, kind, reference)
+    ref_scores = samples.scores(reference, spec.leaves, kind, reference)
+    acc = stats.mean_interval((scores or {}).values(), binary=None if kind in ("metric", "exact") else False)
+    if kind != "metric" and threshold == reference:  # the reference against itself: 1.0 by definition
+        acc = stats.Estimate(acc.value, acc.value, acc.value, acc.n)
+    if kind == "metric":  # lm-eval's own aggregate (equal to the sample mean for mean-aggregated metrics)
+        value = sum(s["accuracy"] * s["n_samples"] for s in summaries) / n if n else float("nan")
+        acc = stats.Estimate(value, acc.lo, acc.hi, acc.n)
+    delta = _paired(scores, ref_scores) if threshold != reference else stats.Estimate(0.0, 0.0, 0.0, len(rows))
+    counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
+    tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
+    pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
+    figures = stats.agreement_figures(pairs) if pairs else {}
+    if threshold == reference:  # identity, not a sample: no interval around 100%
+        figures.update({k: stats.Estimate(e.value, e.value, e.value, e.n) for k, e in figures.items()
+                        if k in stats.SIMILARITY})
+    point: dict[str, Any] = {
         "label": plan.curve_label,
         "model": plan.model_label,
         "block_size": plan.block_size,
         "threshold": threshold,
         "task": spec.label,
         "lm_eval_task": spec.name,
-        "metric": summaries[0]["metric"],
-        "accuracy": acc,
+        "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
+        "score": kind,
+        **acc.fields("accuracy"),
         "accuracy_delta": None,
+        "accuracy_delta_lo": delta.lo,
+        "accuracy_delta_hi": delta.hi,
+        "n_paired": delta.n,
         "tokens_per_forward": tokens / row_fw if row_fw else None,
+        "tokens_per_forward_lo": tpf.lo,
+        "tokens_per_forward_hi": tpf.hi,
         "batch_tokens_per_forward": tokens / batch_fw if batch_fw else None,
         "tokens_per_second": tokens / seconds if seconds > 0 else None,
         "wall_seconds": seconds,
         "generated_tokens": tokens,
         "n_samples": n,
-        "agreement": agreement(store, threshold, reference, spec.leaves),
         "is_reference": threshold == reference,
     }
+    for name, key in (("exact", "agreement"), ("chrf", "agreement_chrf"), ("token_f1", "agreement_token_f1"),
+                      ("fidelity", "fidelity"), ("ar_equal", "ar_equal"), ("mask_share", "mask_share")):
+        point.update(figures.get(name, stats.NONE).fields(key))
+    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
+    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+
+    compares = []
+    extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs, "compare": []}
+    for label, path, other in others:
+        same = other.scores(threshold, spec.leaves, kind, reference)
+        ar = other.scores(reference, spec.leaves, kind, reference)
+        d_same, d_ar = _paired(scores, same), _paired(scores, ar)
+        compares.append({"label": label, "path": str(path), "threshold": threshold if same is not None else None,
+                         "delta": d_same.value, "delta_lo": d_same.lo, "delta_hi": d_same.hi, "n": d_same.n,
+                         "ar_delta": d_ar.value, "ar_delta_lo": d_ar.lo, "ar_delta_hi": d_ar.hi, "ar_n": d_ar.n})
+        extras["compare"].append((same, ar))
+    point["compare"] = compares
+    _flatten_compare(point)
+    return point, extras
+
+
+def _flatten_compare(point: dict[str, Any]) -> None:
+    first = (point.get("compare") or [None])[0] or {}
+    point.update({
+        "compare_label": first.get("label"), "compare_threshold": first.get("threshold"),
+        "compare_delta": first.get("delta"), "compare_delta_lo": first.get("delta_lo"),
+        "compare_delta_hi": first.get("delta_hi"), "compare_n": first.get("n"),
+        "compare_ar_delta": first.get("ar_delta"), "compare_ar_delta_lo": first.get("ar_delta_lo"),
+        "compare_ar_delta_hi": first.get("ar_delta_hi"),
+    })
+
+
+def _estimate(p: dict[str, Any], key: str) -> stats.Estimate:
+    return stats.Estimate(p.get(key), p.get(f"{key}_lo"), p.get(f"{key}_hi"), int(p.get("n_samples") or 0))
+
+
+def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: list) -> dict[str, Any]:
+    """The Average column of one threshold: unweighted means over the entries (accuracy over the
+    metric-scored ones); each figure's interval combines the entries' own intervals
+    (:func:`~mars.evaluation.agreement.combine_intervals`), the paired changes come from a stratified
+    paired bootstrap (identical outputs everywhere: a zero-width interval)."""
+    metric = [i for i, p in enumerate(row) if p["score"] == "metric"]
+    paired = []
+    for i in metric:
+        a, b = extras[i]["scores"] or {}, extras[i]["ref_scores"] or {}
+        keys = [k for k in a if k in b]
+        paired.append(([a[k] for k in keys], [b[k] for k in keys]))
+    delta = stats.mean_of_paired_differences(paired) if not row[0]["is_reference"] else stats.Estimate(0.0, 0.0, 0.0)
+    acc = stats.combine_intervals([_estimate(row[i], "accuracy") for i in metric])
+    point = {
+        **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference")},
+        "task": AVERAGE, "lm_eval_task": None, "metric": "mean over tasks", "score": "metric",
+        "accuracy": _nanmean([row[i]["accuracy"] for i in metric]), "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
+        "accuracy_delta": None, "accuracy_delta_lo": delta.lo, "accuracy_delta_hi": delta.hi, "n_paired": delta.n,
+        "batch_tokens_per_forward": _nanmean([p["batch_tokens_per_forward"] for p in row]),
+        "tokens_per_second": (sum(p["generated_tokens"] for p in row) / s
+                              if (s := sum(p["wall_seconds"] for p in row)) > 0 else None),
+        "wall_seconds": sum(p["wall_seconds"] for p in row),
+        "generated_tokens": sum(p["generated_tokens"] for p in row),
+        "n_samples": sum(p["n_samples"] for p in row),
+    }
+    for key in ("tokens_per_forward", "agreement", "agreement_chrf", "agreement_token_f1", "fidelity", "ar_equal",
+                "mask_share"):
+        est = stats.combine_intervals([_estimate(p, key) for p in row],
+                                      bounds=None if key == "tokens_per_forward" else (0.0, 1.0))
+        point.update({key: _nanmean([p[key] for p in row]), f"{key}_lo": est.lo, f"{key}_hi": est.hi})
+    point["fidelity_tokens"] = (sum(p["fidelity_tokens"] or 0 for p in row)
+                                if any(p["fidelity_tokens"] is not None for p in row) else None)
+    compares = []
+    for j, (label, path, _) in enumerate(others):
+        same_groups, ar_groups = [], []
+        for i in metric:
+            a = extras[i]["scores"] or {}
+            same, ar = extras[i]["compare"][j]
+            for target, groups in ((same, same_groups), (ar, ar_groups)):
+                if target is not None:
+                    keys = [k for k in a if k in target]
+                    groups.append(([a[k] for k in keys], [target[k] for k in keys]))
+        complete = len(same_groups) == len(metric) and metric
+        d_same = stats.mean_of_paired_differences(same_groups) if complete else stats.NONE
+        d_ar = stats.mean_of_paired_differences(ar_groups) if len(ar_groups) == len(metric) and metric else stats.NONE
+        compares.append({"label": label, "path": str(path), "threshold": row[0]["threshold"] if complete else None,
+                         "delta": d_same.value, "delta_lo": d_same.lo, "delta_hi": d_same.hi, "n": d_same.n,
+                         "ar_delta": d_ar.value, "ar_delta_lo": d_ar.lo, "ar_delta_hi": d_ar.hi, "ar_n": d_ar.n})
+    point["compare"] = compares
+    _flatten_compare(point)
+    return point
 
 
 def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:
@@ -80,28 +294,20 @@ def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:
     writes points.json and points.csv."""
     metric = str(plan.decoding.get("metric", "probability"))
     reference = reference_threshold(metric)
+    kinds = score_kinds(plan.resolved.get("benchmarks"))
+    samples = _Samples(store)
+    others = [(_compare_label(Path(p)), Path(p), _Samples(ResultsDir(p))) for p in (plan.compare or [])]
     thresholds = sorted(set(store.thresholds_on_disk()) | set(plan.thresholds), reverse=(metric != "entropy"))
     points: list[dict[str, Any]] = []
     for thr in thresholds:
-        row = [p for spec in plan.suite.tasks if (p := _entry_point(plan, store, thr, spec, reference))]
-        if not row:
+        built = [b for spec in plan.suite.tasks
+                 if (b := _entry_point(plan, samples, others, thr, spec, reference, kinds.get(spec.name, "metric")))]
+        if not built:
             continue
+        row, extras = [b[0] for b in built], [b[1] for b in built]
         points.extend(row)
         if len(row) == len(plan.suite.tasks) and len(row) > 1:
-            points.append({
-                **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference")},
-                "task": AVERAGE, "lm_eval_task": None, "metric": "mean over tasks",
-                "accuracy": _nanmean([p["accuracy"] for p in row]),
-                "accuracy_delta": None,
-                "tokens_per_forward": _nanmean([p["tokens_per_forward"] for p in row]),
-                "batch_tokens_per_forward": _nanmean([p["batch_tokens_per_forward"] for p in row]),
-                "tokens_per_second": (sum(p["generated_tokens"] for p in row) / s
-                                      if (s := sum(p["wall_seconds"] for p in row)) > 0 else None),
-                "wall_seconds": sum(p["wall_seconds"] for p in row),
-                "generated_tokens": sum(p["generated_tokens"] for p in row),
-                "n_samples": sum(p["n_samples"] for p in row),
-                "agreement": _nanmean([p["agreement"] for p in row]),
-            })
+            points.append(_average(row, extras, others))
     ref_acc = {p["task"]: p["accuracy"] for p in points if p["threshold"] == reference}
     for p in points:
         if p["task"] in ref_acc and p["accuracy"] is not None and ref_acc[p["task"]] is not None:

@@ -1,7 +1,11 @@
 """Pareto plots: accuracy against tokens per forward, one PNG per task plus the average.
 
 One curve per model/block label (this run, plus the runs named in ``compare``), each point labelled
-with its threshold, and a dashed horizontal line at each curve's tau = 1.0 (AR) accuracy.
+with its threshold and drawn with 95% intervals on both axes: tokens per forward, bootstrap over requests;
+accuracy, for the tau = 1.0 point its own interval (Wilson or bootstrap) and for the other points the
+paired interval of their change from tau = 1.0 placed around them.  Each curve's tau = 1.0 (AR) accuracy
+is a dashed line inside a shaded band (that point's own interval): a bar that stays clear of the dashed
+line is a change beyond noise on the same documents.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labelled = []  # (color, xs, ys, thresholds) per curve, annotated once the axes are final
+    ylabel = "accuracy (%)"
     for i, (label, pts) in enumerate(sorted(curves.items())):
         pts = [p for p in pts if p.get("tokens_per_forward") is not None and p.get("accuracy") is not None]
         if not pts:
@@ -45,15 +50,24 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
         pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
         xs = [p["tokens_per_forward"] for p in pts]
         ys = [100 * p["accuracy"] for p in pts]
-        ax.plot(xs, ys, "-o", color=color, label=label, markersize=5)
+        xerr = _errors(pts, "tokens_per_forward", 1.0)
+        yerr = _errors(pts, "accuracy", 100.0, paired=True)
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="-o", color=color, label=label, markersize=5,
+                    elinewidth=1, capsize=2)
         labelled.append((color, xs, ys, [p["threshold"] for p in pts]))
         ref = [p for p in pts if p.get("is_reference")]
         if ref:
-            ax.axhline(100 * ref[0]["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
-                       label=f"{label}: AR (τ={fmt_threshold(ref[0]['threshold'])})")
+            r = ref[0]
+            ax.axhline(100 * r["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
+                       label=f"{label}: AR (τ={fmt_threshold(r['threshold'])})")
+            if r.get("accuracy_lo") is not None and r.get("accuracy_hi") is not None:
+                ax.axhspan(100 * r["accuracy_lo"], 100 * r["accuracy_hi"], color=color, alpha=0.12, linewidth=0)
+        if any(p.get("score") not in (None, "metric") for p in pts):
+            ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
     ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"{task}: accuracy vs tokens per forward")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{task}: {ylabel.split(' (')[0]} vs tokens per forward" if ylabel.startswith("accuracy")
+                 else f"{task} vs tokens per forward", fontsize=10)
     ax.grid(True, alpha=0.3)
     lo, hi = ax.get_xlim()
     lo, hi = min(lo, 0.95), max(hi, 1.05)
@@ -62,14 +76,36 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     if hi - lo < 2:  # a flat curve (e.g. a random model at 0%) still gets a readable axis
         mid = (hi + lo) / 2
         ax.set_ylim(max(-1, mid - 5), mid + 5)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, -1.0), min(hi, 101.0))  # percentages: no empty room past 0 and 100
     for color, xs, ys, thresholds in labelled:
         _annotate_thresholds(ax, xs, ys, thresholds, color)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="best", title="bars: 95% CI; below τ=1.0 paired vs τ=1.0", title_fontsize=6)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def _errors(pts: list[dict[str, Any]], key: str, scale: float, paired: bool = False):
+    """Asymmetric error bars (2 x n) from ``<key>_lo``/``<key>_hi``; None when no point has an interval.
+
+    ``paired``: a point below the reference threshold gets the paired interval of its change from
+    tau = 1.0 (``<key>_delta_lo/hi``) around it instead of its own, so a bar that stays clear of the AR
+    line is a change beyond noise on the same documents (its own interval is much wider, since most
+    documents are shared)."""
+    if not any(p.get(f"{key}_lo") is not None for p in pts):
+        return None
+    low, high = [], []
+    for p in pts:
+        v, lo, hi = p[key], p.get(f"{key}_lo"), p.get(f"{key}_hi")
+        d, dlo, dhi = p.get(f"{key}_delta"), p.get(f"{key}_delta_lo"), p.get(f"{key}_delta_hi")
+        if paired and not p.get("is_reference") and None not in (d, dlo, dhi):
+            v, lo, hi = d, dlo, dhi
+        low.append(0.0 if lo is None else max(0.0, scale * (v - lo)))
+        high.append(0.0 if hi is None else max(0.0, scale * (hi - v)))
+    return [low, high]
 
 
 def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.0, label_height: float = 12.0) -> None:

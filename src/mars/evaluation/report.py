@@ -1,6 +1,8 @@
 """The markdown table, laid out like the paper's Tables 4/8: one column per benchmark plus the average;
-per threshold the accuracy with its change from tau = 1.0, the tokens per forward beneath it, and the
-agreement with the tau = 1.0 output; a second table gives throughput and wall time."""
+per threshold the accuracy with its change from tau = 1.0, the 95% intervals of both (the change as a
+paired bootstrap over the same documents), the tokens per forward with its interval, and the agreement
+with the tau = 1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
+with its interval), the paired comparisons with the runs named in ``compare``, and throughput."""
 
 from __future__ import annotations
 
@@ -9,15 +11,6 @@ from typing import Any
 from mars.evaluation.aggregate import AVERAGE
 from mars.evaluation.config import Plan, reference_threshold
 from mars.evaluation.store import ResultsDir, atomic_write_text
-
-
-def _fmt_acc(p: dict[str, Any] | None) -> str:
-    if p is None or p.get("accuracy") is None:
-        return "–"
-    text = f"{100 * p['accuracy']:.1f}"
-    if p.get("accuracy_delta") is not None and not p.get("is_reference"):
-        text += f" ({100 * p['accuracy_delta']:+.1f})"
-    return text
 
 
 def fmt_threshold(thr: float) -> str:
@@ -30,30 +23,82 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def fmt_interval(value: float | None, lo: float | None, hi: float | None, spec: str = ".1f",
+                 scale: float = 100.0, sign: bool = False) -> str:
+    """``31.2 [29.8, 32.5]`` (``-0.4 [-1.1, 0.2]`` with ``sign``); the bracket is left out when the
+    interval is unknown, and "–" stands for an unknown value."""
+    if value is None:
+        return "–"
+    s = f"{scale * value:+{spec}}" if sign else f"{scale * value:{spec}}"
+    if lo is None or hi is None:
+        return s
+    return f"{s} [{scale * lo:{spec}}, {scale * hi:{spec}}]"
+
+
+def _fmt_acc(p: dict[str, Any] | None) -> str:
+    if p is None or p.get("accuracy") is None:
+        return "–"
+    text = f"{100 * p['accuracy']:.1f}"
+    if p.get("accuracy_delta") is not None and not p.get("is_reference"):
+        text += f" ({100 * p['accuracy_delta']:+.1f})"
+    return text
+
+
+def _fmt_ci(p: dict[str, Any] | None) -> str:
+    """The intervals of the accuracy and (paired) of its change: ``[29.8, 32.5] (Δ [-1.1, 0.2])``."""
+    if p is None or p.get("accuracy_lo") is None:
+        return "–"
+    text = f"[{100 * p['accuracy_lo']:.1f}, {100 * p['accuracy_hi']:.1f}]"
+    if not p.get("is_reference") and p.get("accuracy_delta_lo") is not None:
+        text += f" (Δ [{100 * p['accuracy_delta_lo']:+.1f}, {100 * p['accuracy_delta_hi']:+.1f}])"
+    return text
+
+
+def _get(cell: dict, key: tuple, field: str):
+    return (cell.get(key) or {}).get(field)
+
+
+def _interval_cell(p: dict[str, Any] | None, key: str, spec: str = ".1f", scale: float = 100.0,
+                   suffix: str = "") -> str:
+    if p is None or p.get(key) is None:
+        return "–"
+    return fmt_interval(p.get(key), p.get(f"{key}_lo"), p.get(f"{key}_hi"), spec, scale) + suffix
+
+
 def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
     metric = str(plan.decoding.get("metric", "probability"))
     reference = reference_threshold(metric)
+    ref = fmt_threshold(reference)
     columns = [spec.label for spec in plan.suite.tasks] + ([AVERAGE] if len(plan.suite.tasks) > 1 else [])
     cell = {(p["threshold"], p["task"]): p for p in points}
     thresholds = sorted({p["threshold"] for p in points}, reverse=(metric != "entropy"))
     res = plan.resolved
     dec = plan.decoding
     source = f"checkpoint `{res['checkpoint']}`" if res.get("checkpoint") else f"model `{res['model']['name_or_path']}`"
+    similarity_cols = sorted({p["task"] for p in points if p.get("score") not in (None, "metric")})
     lines = [
         f"# MARS evaluation — {plan.curve_label}",
         "",
         f"{source}; block size {plan.block_size}; acceptance metric `{metric}`; cache `{dec.get('cache')}`; "
         f"max {dec.get('max_new_tokens')} new tokens; greedy; suite `{plan.suite.name}` "
         f"({'chat template' if plan.suite.apply_chat_template else 'no chat template'})"
+        + (f"; dtype `{res['dtype']}`" if res.get("dtype") else "")
         + (f"; limit {res['limit']} samples per task" if res.get("limit") else "") + ".",
         "",
-        f"τ = {fmt_threshold(reference)} is plain greedy AR decoding: the reference point. Accuracy in %, its change "
-        f"from τ = {fmt_threshold(reference)} in brackets; *tok/fwd* = generated tokens accepted per forward pass, "
-        f"over all steps; *agree* = share of samples whose output text is identical to the τ = {fmt_threshold(reference)} output "
+        f"τ = {ref} is plain greedy AR decoding: the reference point. *acc* = accuracy in %, its change from "
+        f"τ = {ref} in brackets; *95% CI* = interval of the accuracy (Wilson for right/wrong scores, else "
+        f"bootstrap) and, as Δ, of its change from τ = {ref} (paired bootstrap over the same documents); "
+        f"*tok/fwd* = generated tokens accepted per forward pass over all steps, with its bootstrap interval "
+        f"over requests; *agree* = share of outputs whose text is identical to the τ = {ref} output "
         "(a fidelity check the paper does not report).",
     ]
+    if similarity_cols:
+        lines += ["", "Columns scored against the τ = " + ref + " output (no gold answer; 100 at τ = " + ref
+                  + " by definition; left out of the Average's accuracy): "
+                  + ", ".join(f"{c} ({next(p['score'] for p in points if p['task'] == c)})" for c in similarity_cols)
+                  + "."]
     if plan.reference_added:
-        lines += ["", f"(τ = {fmt_threshold(reference)} was added to the requested sweep: deltas and agreement need it.)"]
+        lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
     header = "| τ | | " + " | ".join(columns) + " |"
     rule = "|---|---|" + "---:|" * len(columns)
     lines += ["", header, rule]
@@ -61,22 +106,78 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
         name = f"**{fmt_threshold(thr)}** (AR)" if thr == reference else f"**{fmt_threshold(thr)}**"
         rows = [
             (name, "acc", [_fmt_acc(cell.get((thr, c))) for c in columns]),
-            ("", "tok/fwd", [_fmt((cell.get((thr, c)) or {}).get("tokens_per_forward"), ".2f") for c in columns]),
-            ("", "agree", [_fmt(None if (a := (cell.get((thr, c)) or {}).get("agreement")) is None else 100 * a,
-                                ".0f", "%") for c in columns]),
+            ("", "95% CI", [_fmt_ci(cell.get((thr, c))) for c in columns]),
+            ("", "tok/fwd", [_interval_cell(cell.get((thr, c)), "tokens_per_forward", ".2f", 1.0) for c in columns]),
+            ("", "agree", [_interval_cell(cell.get((thr, c)), "agreement", ".0f", 100.0, "%") for c in columns]),
         ]
         for first, what, cells in rows:
             lines.append(f"| {first} | {what} | " + " | ".join(cells) + " |")
+    lines += _agreement_section(columns, thresholds, cell, ref)
+    lines += _compare_section(columns, thresholds, cell, points, ref)
     lines += ["", "## Throughput", "", "Generated tokens per second and decoder wall time (s) per task.", "",
               header, rule]
     for thr in thresholds:
-        cells_tps = [_fmt((cell.get((thr, c)) or {}).get("tokens_per_second"), ".1f") for c in columns]
-        cells_wall = [_fmt((cell.get((thr, c)) or {}).get("wall_seconds"), ".1f") for c in columns]
+        cells_tps = [_fmt(_get(cell, (thr, c), "tokens_per_second"), ".1f") for c in columns]
+        cells_wall = [_fmt(_get(cell, (thr, c), "wall_seconds"), ".1f") for c in columns]
         lines.append(f"| **{fmt_threshold(thr)}** | tok/s | " + " | ".join(cells_tps) + " |")
         lines.append("|  | wall s | " + " | ".join(cells_wall) + " |")
     n = {p["task"]: p["n_samples"] for p in points}
     lines += ["", "Samples per task: " + ", ".join(f"{c} {n.get(c, 0)}" for c in columns if c != AVERAGE) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, ref: str) -> list[str]:
+    lines = [
+        "", f"## Agreement with the τ = {ref} output", "",
+        f"Per task and threshold, each output against the same run's τ = {ref} output of the same prompt, in %, "
+        "with 95% intervals: *exact* = identical text; *chrF* = character n-gram F-score (sacrebleu's chrF); "
+        "*token F1* = bag-of-words F1; *fidelity* = share of the tokens accepted from mask predictions that "
+        "equal the model's own greedy AR choice given the output's own prefix (one extra forward; does not "
+        "depend on where two outputs first diverge; – where no token came from a mask); *AR-equal* = the same "
+        "over every generated token; *from masks* = share of generated tokens accepted from mask predictions.",
+        "",
+        "| τ | task | n | exact | chrF | token F1 | fidelity | AR-equal | from masks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for thr in thresholds:
+        for c in columns:
+            p = cell.get((thr, c))
+            if p is None:
+                continue
+            n = p.get("n_samples")
+            lines.append(
+                f"| {fmt_threshold(thr)} | {c} | {n if n is not None else '–'} | "
+                + " | ".join(_interval_cell(p, k) for k in ("agreement", "agreement_chrf", "agreement_token_f1",
+                                                             "fidelity", "ar_equal", "mask_share"))
+                + " |")
+    return lines
+
+
+def _compare_section(columns: list[str], thresholds: list[float], cell: dict, points: list[dict[str, Any]],
+                     ref: str) -> list[str]:
+    labels = list(dict.fromkeys(c["label"] for p in points for c in (p.get("compare") or [])))
+    if not labels:
+        return []
+    lines = [
+        "", "## Paired comparisons", "",
+        "Accuracy of this run minus the compared run's, in points, on the same documents (paired bootstrap, 95%): "
+        f"*same τ* = the compared run at the same threshold; *vs its AR* = the compared run at τ = {ref} "
+        "(e.g. MARS at 0.9 against the AR-SFT model trained for as many steps). – where the compared run "
+        "lacks the point.",
+    ]
+    for j, label in enumerate(labels):
+        lines += ["", f"### vs {label}", "", "| τ | | " + " | ".join(columns) + " |",
+                  "|---|---|" + "---:|" * len(columns)]
+        for thr in thresholds:
+            same, ar = [], []
+            for c in columns:
+                comp = next((x for x in ((cell.get((thr, c)) or {}).get("compare") or []) if x["label"] == label), None)
+                same.append(fmt_interval(comp["delta"], comp["delta_lo"], comp["delta_hi"], sign=True) if comp else "–")
+                ar.append(fmt_interval(comp["ar_delta"], comp["ar_delta_lo"], comp["ar_delta_hi"], sign=True)
+                          if comp else "–")
+            lines.append(f"| **{fmt_threshold(thr)}** | same τ | " + " | ".join(same) + " |")
+            lines.append("|  | vs its AR | " + " | ".join(ar) + " |")
+    return lines
 
 
 def write_reports(plan: Plan, store: ResultsDir, points: list[dict[str, Any]]) -> str:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mars.evaluation.aggregate import FIELDS
+from mars.evaluation.aggregate import FIELDS, INTERVAL_KEYS
 from mars.evaluation.config import Plan
 from mars.evaluation.report import fmt_threshold
 from mars.evaluation.store import ResultsDir
@@ -48,8 +48,10 @@ def log_to_wandb(plan: Plan, store: ResultsDir, points: list[dict[str, Any]], ta
         for p in points:
             if p["threshold"] != thr:
                 continue
-            for key in ("accuracy", "accuracy_delta", "tokens_per_forward", "tokens_per_second", "agreement"):
-                if p.get(key) is not None:
+            # every figure with its 95% interval (``<key>_lo``/``<key>_hi``), plus throughput
+            keys = [k for base in INTERVAL_KEYS for k in (base, f"{base}_lo", f"{base}_hi")]
+            for key in keys + ["tokens_per_second", "n_paired"]:
+                if isinstance(p.get(key), (int, float)) and not isinstance(p.get(key), bool):
                     metrics[f"{p['task']}/{key}"] = p[key]
         run.log(metrics)
     run.log({"table": wandb.Html(f"<pre>{_escape(table_md)}</pre>")})
