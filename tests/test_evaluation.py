@@ -243,6 +243,14 @@ def test_bad_settings_fail_before_model_load(make_cfg, loads, fixture_task, over
     assert loads == []
 
 
+def test_a_bad_score_kind_fails_before_model_load(make_cfg, loads, fixture_task):
+    bench = suite(fixture_task, "fx_qa")
+    bench["tasks"][0]["score"] = "bleu"
+    with pytest.raises(ValueError, match="score must be one of"):
+        run_eval(make_cfg(bench))
+    assert loads == []
+
+
 def test_unknown_task_fails_before_model_load(make_cfg, loads, fixture_task):
     bad = suite(fixture_task, "fx_qa")
     bad["tasks"].append({"name": "fx_qaa"})

@@ -322,6 +322,10 @@ class MarsLM(TemplateLM):
     def _fidelity(self, prompts: list[list[int]], outputs: list[list[int]], flags: list[list[bool]]):
         from mars.decoding.fidelity import ar_predictions, token_fidelity
 
+        if self.settings.temperature == 0 and not any(any(f) for f in flags):
+            # no token came from a mask (threshold 1.0, verified or AR decoding): every token is the greedy
+            # AR choice made in the decoding forward itself, so the extra forward would only re-confirm it
+            return [{"tokens": len(o), "ar_equal": len(o), "mask_tokens": 0, "mask_ar_equal": 0} for o in outputs]
         predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)))
         return token_fidelity(outputs, predictions, flags)
 

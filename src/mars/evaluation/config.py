@@ -257,6 +257,9 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
     if mismatch:
         log.warning(mismatch)
+    from mars.evaluation.aggregate import score_kinds
+
+    score_kinds(resolved.get("benchmarks"))  # a bad `score:` fails now, not after the model ran
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
     manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
     expand_suite(suite, manager)
