@@ -1,11 +1,18 @@
-"""Cost of one training step, AR SFT vs MARS, at the same batch and length (the paper reports MARS at
-2.0-2.2x the GPU-hours and ~1.5x the peak memory of AR SFT).
+"""Cost of one training step: AR SFT vs MARS, and precision paths side by side.
 
-    python -m mars.train_bench --model embedded:smollm2-135m --batch 4 --length 256 --steps 5
-    python -m mars.train_bench --arch-preset qwen2.5-0.5b --device cuda --dtype bfloat16 --attn sdpa flex_attention
+The paper reports MARS at 2.0-2.2x the GPU-hours and ~1.5x the peak memory of AR SFT.  On a CPU the
+precision decides more than the objective: ``--paths`` compares the previous CPU default (bf16 autocast,
+``bf16-mixed``) with what ``trainer.precision=auto`` resolves to on this machine (``bf16-true`` with fp32
+master weights where the CPU has native bf16, ``32-true`` elsewhere), or any Lightning precision strings.
 
-Each objective runs in its own process so that peak memory (CUDA max allocated, or the process's max
-RSS on CPU) belongs to that objective alone.  Prints a table with the median step time and the ratio.
+    python -m mars.train_bench --batch 8 --length 320 --steps 3                 # demo shape, auto vs bf16-mixed
+    python -m mars.train_bench --paths 32-true,bf16-mixed,bf16-true --objectives mars
+    python -m mars.train_bench --arch-preset qwen2.5-0.5b --device cuda --paths bf16-mixed --attn sdpa flex_attention
+
+Each (path, objective) runs in its own process, so peak memory (CUDA max allocated, or the process's
+max RSS on CPU) belongs to it alone, with the optimizer training uses (:func:`mars.optim.build_adamw`).
+Prints the median seconds per step with its spread, tokens per second, peak memory and the ratios to
+the first path and to AR; ``--json-out`` saves the rows.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -26,6 +34,7 @@ ARCH_PRESETS = {
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
 }
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
 def build(args):
@@ -33,7 +42,6 @@ def build(args):
 
     from mars.models import load_model
 
-    dtype = getattr(torch, args.dtype)
     if args.arch_preset:
         spec = dict(ARCH_PRESETS[args.arch_preset])
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -44,44 +52,70 @@ def build(args):
     return loaded.model.to(args.device), loaded.mask.id
 
 
-def one_objective(args) -> dict:
+def step_context(precision: str, device: str):
+    """What Lightning's precision plugin does around a step: autocast for ``*-mixed``, nothing else."""
+    if precision.endswith("-mixed"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return nullcontext()
+
+
+def one_run(args) -> dict:
     from mars.module import MarsModule
     from mars.objectives import Objective
+    from mars.optim import build_adamw
+    from mars.precision import wants_master_weights
 
     torch.manual_seed(0)
     model, mask_id = build(args)
+    if args.precision.endswith("-true") and args.precision != "32-true":  # Lightning's convert_module
+        model = model.to(torch.bfloat16 if args.precision.startswith("bf16") else torch.float16)
     weights = {"ar": dict(mask_weight=0.0, alpha=1.0), "mars": dict(mask_weight=1.0, alpha=1.0)}[args.objective]
     module = MarsModule(model, mask_id, block_size=args.block, objective=Objective(args.objective, **weights),
                         gradient_checkpointing=args.gradient_checkpointing).to(args.device)
-    opt = torch.optim.AdamW(module.model.parameters(), lr=1e-5)
+    master = wants_master_weights(args.precision)
+    opt = build_adamw([{"params": list(module.model.parameters())}], lr=1e-5, betas=(0.9, 0.999), master_weights=master)
     ids = torch.randint(100, 1000, (args.batch, args.length), device=args.device)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, args.length // 4:] = 1  # a quarter prompt, the rest response
     batch = {"input_ids": ids, "loss_mask": loss_mask}
-    autocast = torch.autocast(device_type=torch.device(args.device).type, dtype=getattr(torch, args.dtype),
-                              enabled=args.dtype != "float32")
-    times = []
+    times, losses = [], []
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for step in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
-        with autocast:
-            loss = module.losses(batch)["loss"]
-        loss.backward()
+        with step_context(args.precision, args.device):
+            out = module.losses(batch)
+        out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            losses.append(float(out["loss"]))
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"objective": args.objective, "attn": args.attn, "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "peak_mb": peak,
-            "tokens_per_s": args.batch * args.length / statistics.median(times)}
+    return {"precision": args.precision, "objective": args.objective, "attn": args.attn,
+            "optimizer": type(opt).__name__, "median_s": statistics.median(times), "min_s": min(times),
+            "max_s": max(times), "peak_mb": peak, "tokens_per_s": args.batch * args.length / statistics.median(times),
+            "last_loss": losses[-1]}
+
+
+def resolve_paths(text: str, device: str) -> list[str]:
+    from mars.precision import resolve_precision
+
+    out = []
+    for item in (p for p in text.split(",") if p):
+        resolved = resolve_precision(item, "cpu" if device == "cpu" else "gpu") if item == "auto" else item
+        if resolved not in PRECISIONS:
+            raise SystemExit(f"--paths: unknown precision {item!r}; choose from auto or {list(PRECISIONS)}")
+        if resolved not in out:
+            out.append(resolved)
+    return out
 
 
 def main(argv=None):
@@ -89,44 +123,61 @@ def main(argv=None):
     p.add_argument("--model", default="embedded:smollm2-135m")
     p.add_argument("--arch-preset", choices=sorted(ARCH_PRESETS))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", help="autocast dtype (float32 disables autocast)")
+    p.add_argument("--paths", default="bf16-mixed,auto",
+                   help="precisions to compare, the first is the reference (auto = trainer.precision=auto here)")
+    p.add_argument("--objectives", default="ar,mars")
     p.add_argument("--attn", nargs="+", default=["sdpa"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=320)
     p.add_argument("--block", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--objective", choices=["ar", "mars"], help=argparse.SUPPRESS)  # child process mode
+    p.add_argument("--precision", help=argparse.SUPPRESS)  # child process mode
+    p.add_argument("--objective", choices=["ar", "mars"], help=argparse.SUPPRESS)
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if args.objective:
         args.attn = args.attn[0]
-        print("RESULT " + json.dumps(one_objective(args)), flush=True)
+        print("RESULT " + json.dumps(one_run(args)), flush=True)
         return
+    paths = resolve_paths(args.paths, args.device)
+    objectives = [o for o in args.objectives.split(",") if o]
     rows = []
+    child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     for attn in args.attn:
-        for objective in ("ar", "mars"):
-            child = [a for a in (argv or sys.argv[1:])]
-            cmd = [sys.executable, "-m", "mars.train_bench", *child, "--objective", objective, "--attn", attn]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                print(out.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"benchmark child failed: {' '.join(cmd)}")
-            rows.append(json.loads(line[len("RESULT "):]))
-    header = f"| attn | objective | median s/step | min-max | tokens/s | peak MB | time x AR | memory x AR |"
-    print(f"\nmodel={args.arch_preset or args.model} device={args.device} dtype={args.dtype} "
-          f"batch={args.batch} length={args.length} block={args.block} steps={args.steps}")
-    print(header + "\n|" + "---|" * 8)
+        for precision in paths:
+            for objective in objectives:
+                cmd = [sys.executable, "-m", "mars.train_bench", *child_args, "--objective", objective,
+                       "--precision", precision, "--attn", attn]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if line is None:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"benchmark child failed: {' '.join(cmd)}")
+                rows.append(json.loads(line[len("RESULT "):]))
+                print(f"  {precision} {objective} {attn}: {rows[-1]['median_s']:.2f} s/step", flush=True)
+    from mars.hardware import describe
+
+    hw = describe()
+    print(f"\nmodel={args.arch_preset or args.model} device={args.device} ({hw['cuda'] or hw['cpu']}; native bf16: "
+          f"{hw['cpu_native_bf16']}) batch={args.batch} length={args.length} block={args.block} "
+          f"steps={args.steps} (+{args.warmup} warm-up)")
+    print("| attn | precision | optimizer | objective | median s/step | min-max | tokens/s | peak MB | "
+          f"time x {paths[0]} | time x AR | memory x AR |")
+    print("|" + "---|" * 11)
     for r in rows:
-        ar = next(x for x in rows if x["attn"] == r["attn"] and x["objective"] == "ar")
-        print(f"| {r['attn']} | {r['objective']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
-              f"{r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | {r['median_s'] / ar['median_s']:.2f} | "
-              f"{r['peak_mb'] / ar['peak_mb']:.2f} |")
+        ref = next((x for x in rows if x["attn"] == r["attn"] and x["objective"] == r["objective"]
+                    and x["precision"] == paths[0]), r)
+        ar = next((x for x in rows if x["attn"] == r["attn"] and x["precision"] == r["precision"]
+                   and x["objective"] == "ar"), None)
+        vs_ar = f"{r['median_s'] / ar['median_s']:.2f} | {r['peak_mb'] / ar['peak_mb']:.2f}" if ar else "– | –"
+        print(f"| {r['attn']} | {r['precision']} | {r['optimizer']} | {r['objective']} | {r['median_s']:.2f} | "
+              f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | "
+              f"{r['median_s'] / ref['median_s']:.2f} | {vs_ar} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"hardware": hw, "args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
