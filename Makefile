@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS ?= $(CURDIR)/constraints.txt
 PIP := PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo reproduce lint test test-slow clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -32,7 +32,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-test: $(STAMP)
+# The replication (self-distilled data, AR SFT and MARS at equal steps, quality sweep, wall clock):
+# resumable, writes benchmarks/reproduce_<name>/. REPRODUCE_ARGS="--name x model=..." for another model.
+reproduce: $(STAMP)
+	$(PY) scripts/reproduce.py $(REPRODUCE_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

@@ -1,8 +1,8 @@
 """Benchmark evaluation entry point (see conf/evaluate.yaml):
 
-    python evaluate.py threshold=0.9
-    python evaluate.py thresholds=[1.0,0.95,0.9,0.8,0.7,0.6,0.5] benchmarks=paper model=qwen2.5-0.5b
-    python evaluate.py checkpoint=outputs/train/<run>/hf limit=20
+python evaluate.py threshold=0.9
+python evaluate.py thresholds=[1.0,0.95,0.9,0.8,0.7,0.6,0.5] benchmarks=paper model=qwen2.5-0.5b
+python evaluate.py checkpoint=outputs/train/<run>/hf limit=20
 """
 
 import os
@@ -16,7 +16,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import mars.evaluation  # noqa: F401  (registers the run-name resolver used by evaluate.yaml)
+import mars.evaluation  # noqa: F401, E402  (registers the run-name resolver used by evaluate.yaml)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")

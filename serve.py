@@ -1,9 +1,9 @@
 """OpenAI-compatible MARS server (see conf/serve.yaml and docs/serving.md):
 
-    python serve.py                                        # embedded SmolLM2-135M on 127.0.0.1:8000
-    python serve.py checkpoint=outputs/train/<run>/hf port=8000
-    python serve.py tau_policy=adaptive tau_min=0.8       # lower tau under load, raise it when load falls
-    python serve.py model=tiny-random port=8001           # a tiny random model (smoke tests)
+python serve.py                                        # embedded SmolLM2-135M on 127.0.0.1:8000
+python serve.py checkpoint=outputs/train/<run>/hf port=8000
+python serve.py tau_policy=adaptive tau_min=0.8       # lower tau under load, raise it when load falls
+python serve.py model=tiny-random port=8001           # a tiny random model (smoke tests)
 """
 
 import hydra

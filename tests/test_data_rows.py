@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mars.data import Rows, build_dataset, tokenize_messages, to_messages
+from mars.data import Rows, build_dataset, to_messages, tokenize_messages
 from mars.models import embedded_tokenizer
 from mars.train import run
 
@@ -20,20 +20,34 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr("mars.train.load_model", fail)
 
 
-@pytest.mark.parametrize("lines,match", [
-    ([json.dumps(GOOD), '{"messages": [{"role": "user", "content": "hi"}', json.dumps(GOOD)],
-     r"rows.jsonl, line 2: not valid JSON \(.*\); expected one JSON object per line"),
-    ([], r"rows.jsonl holds no rows \(the file is empty\)"),
-    (["", "   "], r"rows.jsonl holds no rows"),
-    ([json.dumps(GOOD), json.dumps([1, 2])], r"rows.jsonl, line 2: expected a JSON object .* got list"),
-    ([json.dumps(GOOD), json.dumps(GOOD), json.dumps({"messages": [{"role": "user", "content": "only a question"}]})],
-     r"rows.jsonl, line 3: the conversation has no assistant turn to train on \(roles \['user'\]\)"),
-    ([json.dumps({**GOOD, "finished": "no"})], r"rows.jsonl, line 1: 'finished' must be true or false, got 'no'"),
-    ([json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]})],
-     r"rows.jsonl, line 1: message content must be a string"),
-])
-def test_bad_rows_fail_before_the_model_loads_naming_file_and_line(compose_cfg, tiny_train_overrides, tmp_path,
-                                                                   no_model_loading, lines, match):
+@pytest.mark.parametrize(
+    "lines,match",
+    [
+        (
+            [json.dumps(GOOD), '{"messages": [{"role": "user", "content": "hi"}', json.dumps(GOOD)],
+            r"rows.jsonl, line 2: not valid JSON \(.*\); expected one JSON object per line",
+        ),
+        ([], r"rows.jsonl holds no rows \(the file is empty\)"),
+        (["", "   "], r"rows.jsonl holds no rows"),
+        ([json.dumps(GOOD), json.dumps([1, 2])], r"rows.jsonl, line 2: expected a JSON object .* got list"),
+        (
+            [
+                json.dumps(GOOD),
+                json.dumps(GOOD),
+                json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+            ],
+            r"rows.jsonl, line 3: the conversation has no assistant turn to train on \(roles \['user'\]\)",
+        ),
+        ([json.dumps({**GOOD, "finished": "no"})], r"rows.jsonl, line 1: 'finished' must be true or false, got 'no'"),
+        (
+            [json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]})],
+            r"rows.jsonl, line 1: message content must be a string",
+        ),
+    ],
+)
+def test_bad_rows_fail_before_the_model_loads_naming_file_and_line(
+    compose_cfg, tiny_train_overrides, tmp_path, no_model_loading, lines, match
+):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(line + "\n" for line in lines))
     with pytest.raises(ValueError, match=match):
@@ -48,7 +62,9 @@ def test_a_cut_answer_gets_no_loss_on_its_eos():
     assert done["input_ids"] == cut["input_ids"]  # the template still closes the turn
     eos = done["input_ids"].index(tok.eos_token_id, done["loss_mask"].index(1))
     assert done["loss_mask"][eos] == 1 and cut["loss_mask"][eos] == 0
-    assert [m for i, m in enumerate(done["loss_mask"]) if i != eos] == [m for i, m in enumerate(cut["loss_mask"]) if i != eos]
+    assert [m for i, m in enumerate(done["loss_mask"]) if i != eos] == [
+        m for i, m in enumerate(cut["loss_mask"]) if i != eos
+    ]
     assert sum(cut["loss_mask"]) == sum(done["loss_mask"]) - 1 > 0
 
 

@@ -2,8 +2,8 @@
 row's output depends neither on its batch nor on when it arrived; cancellation; input validation."""
 
 import pytest
-
 from decoding_fixtures import MASK_ID, hf_greedy, model, random_prompts, tokenizer  # noqa: F401
+
 from mars.decoding import DecodeEngine, DecodingSettings, generate
 from mars.decoding.forward import ModelRunner
 
@@ -44,7 +44,9 @@ def test_verify_rows_can_join_a_running_batch(model, tokenizer):
 
 
 def test_block_cache_refuses_late_arrivals(model, tokenizer):
-    engine = DecodeEngine(ModelRunner(model), DecodingSettings(cache="block", max_new_tokens=8), MASK_ID, [2], tokenizer)
+    engine = DecodeEngine(
+        ModelRunner(model), DecodingSettings(cache="block", max_new_tokens=8), MASK_ID, [2], tokenizer
+    )
     engine.admit([engine.make_request([5, 6, 7])])
     engine.step()
     with pytest.raises(RuntimeError, match="only join before the first step"):

@@ -2,10 +2,6 @@
 cached == uncached below 1.0, batch independence, stop rules and statistics."""
 
 import pytest
-
-from mars.decoding import generate
-from mars.models import embedded_tokenizer
-
 from decoding_fixtures import (  # noqa: F401  (fixtures)
     CACHES,
     build_model,
@@ -16,6 +12,9 @@ from decoding_fixtures import (  # noqa: F401  (fixtures)
     random_prompts,
     tokenizer,
 )
+
+from mars.decoding import generate
+from mars.models import embedded_tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +65,9 @@ def test_caches_match_sliding_window_below_one(model, tokenizer, threshold, cach
     reference = generate(model, tokenizer, prompts, threshold=threshold, cache="none", max_new_tokens=24)
     # The comparison is only meaningful if several tokens were accepted per step somewhere.
     assert max(t / f for t, f in zip(reference.stats.per_row_tokens, reference.stats.per_row_forwards)) > 1.2
-    out = generate(model, tokenizer, prompts, threshold=threshold, cache=cache, cache_block=cache_block, max_new_tokens=24)
+    out = generate(
+        model, tokenizer, prompts, threshold=threshold, cache=cache, cache_block=cache_block, max_new_tokens=24
+    )
     assert out.token_ids == reference.token_ids
 
 
@@ -165,7 +166,7 @@ def test_stop_strings_cut_both_decoders_identically(model, tokenizer):
     assert ar.stats.per_row_tokens[0] == len(ar.token_ids[0])
     # Multi-token steps may overshoot a stop string: the tokens past it are dropped and not counted.
     fast = generate(model, tokenizer, prompts, threshold=0.2, max_new_tokens=24, stop=[stop])
-    for ids, t in zip(fast.token_ids, fast.texts):
+    for _ids, t in zip(fast.token_ids, fast.texts):
         assert stop not in t
         assert fast.stats.generated_tokens == sum(map(len, fast.token_ids))
 
@@ -185,7 +186,9 @@ def test_string_prompts_and_chat_template(tokenizer):
     out = generate(model, tokenizer, ["Hello", "What is two plus two?"], chat_template=True, max_new_tokens=5)
     assert len(out.texts) == 2 and all(isinstance(t, str) for t in out.texts)
     assert out.stats.per_row_tokens == [5, 5]
-    ar = generate(model, tokenizer, ["Hello", "What is two plus two?"], chat_template=True, decoder="ar", max_new_tokens=5)
+    ar = generate(
+        model, tokenizer, ["Hello", "What is two plus two?"], chat_template=True, decoder="ar", max_new_tokens=5
+    )
     assert ar.token_ids == out.token_ids
 
 

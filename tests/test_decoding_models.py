@@ -26,7 +26,10 @@ def test_embedded_threshold_one_is_hf_greedy_for_every_cache(embedded):
     model, tok = embedded.model, embedded.tokenizer
     ar = generate(model, tok, PROMPTS, decoder="ar", chat_template=True, max_new_tokens=40)
     # the reference is transformers greedy generate itself
-    text = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in PROMPTS]
+    text = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
     enc = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -35,7 +38,9 @@ def test_embedded_threshold_one_is_hf_greedy_for_every_cache(embedded):
         cut = next((i + 1 for i, t in enumerate(row) if t == tok.eos_token_id), len(row))
         assert row[:cut] == ids
     for cache in CACHES:
-        res = generate(model, tok, PROMPTS, threshold=1.0, cache=cache, cache_block=8, chat_template=True, max_new_tokens=40)
+        res = generate(
+            model, tok, PROMPTS, threshold=1.0, cache=cache, cache_block=8, chat_template=True, max_new_tokens=40
+        )
         assert res.token_ids == ar.token_ids, cache
         assert res.texts == ar.texts
 
@@ -46,7 +51,9 @@ def test_embedded_caches_agree_below_one(embedded):
     ref = generate(model, tok, PROMPTS, threshold=0.9, cache="none", chat_template=True, max_new_tokens=32)
     assert ref.stats.tokens_per_forward > 0
     for cache in ("block", "cursor"):
-        res = generate(model, tok, PROMPTS, threshold=0.9, cache=cache, cache_block=8, chat_template=True, max_new_tokens=32)
+        res = generate(
+            model, tok, PROMPTS, threshold=0.9, cache=cache, cache_block=8, chat_template=True, max_new_tokens=32
+        )
         assert res.token_ids == ref.token_ids, cache
 
 
@@ -66,7 +73,10 @@ def test_cuda_exact_ar_and_cache_agreement():
         assert generate(model, tok, prompts, cache=cache, cache_block=8, max_new_tokens=24).token_ids == ar.token_ids
     ref = generate(model, tok, prompts, threshold=0.3, cache="none", max_new_tokens=24)
     for cache in ("block", "cursor"):
-        assert generate(model, tok, prompts, threshold=0.3, cache=cache, cache_block=8, max_new_tokens=24).token_ids == ref.token_ids
+        assert (
+            generate(model, tok, prompts, threshold=0.3, cache=cache, cache_block=8, max_new_tokens=24).token_ids
+            == ref.token_ids
+        )
     # bf16 runs end to end (exact equality is not expected across kernels in bf16)
     out = generate(model.to(torch.bfloat16), tok, prompts, threshold=0.3, cache="cursor", max_new_tokens=24)
     assert out.stats.generated_tokens == sum(map(len, out.token_ids)) > 0

@@ -6,12 +6,11 @@ import sys
 import warnings
 
 import pytest
+from conftest import CONF
 from hydra import compose, initialize_config_dir
 
 from mars import hardware
 from mars.decoding.settings import DecodingSettings, validate_threshold
-
-from conftest import CONF
 
 
 def test_every_decoding_config_builds_valid_settings():
@@ -85,7 +84,9 @@ def test_bf16_without_native_support_warns_and_is_honoured(monkeypatch):
 
 
 def test_unknown_dtype_lists_the_allowed_values():
-    with pytest.raises(ValueError, match=r"unknown dtype 'fp8'; choose one of \['auto', 'float32', 'bfloat16', 'float16'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown dtype 'fp8'; choose one of \['auto', 'float32', 'bfloat16', 'float16'\]"
+    ):
         hardware.validate_dtype("fp8")
 
 

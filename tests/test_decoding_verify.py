@@ -4,18 +4,19 @@ speculative-sampling rule reproduces the target distribution on hand-made distri
 
 import pytest
 import torch
+from decoding_fixtures import CACHES, extra_eos, hf_greedy, model, ragged, random_prompts, tokenizer  # noqa: F401
 
 from mars.decoding import generate
 from mars.decoding.verify import leading_matches, speculative_accept
-from decoding_fixtures import CACHES, extra_eos, hf_greedy, model, ragged, random_prompts, tokenizer  # noqa: F401
 
 
 @pytest.mark.parametrize("fallback", ["none", "jacobi"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_verify_is_hf_greedy_with_ragged_batch(model, tokenizer, ragged, cache, fallback):
     expected = hf_greedy(model, tokenizer, ragged, 24)
-    out = generate(model, tokenizer, ragged, verify=True, cache=cache, cache_block=8, fallback=fallback,
-                   max_new_tokens=24)
+    out = generate(
+        model, tokenizer, ragged, verify=True, cache=cache, cache_block=8, fallback=fallback, max_new_tokens=24
+    )
     assert out.token_ids == expected
     stats = out.stats.extra
     assert sum(stats["drafts_proposed"]) > 0
@@ -27,8 +28,7 @@ def test_verify_is_hf_greedy_with_ragged_batch(model, tokenizer, ragged, cache, 
 def test_verify_window_and_draft_length_stay_exact(model, tokenizer, window, draft_length):
     prompts = random_prompts((5, 17, 9))
     expected = hf_greedy(model, tokenizer, prompts, 20)
-    out = generate(model, tokenizer, prompts, verify=True, window=window, draft_length=draft_length,
-                   max_new_tokens=20)
+    out = generate(model, tokenizer, prompts, verify=True, window=window, draft_length=draft_length, max_new_tokens=20)
     assert out.token_ids == expected
     assert len(out.stats.extra["drafts_proposed"]) == (draft_length or window - 1)
 
@@ -71,8 +71,11 @@ def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
 
     prompts = random_prompts((5, 17, 9))
     engine = DecodeEngine(ModelRunner(model), DecodingSettings(max_new_tokens=20), 16, [2], tokenizer)
-    reqs = [engine.make_request(prompts[0], verify=True), engine.make_request(prompts[1], threshold=0.3),
-            engine.make_request(prompts[2])]
+    reqs = [
+        engine.make_request(prompts[0], verify=True),
+        engine.make_request(prompts[1], threshold=0.3),
+        engine.make_request(prompts[2]),
+    ]
     engine.admit(reqs)
     done = {}
     while engine.live:

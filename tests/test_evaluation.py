@@ -34,8 +34,10 @@ def _code_sandbox():
 
 _SANDBOX_OK, _SANDBOX_HOW = _code_sandbox().sandbox_status()
 # the paper suite's HumanEval runs model-written code in the bubblewrap sandbox, refused where none exists
-needs_sandbox = pytest.mark.skipif(not _SANDBOX_OK and not _code_sandbox().unsandboxed_allowed(),
-                                   reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}")
+needs_sandbox = pytest.mark.skipif(
+    not _SANDBOX_OK and not _code_sandbox().unsandboxed_allowed(),
+    reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}",
+)
 QUESTIONS = [
     "What is the capital of France?",
     "Name a colour of the sky.",
@@ -106,8 +108,16 @@ def suite(folder: Path, *names: str) -> dict:
 @pytest.fixture
 def make_cfg(compose_cfg, tmp_path):
     def _make(benchmarks: dict | None = None, overrides: list[str] | None = None, out: Path | None = None):
-        cfg = compose_cfg("evaluate", ["model=tiny-random", "decoding.max_new_tokens=12", "decoding.batch_size=3",
-                                       f"output_dir={out or tmp_path / 'results'}", *(overrides or [])])
+        cfg = compose_cfg(
+            "evaluate",
+            [
+                "model=tiny-random",
+                "decoding.max_new_tokens=12",
+                "decoding.batch_size=3",
+                f"output_dir={out or tmp_path / 'results'}",
+                *(overrides or []),
+            ],
+        )
         if benchmarks is not None:
             with open_dict(cfg):
                 cfg.benchmarks = OmegaConf.create(benchmarks)
@@ -144,16 +154,16 @@ def test_sweep_scores_match_hand_check_and_decoder_stats(make_cfg, loads, tmp_pa
     assert ref["accuracy"] == pytest.approx(0.5) == pytest.approx(hand)
     assert [r["score"] for r in rows] == [float(r["output"] == answers[r["doc_id"]]) for r in rows]
     # the chat template was applied to every prompt (lm-eval's apply_chat_template path)
-    assert all(r["prompt"].startswith("<|im_start|>") and r["prompt"].endswith("<|im_start|>assistant\n")
-               for r in rows)
+    assert all(r["prompt"].startswith("<|im_start|>") and r["prompt"].endswith("<|im_start|>assistant\n") for r in rows)
 
     # tokens per forward recorded = the decoder's own statistics for the same prompts
     from mars.decoding import generate
 
     low = store.read_samples(0.5, "fx_half")
     ids = [tiny.tokenizer.encode(r["prompt"], add_special_tokens=False) for r in low]
-    direct = generate(tiny.model, tiny.tokenizer, ids, block_size=4, threshold=0.5, max_new_tokens=12,
-                      mask_token_id=tiny.mask.id)
+    direct = generate(
+        tiny.model, tiny.tokenizer, ids, block_size=4, threshold=0.5, max_new_tokens=12, mask_token_id=tiny.mask.id
+    )
     assert [r["tokens"] for r in low] == direct.stats.per_row_tokens
     assert [r["forwards"] for r in low] == direct.stats.per_row_forwards
     assert [r["output"] for r in low] == direct.texts
@@ -229,7 +239,11 @@ def test_results_folder_of_another_config_is_refused(make_cfg, loads, fixture_ta
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
-        (["threshold=1.5"], ThresholdError, r"threshold 1\.5 is invalid for metric 'probability': it must lie in \(0, 1\]"),
+        (
+            ["threshold=1.5"],
+            ThresholdError,
+            r"threshold 1\.5 is invalid for metric 'probability': it must lie in \(0, 1\]",
+        ),
         (["threshold=0"], ThresholdError, r"must lie in \(0, 1\]"),
         (["thresholds=[1.0,0.9,-0.1]"], ThresholdError, r"-0\.1"),
         (["decoding.metric=entropy", "threshold=-1"], ThresholdError, r"entropy.*>= 0"),
@@ -273,8 +287,10 @@ def test_checkpoint_block_size_and_run_name(compose_cfg, tmp_path, tiny, fixture
     ckpt = tmp_path / "outputs" / "train" / "tiny-mars-b8" / "hf"
     tiny.model.save_pretrained(ckpt)
     tiny.tokenizer.save_pretrained(ckpt)
-    write_json(ckpt / "mars_config.json", {"block_size": 8, "objective": "mars", "mask_token": tiny.mask.token,
-                                           "mask_token_id": tiny.mask.id})
+    write_json(
+        ckpt / "mars_config.json",
+        {"block_size": 8, "objective": "mars", "mask_token": tiny.mask.token, "mask_token_id": tiny.mask.id},
+    )
     cfg = compose_cfg("evaluate", [f"checkpoint={ckpt}"])
     assert cfg.output_dir == "outputs/eval/tiny-mars-b8-b8-offline"
     with open_dict(cfg):
@@ -296,15 +312,22 @@ def test_checkpoint_block_size_and_run_name(compose_cfg, tmp_path, tiny, fixture
 def _requests(prompts, gen_kwargs, task="t"):
     from lm_eval.api.instance import Instance
 
-    return [Instance("generate_until", {}, (p, dict(gen_kwargs)), idx=0, metadata=(task, i, 1))
-            for i, p in enumerate(prompts)]
+    return [
+        Instance("generate_until", {}, (p, dict(gen_kwargs)), idx=0, metadata=(task, i, 1))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_adapter_applies_until_and_max_gen_toks(tiny):
     from mars.evaluation.adapter import MarsLM
 
-    lm = MarsLM(model=tiny.model, tokenizer=tiny.tokenizer, mask_token_id=tiny.mask.id, threshold=1.0,
-                decoding={"block_size": 4, "max_new_tokens": 10, "batch_size": 2})
+    lm = MarsLM(
+        model=tiny.model,
+        tokenizer=tiny.tokenizer,
+        mask_token_id=tiny.mask.id,
+        threshold=1.0,
+        decoding={"block_size": 4, "max_new_tokens": 10, "batch_size": 2},
+    )
     prompts = [f"Question {i}: {q}" for i, q in enumerate(QUESTIONS)]
     free = lm.generate_until(_requests(prompts, {"until": [], "max_gen_toks": 50}), disable_tqdm=True)
     assert all(r.tokens <= 10 for r in lm.records.values())  # capped at the configured 10, not the task's 50
@@ -328,7 +351,7 @@ def test_adapter_loglikelihood_is_the_plain_ar_forward(tiny):
 
     lm = MarsLM(model=tiny.model, tokenizer=tiny.tokenizer, mask_token_id=tiny.mask.id)
     req = Instance("loglikelihood", {}, ("The sky is", " blue today"), idx=0, metadata=("t", 0, 1))
-    (score, greedy), = lm.loglikelihood([req], disable_tqdm=True)
+    ((score, greedy),) = lm.loglikelihood([req], disable_tqdm=True)
     ctx = tiny.tokenizer.encode("The sky is", add_special_tokens=False)
     whole = tiny.tokenizer.encode("The sky is blue today", add_special_tokens=False)
     with torch.no_grad():
@@ -351,9 +374,11 @@ class ScriptedLM:
         "paper_bbh_boolean_expressions": lambda d: f"Let me evaluate. So the answer is {d['target']}.",
         "paper_bbh_sports_understanding": lambda d: f"Let me think. So the answer is {d['target']}.",
         "paper_humaneval": lambda d: _canonical(d),
-        "paper_ifeval": lambda d: {1: "the sea is calm\nthe waves are soft",
-                                   2: "A cat is a small soft animal.",
-                                   3: "* apple\n* pear\n* plum"}[d["key"]],
+        "paper_ifeval": lambda d: {
+            1: "the sea is calm\nthe waves are soft",
+            2: "A cat is a small soft animal.",
+            3: "* apple\n* pear\n* plum",
+        }[d["key"]],
     }
 
 
@@ -454,9 +479,12 @@ def test_registered_with_lm_eval_as_mars(fixture_task):
     import mars.evaluation.adapter  # noqa: F401  (registers "mars")
 
     res = lm_eval.simple_evaluate(
-        model="mars", model_args="pretrained=tiny-random,threshold=0.5,block_size=2,max_new_tokens=6,batch_size=4",
-        tasks=["fx_qa"], task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
-        apply_chat_template=True, bootstrap_iters=0,
+        model="mars",
+        model_args="pretrained=tiny-random,threshold=0.5,block_size=2,max_new_tokens=6,batch_size=4",
+        tasks=["fx_qa"],
+        task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
+        apply_chat_template=True,
+        bootstrap_iters=0,
     )
     assert res["results"]["fx_qa"]["exact_match,none"] == 0.0
     assert res["config"]["threshold"] == 0.5 and res["config"]["block_size"] == 2
@@ -493,8 +521,11 @@ def test_paper_suite_names_real_lm_eval_tasks_filters_and_metrics():
             task_cfg = manager.task_index[leaf].cfg or {}
             filters = [f["name"] for f in task_cfg.get("filter_list") or []] or ["none"]
             assert spec.filter in filters, (leaf, spec.filter, filters)
-            metrics = [m["metric"] for m in task_cfg.get("metric_list") or []
-                       if isinstance(m.get("metric"), str) and "/" not in m["metric"]]  # skip !function metrics
+            metrics = [
+                m["metric"]
+                for m in task_cfg.get("metric_list") or []
+                if isinstance(m.get("metric"), str) and "/" not in m["metric"]
+            ]  # skip !function metrics
             if metrics:
                 assert spec.metric in metrics, (leaf, spec.metric, metrics)
 
@@ -505,8 +536,17 @@ def test_pareto_overlays_compared_runs(tmp_path):
     from mars.evaluation.plots import _curves, render_pareto
 
     def pts(label, accs, tpfs):
-        return [{"label": label, "task": "GSM8K", "threshold": t, "accuracy": a, "tokens_per_forward": x,
-                 "is_reference": t == 1.0} for t, a, x in zip((1.0, 0.9, 0.7), accs, tpfs)]
+        return [
+            {
+                "label": label,
+                "task": "GSM8K",
+                "threshold": t,
+                "accuracy": a,
+                "tokens_per_forward": x,
+                "is_reference": t == 1.0,
+            }
+            for t, a, x in zip((1.0, 0.9, 0.7), accs, tpfs)
+        ]
 
     other = tmp_path / "other"
     write_json(other / "points.json", pts("0.5b B=8", [0.33, 0.30, 0.25], [1.0, 1.7, 2.1]))
@@ -531,8 +571,14 @@ def write_suite_conf(root: Path, folder: Path, *names: str) -> str:
 
 
 def evaluate_py(*args: str, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "evaluate.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(
+        [sys.executable, str(REPO / "evaluate.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -542,8 +588,10 @@ def tiny_ckpt(tmp_path_factory, tiny):
     ckpt = tmp_path_factory.mktemp("ckpt") / "tiny-mars-b4" / "hf"
     tiny.model.save_pretrained(ckpt)
     tiny.tokenizer.save_pretrained(ckpt)
-    write_json(ckpt / "mars_config.json", {"block_size": 4, "objective": "mars", "mask_token": tiny.mask.token,
-                                           "mask_token_id": tiny.mask.id})
+    write_json(
+        ckpt / "mars_config.json",
+        {"block_size": 4, "objective": "mars", "mask_token": tiny.mask.token, "mask_token_id": tiny.mask.id},
+    )
     return ckpt
 
 
@@ -646,8 +694,11 @@ def test_samples_carry_token_ids_mask_flags_and_fidelity(make_cfg, loads, fixtur
         assert decoder["fidelity"]["ar_equal"] == sum(r["fidelity"]["ar_equal"] for r in rows)
         assert decoder["fidelity"]["seconds"] > 0  # timed apart from the decoder's seconds
     assert accepted_from_masks > 0  # the random model's masks are accepted below 1.0
-    off = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "fidelity=false"],
-                            out=outcome.output_dir.parent / "nofid"))
+    off = run_eval(
+        make_cfg(
+            suite(fixture_task, "fx_qa"), ["threshold=1.0", "fidelity=false"], out=outcome.output_dir.parent / "nofid"
+        )
+    )
     rows = ResultsDir(off.output_dir).read_samples(1.0, "fx_qa")
     assert all("fidelity" not in r and r["output_ids"] for r in rows)
 
@@ -656,8 +707,9 @@ def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_tas
     """decoding=mars_verified (lossless self-speculation) gives the threshold-1.0 outputs, and refuses
     other thresholds before loading anything."""
     ar = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0"], out=tmp_path / "ar"))
-    verified = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "reference=false"],
-                                 out=tmp_path / "verified"))
+    verified = run_eval(
+        make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "reference=false"], out=tmp_path / "verified")
+    )
     assert verified.plan.decoding["verify"] is True and verified.plan.thresholds == [1.0]
     a = ResultsDir(ar.output_dir).read_samples(1.0, "fx_qa")
     v = ResultsDir(verified.output_dir).read_samples(1.0, "fx_qa")
@@ -665,8 +717,11 @@ def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_tas
     assert all(not any(r["from_mask"]) and r["fidelity"]["ar_equal"] == r["tokens"] for r in v)
     assert verified.points[0]["tokens_per_forward"] >= 1.0
     with pytest.raises(ThresholdError, match=r"verify=true"):
-        run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "thresholds=[1.0,0.9]"],
-                          out=tmp_path / "bad"))
+        run_eval(
+            make_cfg(
+                suite(fixture_task, "fx_qa"), ["decoding=mars_verified", "thresholds=[1.0,0.9]"], out=tmp_path / "bad"
+            )
+        )
     assert len(loads) == 2
 
 
@@ -680,18 +735,37 @@ def test_a_killed_run_resumes_at_the_sample(make_cfg, loads, tmp_path):
     folder.mkdir()
     data = folder / "fx_long.jsonl"
     write_jsonl(data, [{"question": q, "answer": "-"} for q in LONG_QUESTIONS])
-    cfg = {"task": "fx_long", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-           "output_type": "generate_until", "test_split": "test", "doc_to_text": "{{question}}",
-           "doc_to_target": "answer", "generation_kwargs": {"until": [], "max_gen_toks": 24, "do_sample": False},
-           "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-           "metadata": {"version": 1.0}}
+    cfg = {
+        "task": "fx_long",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "output_type": "generate_until",
+        "test_split": "test",
+        "doc_to_text": "{{question}}",
+        "doc_to_target": "answer",
+        "generation_kwargs": {"until": [], "max_gen_toks": 24, "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0},
+    }
     (folder / "fx_long.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "killed"
     settings = ["threshold=1.0", "decoding.max_new_tokens=24", "decoding.batch_size=1", "dtype=float32"]
     conf = write_suite_conf(tmp_path / "conf", folder, "fx_long")
-    proc = subprocess.Popen([sys.executable, str(REPO / "evaluate.py"), "model=tiny-random", conf, "benchmarks=fixture",
-                             f"output_dir={out}", *settings], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "evaluate.py"),
+            "model=tiny-random",
+            conf,
+            "benchmarks=fixture",
+            f"output_dir={out}",
+            *settings,
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     partial = out / "partial" / "1.0" / "fx_long.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -741,8 +815,13 @@ def test_adapter_batches_loglikelihood_requests(tiny):
     from mars.evaluation.adapter import MarsLM
 
     lm = MarsLM(model=tiny.model, tokenizer=tiny.tokenizer, mask_token_id=tiny.mask.id, batch_size=3)
-    pairs = [("The sky is", " blue"), ("Once upon a time there was", " a king who ruled"), ("A", " b c d e"),
-             ("Two plus two is", " four"), ("Colourless green ideas", " sleep furiously")]
+    pairs = [
+        ("The sky is", " blue"),
+        ("Once upon a time there was", " a king who ruled"),
+        ("A", " b c d e"),
+        ("Two plus two is", " four"),
+        ("Colourless green ideas", " sleep furiously"),
+    ]
     reqs = [Instance("loglikelihood", {}, p, idx=0, metadata=("t", i, 1)) for i, p in enumerate(pairs)]
     calls = []
     handle = tiny.model.register_forward_hook(lambda *_: calls.append(1))
@@ -776,11 +855,30 @@ def _lm_eval_samples(out: Path, task: str) -> dict[int, str]:
 def test_mars_lm_eval_is_lm_evals_cli_with_the_model_registered(tiny_ckpt, tmp_path):
     """The README's command: lm-eval's flags, the mars model, an offline task, a tiny checkpoint."""
     cli = Path(sys.executable).parent / "mars-lm-eval"
-    args = ["--model", "mars", "--model_args", f"pretrained={tiny_ckpt},threshold=0.9,max_new_tokens=4",
-            "--tasks", "mars_math", "--include_path", str(REPO / "eval" / "offline"), "--limit", "1",
-            "--apply_chat_template", "--output_path", str(tmp_path / "out"), "--log_samples"]
-    proc = subprocess.run([str(cli), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        "--model",
+        "mars",
+        "--model_args",
+        f"pretrained={tiny_ckpt},threshold=0.9,max_new_tokens=4",
+        "--tasks",
+        "mars_math",
+        "--include_path",
+        str(REPO / "eval" / "offline"),
+        "--limit",
+        "1",
+        "--apply_chat_template",
+        "--output_path",
+        str(tmp_path / "out"),
+        "--log_samples",
+    ]
+    proc = subprocess.run(
+        [str(cli), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = _lm_eval_results(tmp_path / "out")
     assert "exact_match,none" in results["results"]["mars_math"]
@@ -800,11 +898,35 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
     cli = Path(sys.executable).parent / "mars-lm-eval"
     torchrun = Path(sys.executable).parent / "torchrun"
     model_args = f"pretrained={tiny_ckpt},threshold=0.5,max_new_tokens=8"
-    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", str(cli),
-                          "--model", "mars", "--model_args", model_args, "--batch_size", "2", "--tasks", "fx_qa",
-                          "--include_path", str(fixture_task), "--apply_chat_template", "--log_samples",
-                          "--output_path", str(tmp_path / "two")], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    two = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            str(cli),
+            "--model",
+            "mars",
+            "--model_args",
+            model_args,
+            "--batch_size",
+            "2",
+            "--tasks",
+            "fx_qa",
+            "--include_path",
+            str(fixture_task),
+            "--apply_chat_template",
+            "--log_samples",
+            "--output_path",
+            str(tmp_path / "two"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     log = two.stdout + two.stderr
     import re
@@ -812,9 +934,13 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
     # each rank's progress bar: 2 of the 4 documents
     assert sorted(re.findall(r"generate tau=0\.5: 100%\|[^|]*\| (\d+/\d+)", log)) == ["2/2", "2/2"], log[-4000:]
     one = lm_eval.simple_evaluate(
-        model=MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2), tasks=["fx_qa"],
-        task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False), apply_chat_template=True,
-        bootstrap_iters=0, log_samples=True)
+        model=MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2),
+        tasks=["fx_qa"],
+        task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
+        apply_chat_template=True,
+        bootstrap_iters=0,
+        log_samples=True,
+    )
     single = {s["doc_id"]: s["resps"][0][0] for s in one["samples"]["fx_qa"]}
     assert len(single) == len(QUESTIONS)
     assert _lm_eval_samples(tmp_path / "two", "fx_qa") == single
@@ -827,15 +953,31 @@ def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_ta
     conf = write_suite_conf(tmp_path / "conf", fixture_task, "fx_qa")
     settings = ["thresholds=[1.0,0.5]", "decoding.max_new_tokens=12", "decoding.batch_size=3", "dtype=float32"]
     out = tmp_path / "dp"
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(REPO / "evaluate.py"),
-                           "model=tiny-random", conf, "benchmarks=fixture", f"output_dir={out}", *settings],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "evaluate.py"),
+            "model=tiny-random",
+            conf,
+            "benchmarks=fixture",
+            f"output_dir={out}",
+            *settings,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     single = run_eval(make_cfg(suite(fixture_task, "fx_qa"), settings, out=tmp_path / "single"))
     for thr in (1.0, 0.5):
         a = ResultsDir(out).read_samples(thr, "fx_qa")
         b = ResultsDir(single.output_dir).read_samples(thr, "fx_qa")
-        assert [(r["doc_id"], r["output"], r["output_ids"]) for r in a] == \
-               [(r["doc_id"], r["output"], r["output_ids"]) for r in b]
+        assert [(r["doc_id"], r["output"], r["output_ids"]) for r in a] == [
+            (r["doc_id"], r["output"], r["output_ids"]) for r in b
+        ]
         assert ResultsDir(out).read_summary(thr, "fx_qa")["decoder"]["requests"] == len(QUESTIONS)

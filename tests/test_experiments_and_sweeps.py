@@ -8,23 +8,36 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import CONF, REPO
 from omegaconf import OmegaConf
 
 from mars.evaluation.config import prepare
 from mars.train import run
 
-from conftest import CONF, REPO
-
-EXPERIMENTS = sorted(str(p.relative_to(CONF / "experiment").with_suffix(""))
-                     for p in (CONF / "experiment").rglob("*.yaml") if p.stem != "paper_common")
+EXPERIMENTS = sorted(
+    str(p.relative_to(CONF / "experiment").with_suffix(""))
+    for p in (CONF / "experiment").rglob("*.yaml")
+    if p.stem != "paper_common"
+)
 HYDRA_SWEEPS = sorted(p.stem for p in (REPO / "sweeps" / "hydra").glob("*.yaml") if not p.stem.startswith("eval_"))
 HYDRA_EVAL_SWEEPS = sorted(p.stem for p in (REPO / "sweeps" / "hydra").glob("eval_*.yaml"))
 WANDB_SWEEPS = sorted((REPO / "sweeps").glob("wandb_*.yaml"))
 # Applied after each point: the tiny model, local data, one CPU step.
-TINY = ["model.name_or_path=tiny-random", "data.source=jsonl", "data.batch_size=2", "data.limit=4",
-        "trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=1", "trainer.strategy=auto",
-        "trainer.precision=32-true", "trainer.max_steps=1", "trainer.accumulate_grad_batches=1",
-        "gradient_checkpointing=false", "logger=none"]
+TINY = [
+    "model.name_or_path=tiny-random",
+    "data.source=jsonl",
+    "data.batch_size=2",
+    "data.limit=4",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_nodes=1",
+    "trainer.strategy=auto",
+    "trainer.precision=32-true",
+    "trainer.max_steps=1",
+    "trainer.accumulate_grad_batches=1",
+    "gradient_checkpointing=false",
+    "logger=none",
+]
 
 
 def grid(params: dict) -> list[list[str]]:
@@ -75,8 +88,13 @@ def test_every_experiment_and_sweep_point_trains_one_step(compose_cfg, tmp_path)
         cfg = compose_cfg("train", overrides + TINY + [f"data.path={REPO / 'tests/data/tiny_sft.jsonl'}"])
         assert cfg.run_name and cfg.block >= 1, label
         # points that differ only in names/model ids are the same job on the tiny model: run each once
-        key = OmegaConf.to_yaml({k: v for k, v in OmegaConf.to_container(cfg).items()
-                                 if k not in ("run_name", "output_dir", "export_dir", "model")})
+        key = OmegaConf.to_yaml(
+            {
+                k: v
+                for k, v in OmegaConf.to_container(cfg).items()
+                if k not in ("run_name", "output_dir", "export_dir", "model")
+            }
+        )
         if key in seen:
             continue
         cfg.output_dir = str(tmp_path / f"p{len(seen)}")
@@ -98,8 +116,7 @@ def train_export_dirs(compose_cfg) -> dict[str, tuple[int, str]]:
     return dirs
 
 
-def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes(compose_cfg, tmp_path,
-                                                                                monkeypatch):
+def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes(compose_cfg, tmp_path, monkeypatch):
     exports = train_export_dirs(compose_cfg)
     points = list(sweep_points(HYDRA_EVAL_SWEEPS, "evaluate.py"))
     assert len(points) >= 12
@@ -111,8 +128,9 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
         ckpt = tmp_path / cfg.checkpoint
         ckpt.mkdir(parents=True, exist_ok=True)
         (ckpt / "config.json").write_text("{}")
-        (ckpt / "mars_config.json").write_text(json.dumps(
-            {"block_size": block, "objective": objective, "mask_token": "<mask>", "mask_token_id": 0}))
+        (ckpt / "mars_config.json").write_text(
+            json.dumps({"block_size": block, "objective": objective, "mask_token": "<mask>", "mask_token_id": 0})
+        )
         plan = prepare(cfg, check_results_dir=False)
         assert plan.block_size == block, label
         assert 1.0 in plan.thresholds and len(plan.thresholds) >= 2, label  # the AR reference is always there

@@ -62,8 +62,10 @@ def test_block_one_noisy_sees_all_earlier_clean_and_only_itself():
     assert torch.equal(mask[6:, 6:], torch.eye(6, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("bad", [dict(length=0, block_size=2), dict(length=4, block_size=0),
-                                 dict(length=4, block_size=2, intra_block="diagonal")])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(length=0, block_size=2), dict(length=4, block_size=0), dict(length=4, block_size=2, intra_block="diagonal")],
+)
 def test_bad_arguments_fail_clearly(bad):
     with pytest.raises(ValueError, match="length|block_size|intra_block"):
         mars_attention_mask(**bad)
@@ -93,7 +95,9 @@ def test_partial_ratio_masks_a_subset_of_response_tokens():
 
 def test_mask_schedules():
     assert mask_ratio("full", 0, 10, 4) == 1.0
-    r = mask_ratio("random_ratio", 0, 10, 1000, min_ratio=0.2, max_ratio=0.6, generator=torch.Generator().manual_seed(0))
+    r = mask_ratio(
+        "random_ratio", 0, 10, 1000, min_ratio=0.2, max_ratio=0.6, generator=torch.Generator().manual_seed(0)
+    )
     assert r.shape == (1000,) and r.min() >= 0.2 and r.max() <= 0.6
     assert mask_ratio("linear_ramp", 0, 100, 4, start_ratio=0.25, ramp_fraction=0.5) == 0.25
     assert mask_ratio("linear_ramp", 25, 100, 4, start_ratio=0.25, ramp_fraction=0.5) == pytest.approx(0.625)

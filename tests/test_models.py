@@ -12,14 +12,19 @@ def word_tokenizer(extra_special=()):
     vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "hello", "world", *extra_special])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                   additional_special_tokens=list(extra_special) or None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<eos>",
+        additional_special_tokens=list(extra_special) or None,
+    )
 
 
 def test_spare_embedding_row_is_used_without_resizing():
     tok = word_tokenizer()
-    model = build_tiny_random(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                              intermediate_size=32)
+    model = build_tiny_random(
+        vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
     n = sum(p.numel() for p in model.parameters())
     mask = ensure_mask_token(model, tok)
     assert mask.how == "spare_row" and mask.id == 4 < 8
@@ -29,8 +34,9 @@ def test_spare_embedding_row_is_used_without_resizing():
 
 def test_unused_special_token_is_reused_when_no_row_is_spare():
     tok = embedded_tokenizer()
-    model = build_tiny_random(vocab_size=len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                              intermediate_size=32)
+    model = build_tiny_random(
+        vocab_size=len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
     mask = ensure_mask_token(model, tok)
     assert (mask.how, mask.token) == ("reused", "<empty_output>")
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
@@ -39,16 +45,18 @@ def test_unused_special_token_is_reused_when_no_row_is_spare():
 def test_existing_mask_token_is_kept():
     tok = word_tokenizer(["[MASK]"])
     tok.mask_token = "[MASK]"
-    model = build_tiny_random(vocab_size=5, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                              intermediate_size=32)
+    model = build_tiny_random(
+        vocab_size=5, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
     mask = ensure_mask_token(model, tok)
     assert (mask.how, mask.id) == ("existing", 4)
 
 
 def test_no_usable_policy_fails_clearly_and_adding_a_row_needs_consent():
     tok = word_tokenizer()
-    model = build_tiny_random(vocab_size=4, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                              intermediate_size=32)
+    model = build_tiny_random(
+        vocab_size=4, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
     with pytest.raises(ValueError, match="no usable mask token.*allow_new_embedding_row"):
         ensure_mask_token(model, tok)
     mask = ensure_mask_token(model, tok, allow_new_row=True)
@@ -74,8 +82,9 @@ def test_a_folder_that_is_not_a_model_is_named_before_any_loading(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoints' is a folder without config.json.*\['last.ckpt'\]"):
         load_model(str(empty))  # (transformers' own error here is about sentencepiece)
     weights_only = tmp_path / "weights_only"
-    build_tiny_random(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                      intermediate_size=32).save_pretrained(weights_only)
+    build_tiny_random(
+        vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    ).save_pretrained(weights_only)
     with pytest.raises(ValueError, match="has config.json but no tokenizer files"):
         load_model(str(weights_only))
     with pytest.raises(FileNotFoundError, match="no such folder"):

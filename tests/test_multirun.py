@@ -25,8 +25,14 @@ QUESTIONS = ["What is the capital of France?", "Say hello.", "Name a colour of t
 
 
 def launch(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / script), "-m", *overrides], cwd=cwd, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / script), "-m", *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     return proc
 
@@ -37,34 +43,70 @@ def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("multirun")
     tasks = root / "tasks"
     tasks.mkdir()
-    (tasks / "fx_mr.jsonl").write_text("".join(json.dumps({"question": q, "answer": "Paris"}) + "\n" for q in QUESTIONS))
-    (tasks / "fx_mr.yaml").write_text(yaml.safe_dump({
-        "task": "fx_mr", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tasks / "fx_mr.jsonl")}},
-        "output_type": "generate_until", "test_split": "test", "doc_to_text": "{{question}}",
-        "doc_to_target": "answer", "generation_kwargs": {"until": [], "max_gen_toks": 6, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0},
-    }))
+    (tasks / "fx_mr.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "Paris"}) + "\n" for q in QUESTIONS)
+    )
+    (tasks / "fx_mr.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "fx_mr",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": str(tasks / "fx_mr.jsonl")}},
+                "output_type": "generate_until",
+                "test_split": "test",
+                "doc_to_text": "{{question}}",
+                "doc_to_target": "answer",
+                "generation_kwargs": {"until": [], "max_gen_toks": 6, "do_sample": False},
+                "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+                "metadata": {"version": 1.0},
+            }
+        )
+    )
     (root / "conf" / "benchmarks").mkdir(parents=True)
-    (root / "conf" / "benchmarks" / "fixture.yaml").write_text(yaml.safe_dump({
-        "name": "fixture", "include_path": [str(tasks)], "include_defaults": False, "apply_chat_template": True,
-        "fewshot_as_multiturn": True, "system_instruction": None, "confirm_run_unsafe_code": False,
-        "tasks": [{"name": "fx_mr", "label": "FX", "metric": "exact_match", "filter": "none"}],
-    }))
+    (root / "conf" / "benchmarks" / "fixture.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "fixture",
+                "include_path": [str(tasks)],
+                "include_defaults": False,
+                "apply_chat_template": True,
+                "fewshot_as_multiturn": True,
+                "system_instruction": None,
+                "confirm_run_unsafe_code": False,
+                "tasks": [{"name": "fx_mr", "label": "FX", "metric": "exact_match", "filter": "none"}],
+            }
+        )
+    )
     return root
 
 
 def eval_overrides(workdir: Path) -> list[str]:
-    return [f"hydra.searchpath=[file://{workdir / 'conf'}]", "benchmarks=fixture", "dtype=float32",
-            "decoding.max_new_tokens=6", "plots=false"]
+    return [
+        f"hydra.searchpath=[file://{workdir / 'conf'}]",
+        "benchmarks=fixture",
+        "dtype=float32",
+        "decoding.max_new_tokens=6",
+        "plots=false",
+    ]
 
 
 @pytest.fixture(scope="module")
 def trained(workdir) -> Path:
     """``python train.py -m block=2,4`` on the tiny model: two jobs, two steps each."""
-    launch("train.py", "block=2,4", "model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}", "data.batch_size=2",
-           "data.limit=4", "trainer=cpu", "trainer.max_steps=2", "trainer.precision=32-true", "logger=none",
-           cwd=workdir)
+    launch(
+        "train.py",
+        "block=2,4",
+        "model=tiny-random",
+        "data=jsonl",
+        f"data.path={TINY_SFT}",
+        "data.batch_size=2",
+        "data.limit=4",
+        "trainer=cpu",
+        "trainer.max_steps=2",
+        "trainer.precision=32-true",
+        "logger=none",
+        cwd=workdir,
+    )
     return workdir
 
 
@@ -81,8 +123,16 @@ def test_train_multirun_runs_every_job(trained):
 def test_evaluate_multirun_of_the_eval_grid_sweep(trained):
     """The README's ``python evaluate.py -m +sweep=eval_grid``: its checkpoint pattern finds what the
     training multirun wrote; two jobs (block 2 and 4), each a two-threshold sweep in its own folder."""
-    launch("evaluate.py", "+sweep=eval_grid", "model=tiny-random", "sweep_objective=mars", "sweep_block=2,4",
-           "thresholds=[1.0,0.9]", *eval_overrides(trained), cwd=trained)
+    launch(
+        "evaluate.py",
+        "+sweep=eval_grid",
+        "model=tiny-random",
+        "sweep_objective=mars",
+        "sweep_block=2,4",
+        "thresholds=[1.0,0.9]",
+        *eval_overrides(trained),
+        cwd=trained,
+    )
     for block in (2, 4):
         out = trained / "outputs" / "eval" / f"tiny-random-mars-b{block}-full-b{block}-fixture"
         points = json.loads((out / "points.json").read_text())
@@ -90,4 +140,3 @@ def test_evaluate_multirun_of_the_eval_grid_sweep(trained):
         saved = yaml.safe_load((out / "config.yaml").read_text())
         assert saved["fingerprint"]["decoding"]["block_size"] == block
         assert saved["fingerprint"]["checkpoint"].endswith(f"tiny-random-mars-b{block}-full/hf")
-

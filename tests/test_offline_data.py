@@ -65,8 +65,15 @@ def test_ids_and_prompts_are_unique_and_heldout_is_unseen(splits):
 
 
 def test_no_source_reserved_for_evaluation(splits, builder):
-    reserved = {name.lower() for name in builder.RESERVED_FOR_EVAL} | {"asdiv", "mmlu", "bigbench", "big-bench",
-                                                                       "humaneval", "truthfulqa", "gsm8k"}
+    reserved = {name.lower() for name in builder.RESERVED_FOR_EVAL} | {
+        "asdiv",
+        "mmlu",
+        "bigbench",
+        "big-bench",
+        "humaneval",
+        "truthfulqa",
+        "gsm8k",
+    }
     used = {r["source"].lower() for rows in splits.values() for r in rows}
     assert not used & reserved
     for src in builder.SOURCES:
@@ -126,20 +133,37 @@ def test_pruned_greedy_equals_generate_on_a_tiny_model(builder):
     tok = embedded_tokenizer()
     # Untied head with default init: predictions depend on the context (a tied, scaled embedding just echoes
     # the last token), so a cache row mixed up by the pruning would change the tokens.
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in ("Hi", "What is the capital of France?", "Summarize: the cat sat on the mat all day long.")]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in ("Hi", "What is the capital of France?", "Summarize: the cat sat on the mat all day long.")
+    ]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert (enc["attention_mask"] == 0).any(), "the prompts must need left padding for this test to mean anything"
 
     def reference(eos: int, n: int) -> list[list[int]]:
         with torch.inference_mode():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=n, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=eos, temperature=None, top_p=None, top_k=None)
-        rows = out[:, enc["input_ids"].shape[1]:].tolist()
+            out = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=n,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=eos,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        rows = out[:, enc["input_ids"].shape[1] :].tolist()
         return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
     free = reference(tok.eos_token_id, 10)

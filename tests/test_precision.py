@@ -23,7 +23,9 @@ def test_master_weights_only_for_pure_low_precision():
     assert wants_master_weights("bf16-true") and not wants_master_weights("bf16-mixed")
     assert not wants_master_weights("bf16-true", False) and wants_master_weights("32-true", True)
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
-    assert isinstance(build_adamw([{"params": [w]}], lr=1e-3, betas=(0.9, 0.999), master_weights=True), MasterWeightAdamW)
+    assert isinstance(
+        build_adamw([{"params": [w]}], lr=1e-3, betas=(0.9, 0.999), master_weights=True), MasterWeightAdamW
+    )
     f = torch.nn.Parameter(torch.ones(3))
     assert type(build_adamw([{"params": [f]}], lr=1e-3, betas=(0.9, 0.999), master_weights=True)) is torch.optim.AdamW
 
@@ -45,8 +47,12 @@ def test_bf16_weights_keep_small_updates_with_master_weights():
     lr = 1e-3  # below half a bf16 ulp at 1.0 (2**-8): plain bf16 AdamW rounds every update away
     start = torch.tensor([1.25, 1.5, -1.25, 0.75])  # away from powers of two, where the ulp halves
     ref = _trajectory(torch.nn.Parameter(start.clone()), lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0))
-    plain = _trajectory(torch.nn.Parameter(start.to(torch.bfloat16)), lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0))
-    master = _trajectory(torch.nn.Parameter(start.to(torch.bfloat16)), lambda p: MasterWeightAdamW(p, lr=lr, weight_decay=0.0))
+    plain = _trajectory(
+        torch.nn.Parameter(start.to(torch.bfloat16)), lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0)
+    )
+    master = _trajectory(
+        torch.nn.Parameter(start.to(torch.bfloat16)), lambda p: MasterWeightAdamW(p, lr=lr, weight_decay=0.0)
+    )
     assert torch.equal(plain[-1], start.to(torch.bfloat16).float()), "plain bf16 AdamW lost every update"
     for r, m in zip(ref, master):  # the masters follow fp32 AdamW exactly; the weights are their rounding
         assert torch.equal(m, r.to(torch.bfloat16).float())

@@ -11,11 +11,30 @@ def test_probe_reports_tokens_per_forward_and_fidelity(tmp_path, compose_cfg, ti
     cfg = compose_cfg("train", tiny_train_overrides + ["trainer.max_steps=2", "checkpoint_every=1"])
     hf = run(cfg)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in ["Say hi.", "Count to three.", "Name a fish."]))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": q}) + "\n" for q in ["Say hi.", "Count to three.", "Name a fish."])
+    )
     for checkpoint in (hf, hf.parent / "checkpoints" / "last.ckpt"):
         out = tmp_path / f"probe-{checkpoint.name}.json"
-        assert main(["--checkpoint", str(checkpoint), "--prompts", str(prompts), "--n", "3", "--thresholds", "0.3",
-                     "--max-new-tokens", "8", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "--checkpoint",
+                    str(checkpoint),
+                    "--prompts",
+                    str(prompts),
+                    "--n",
+                    "3",
+                    "--thresholds",
+                    "0.3",
+                    "--max-new-tokens",
+                    "8",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         result = json.loads(out.read_text())
         ref, low = result["results"]
         assert ref["threshold"] == 1.0 and ref["identical_to_tau_1"] == 1.0 and ref["tokens_per_forward"] == 1.0

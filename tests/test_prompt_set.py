@@ -172,18 +172,25 @@ def test_normalise_and_clean(builder):
 
 
 def test_overlap_rules_on_literals(builder):
-    ov = builder.EvalOverlap(["One two three four five six seven eight nine ten eleven twelve thirteen.",
-                              "Sort these five little words please", "tiny"])
+    ov = builder.EvalOverlap(
+        [
+            "One two three four five six seven eight nine ten eleven twelve thirteen.",
+            "Sort these five little words please",
+            "tiny",
+        ]
+    )
     assert ov.reason("ONE two   three four five six seven eight nine ten eleven twelve thirteen.") == "equal"
     assert ov("x: two three four five six seven eight nine ten eleven twelve thirteen, y")  # 12-word shingle
-    assert not ov("two three four five six seven eight nine ten eleven twelve")             # only 11 words
-    assert ov("Could you sort these five little words, please?")                           # short prompt, whole
-    assert not ov("a tiny dog")                                                             # under 5 words: exact only
+    assert not ov("two three four five six seven eight nine ten eleven twelve")  # only 11 words
+    assert ov("Could you sort these five little words, please?")  # short prompt, whole
+    assert not ov("a tiny dog")  # under 5 words: exact only
 
 
 def test_split_is_stratified_and_deterministic(builder):
-    rows = [{"id": f"s-{i}", "source": "s", "category": c, "prompt": str(i)}
-            for i, c in enumerate(["qa"] * 700 + ["math"] * 250 + ["chat"] * 48 + ["code"] * 2)]
+    rows = [
+        {"id": f"s-{i}", "source": "s", "category": c, "prompt": str(i)}
+        for i, c in enumerate(["qa"] * 700 + ["math"] * 250 + ["chat"] * 48 + ["code"] * 2)
+    ]
     train, held = builder.split_heldout(rows, 100, seed=3)
     assert len(held) == 100 and len(train) == 900
     assert Counter(r["category"] for r in held) == {"qa": 70, "math": 25, "chat": 4, "code": 1}

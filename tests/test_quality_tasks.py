@@ -138,36 +138,44 @@ def test_gold_answers_score_full_marks(loaded):
             assert task.process_results(doc, [doc["answer"]])["exact_match"] == 1.0, (t, doc)
 
 
-@pytest.mark.parametrize("task, doc, response, right", [
-    ("capitals", {"answer": "Ankara", "country": "Turkey"}, "The capital city of Turkey is Ankara.", True),
-    ("capitals", {"answer": "Ankara", "country": "Turkey"}, "The capital city of Turkey is Istanbul.", False),
-    ("capitals", {"answer": "Ankara", "country": "Turkey"}, "Cairo or Ankara.", False),  # the first one named
-    ("capitals", {"answer": "Ankara", "country": "Turkey"}, "\nAnkara", True),
-    ("capitals", {"answer": "Kyiv", "country": "Ukraine"}, "Kiev", True),  # an alias
-    ("capitals", {"answer": "Brasilia", "country": "Brazil"}, "Brasília", True),  # accents ignored
-    ("capitals", {"answer": "Ankara", "country": "Turkey"}, "Ankara.\nNo, Cairo.", True),  # first line only
-    ("continents", {"answer": "Asia", "country": "Vietnam"}, "Vietnam is a continent located in Southeast Asia.", True),
-    ("continents", {"answer": "Asia", "country": "Vietnam"}, "Africa, Asia, Europe.", False),
-    ("continents", {"answer": "South America", "country": "Chile"}, "South America", True),
-    ("continents", {"answer": "North America", "country": "Cuba"}, "Cuba is in South America.", False),
-    ("continents", {"answer": "Oceania", "country": "Australia"}, "Australia is in Australia.", False),  # blanked
-    ("continents", {"answer": "Oceania", "country": "Fiji"}, "Fiji is in Australia.", True),
-    ("first_letter", {"answer": "G"}, 'The first letter of the word "garden" is "G".', True),
-    ("first_letter", {"answer": "G"}, 'The first letter of the word "garden" is "A".', False),
-    ("first_letter", {"answer": "Y"}, 'The letter "Y" is a special letter.', True),  # "is a" is an article
-    ("first_letter", {"answer": "W"}, "It starts with a W.", True),
-    ("first_letter", {"answer": "B"}, "b", True),
-    ("first_letter", {"answer": "B"}, "The word is interesting.", False),
-    ("next_number", {"answer": "25", "number": 24}, "The number that comes after 24 is 25.", True),
-    ("next_number", {"answer": "25", "number": 24}, "24 + 1 = 25", True),
-    ("next_number", {"answer": "9", "number": 8}, "The number that comes after 8 is 10.", False),
-    ("next_number", {"answer": "12", "number": 11}, "11 is not a number that can be added.", False),
-    ("next_number", {"answer": "1001", "number": 1000}, "1,001", True),
-    ("next_number", {"answer": "5", "number": 4}, "4.5", False),
-    ("copy", {"answer": "A cat sat on the mat."}, '"A cat sat on the  mat."', True),
-    ("copy", {"answer": "A cat sat on the mat."}, "A cat sat on a mat.", False),
-    ("copy", {"answer": "A cat sat on the mat."}, "A cat sat on the mat", False),
-])
+@pytest.mark.parametrize(
+    "task, doc, response, right",
+    [
+        ("capitals", {"answer": "Ankara", "country": "Turkey"}, "The capital city of Turkey is Ankara.", True),
+        ("capitals", {"answer": "Ankara", "country": "Turkey"}, "The capital city of Turkey is Istanbul.", False),
+        ("capitals", {"answer": "Ankara", "country": "Turkey"}, "Cairo or Ankara.", False),  # the first one named
+        ("capitals", {"answer": "Ankara", "country": "Turkey"}, "\nAnkara", True),
+        ("capitals", {"answer": "Kyiv", "country": "Ukraine"}, "Kiev", True),  # an alias
+        ("capitals", {"answer": "Brasilia", "country": "Brazil"}, "Brasília", True),  # accents ignored
+        ("capitals", {"answer": "Ankara", "country": "Turkey"}, "Ankara.\nNo, Cairo.", True),  # first line only
+        (
+            "continents",
+            {"answer": "Asia", "country": "Vietnam"},
+            "Vietnam is a continent located in Southeast Asia.",
+            True,
+        ),
+        ("continents", {"answer": "Asia", "country": "Vietnam"}, "Africa, Asia, Europe.", False),
+        ("continents", {"answer": "South America", "country": "Chile"}, "South America", True),
+        ("continents", {"answer": "North America", "country": "Cuba"}, "Cuba is in South America.", False),
+        ("continents", {"answer": "Oceania", "country": "Australia"}, "Australia is in Australia.", False),  # blanked
+        ("continents", {"answer": "Oceania", "country": "Fiji"}, "Fiji is in Australia.", True),
+        ("first_letter", {"answer": "G"}, 'The first letter of the word "garden" is "G".', True),
+        ("first_letter", {"answer": "G"}, 'The first letter of the word "garden" is "A".', False),
+        ("first_letter", {"answer": "Y"}, 'The letter "Y" is a special letter.', True),  # "is a" is an article
+        ("first_letter", {"answer": "W"}, "It starts with a W.", True),
+        ("first_letter", {"answer": "B"}, "b", True),
+        ("first_letter", {"answer": "B"}, "The word is interesting.", False),
+        ("next_number", {"answer": "25", "number": 24}, "The number that comes after 24 is 25.", True),
+        ("next_number", {"answer": "25", "number": 24}, "24 + 1 = 25", True),
+        ("next_number", {"answer": "9", "number": 8}, "The number that comes after 8 is 10.", False),
+        ("next_number", {"answer": "12", "number": 11}, "11 is not a number that can be added.", False),
+        ("next_number", {"answer": "1001", "number": 1000}, "1,001", True),
+        ("next_number", {"answer": "5", "number": 4}, "4.5", False),
+        ("copy", {"answer": "A cat sat on the mat."}, '"A cat sat on the  mat."', True),
+        ("copy", {"answer": "A cat sat on the mat."}, "A cat sat on a mat.", False),
+        ("copy", {"answer": "A cat sat on the mat."}, "A cat sat on the mat", False),
+    ],
+)
 def test_scorers_on_hand_written_answers(qu, task, doc, response, right):
     assert getattr(qu, f"process_{task}")(doc, [response])["exact_match"] == float(right)
 
@@ -225,8 +233,10 @@ def test_no_overlap_with_training_prompts_or_other_eval_sets(data, builder):
 
 
 def test_overlap_filter_drops_a_candidate_that_a_training_prompt_contains(builder):
-    cands = [{"id": "a", "question": "What is the capital city of Freedonia? Answer with the name of the city only."},
-             {"id": "b", "question": "What is the capital city of Sylvania? Answer with the name of the city only."}]
+    cands = [
+        {"id": "a", "question": "What is the capital city of Freedonia? Answer with the name of the city only."},
+        {"id": "b", "question": "What is the capital city of Sylvania? Answer with the name of the city only."},
+    ]
     prompts = ["Quiz time. what is the capital city of freedonia? answer with the name of the city only. Thanks!"]
     kept, dropped = builder.drop_overlaps(cands, prompts, ["An unrelated evaluation prompt about the weather today."])
     assert [c["id"] for c in kept] == ["b"] and dropped[0]["id"] == "a"
@@ -237,8 +247,14 @@ def test_overlap_filter_drops_a_candidate_that_a_training_prompt_contains(builde
 
 def test_readmes_record_sources_licences_and_measured_scores(builder):
     quality = (QUALITY / "README.md").read_text()
-    for needle in (builder.GEONAMES.pin, builder.GEONAMES.sha256, "CC BY 4.0", "MIT",
-                   "python scripts/build_quality_tasks.py", "Measured"):
+    for needle in (
+        builder.GEONAMES.pin,
+        builder.GEONAMES.sha256,
+        "CC BY 4.0",
+        "MIT",
+        "python scripts/build_quality_tasks.py",
+        "Measured",
+    ):
         assert needle in quality, needle
     for t in SHORT:
         assert f"mars_quality_{t}" in quality, t
@@ -255,8 +271,17 @@ def test_quality_suite_end_to_end_on_tiny_model(compose_cfg, tmp_path):
     from mars.evaluation.store import ResultsDir
 
     out = tmp_path / "quality"
-    cfg = compose_cfg("evaluate", ["model=tiny-random", "benchmarks=quality", "limit=2", "thresholds=[1.0,0.5]",
-                                   "decoding.max_new_tokens=12", f"output_dir={out}"])
+    cfg = compose_cfg(
+        "evaluate",
+        [
+            "model=tiny-random",
+            "benchmarks=quality",
+            "limit=2",
+            "thresholds=[1.0,0.5]",
+            "decoding.max_new_tokens=12",
+            f"output_dir={out}",
+        ],
+    )
     outcome = run_eval(cfg)
     cell = {(p["threshold"], p["task"]): p for p in outcome.points}
     labels = [spec.label for spec in outcome.plan.suite.tasks]

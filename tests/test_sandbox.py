@@ -74,12 +74,15 @@ def test_files_outside_the_temp_dir_can_be_neither_read_nor_written(secret):
     repo_file = REPO / "README.md"
     for path in (secret, repo_file, Path.home() / ".bashrc"):
         result = run(f"print(open({str(path)!r}).read())\n")
-        assert not result.passed and ("FileNotFoundError" in result.status or "PermissionError" in result.status), \
-            (path, result)
+        assert not result.passed and ("FileNotFoundError" in result.status or "PermissionError" in result.status), (
+            path,
+            result,
+        )
     assert not run(f"import pathlib\npathlib.Path({str(repo_file)!r}).read_text()\n").passed
     for target in (REPO / "pwned.txt", secret.parent / "pwned.txt", Path("/usr/pwned.txt")):
-        result = run(f"import posix\nfd = posix.open({str(target)!r}, posix.O_WRONLY | posix.O_CREAT)\n"
-                     "posix.write(fd, b'x')\n")
+        result = run(
+            f"import posix\nfd = posix.open({str(target)!r}, posix.O_WRONLY | posix.O_CREAT)\nposix.write(fd, b'x')\n"
+        )
         assert not result.passed, (target, result)
         assert not target.exists(), target
     assert secret.read_text() == "host secret"
@@ -100,14 +103,18 @@ def test_commands_cannot_reach_the_host(tmp_path, secret):
     marker = tmp_path / "ran.txt"
     # posix.system and os.posix_spawn below the guard: whatever they start stays inside the sandbox
     run(f"import posix\nposix.system('echo pwned > {marker}; cat {secret} > /tmp/copy; rm -f {secret}')\n")
-    run(f"import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'echo pwned > {marker}; rm -f {secret}'], {{}})\n"
-        "import time\ntime.sleep(0.5)\n")
+    run(
+        f"import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'echo pwned > {marker}; rm -f {secret}'], {{}})\n"
+        "import time\ntime.sleep(0.5)\n"
+    )
     assert not marker.exists()
     assert secret.read_text() == "host secret"
     # and the program runs as no one in particular: not root, no capabilities
-    assert run("import os\nassert os.getuid() != 0 and os.geteuid() != 0\n"
-               "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
-               "assert int(caps, 16) == 0, caps\n").passed
+    assert run(
+        "import os\nassert os.getuid() != 0 and os.geteuid() != 0\n"
+        "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
+        "assert int(caps, 16) == 0, caps\n"
+    ).passed
 
 
 @needs_sandbox
@@ -118,8 +125,10 @@ def test_no_network_not_even_the_hosts_loopback():
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        result = run(f"import _socket\ns = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\n"
-                     f"s.settimeout(3)\ns.connect(('127.0.0.1', {port}))\n")
+        result = run(
+            f"import _socket\ns = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\n"
+            f"s.settimeout(3)\ns.connect(('127.0.0.1', {port}))\n"
+        )
         assert not result.passed, result
         with pytest.raises(socket.timeout):
             server.accept()  # nothing ever reached the host
@@ -130,9 +139,11 @@ def test_no_network_not_even_the_hosts_loopback():
 @needs_sandbox
 def test_a_setsid_child_does_not_survive_the_timeout():
     marker = f"{time.time_ns() % 10**9}.25"  # a `sleep` with a unique duration, to find it on the host
-    program = (f"import posix\nif posix.fork() == 0:\n    posix.setsid()\n"
-               f"    posix.execv('/bin/sleep', ['sleep', '{marker}'])\n"
-               "while True:\n    pass\n")
+    program = (
+        f"import posix\nif posix.fork() == 0:\n    posix.setsid()\n"
+        f"    posix.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "while True:\n    pass\n"
+    )
     start = time.monotonic()
     result = run(program, timeout=2.0)
     assert result.status == "timed out" and time.monotonic() - start < 8
@@ -146,17 +157,20 @@ def test_a_setsid_child_does_not_survive_the_timeout():
 def test_a_fork_bomb_is_bounded_and_leaves_nothing_behind():
     # counts how many processes it can start; each child execs a recognisable sleep
     marker = f"{time.time_ns() % 10**9}.75"
-    program = (f"import posix\nn = 0\ntry:\n    while n < 500:\n        if posix.fork() == 0:\n"
-               f"            posix.execv('/bin/sleep', ['sleep', '{marker}'])\n        n += 1\n"
-               f"except OSError:\n    pass\nassert n < {sandbox.NPROC}, n\n")
+    program = (
+        f"import posix\nn = 0\ntry:\n    while n < 500:\n        if posix.fork() == 0:\n"
+        f"            posix.execv('/bin/sleep', ['sleep', '{marker}'])\n        n += 1\n"
+        f"except OSError:\n    pass\nassert n < {sandbox.NPROC}, n\n"
+    )
     result = run(program, timeout=10.0)
     assert result.passed, result  # the limit stopped it below NPROC processes
     time.sleep(0.2)
     assert processes_with(f"sleep {marker}") == []  # the sandbox took its children with it
     # the classic form, forking forever, ends at the timeout
     start = time.monotonic()
-    bomb = run("import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n",
-               timeout=2.0)
+    bomb = run(
+        "import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n", timeout=2.0
+    )
     assert not bomb.passed and time.monotonic() - start < 10
 
 
@@ -210,8 +224,13 @@ def test_code_tasks_outside_the_sandbox_need_the_opt_in(monkeypatch):
     from mars.evaluation.tasks import Suite, TaskSpec, check_code_execution, expand_suite, task_manager
 
     builtin = Path(lm_eval.__file__).parent / "tasks" / "humaneval"
-    suite = Suite(name="builtin", tasks=[TaskSpec("humaneval", "HumanEval")], include_path=[str(builtin)],
-                  include_defaults=False, confirm_run_unsafe_code=True)
+    suite = Suite(
+        name="builtin",
+        tasks=[TaskSpec("humaneval", "HumanEval")],
+        include_path=[str(builtin)],
+        include_defaults=False,
+        confirm_run_unsafe_code=True,
+    )
     manager = task_manager(suite)
     expand_suite(suite, manager)
     monkeypatch.delenv(sandbox.OPT_IN_ENV, raising=False)

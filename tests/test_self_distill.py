@@ -9,7 +9,14 @@ from mars import self_distill as sd
 from mars.decoding import generate
 from mars.models import load_model
 
-TINY = {"arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+TINY = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+}
 PROMPTS = ["Name a colour.", "What is two plus two?", "Say hello.", "Write a word.", "Count to three."]
 
 
@@ -58,7 +65,9 @@ def test_build_answers_greedily_and_reuses(tmp_path, settings, answered):
 def test_a_killed_build_resumes_with_the_missing_prompts(tmp_path, settings, answered):
     prompts = sd.load_prompts(sd.PromptSpec(source="jsonl", path=str(write_prompts(tmp_path / "p.jsonl"))))
     sd.build("tiny-random", prompts[:2], settings, tiny=TINY, progress=False)
-    folder = sd.cache_folder(sd.fingerprint(sd.model_fingerprint("tiny-random", TINY), settings, "float32"), settings.root)
+    folder = sd.cache_folder(
+        sd.fingerprint(sd.model_fingerprint("tiny-random", TINY), settings, "float32"), settings.root
+    )
     with open(folder / "rows.jsonl", "a") as f:
         f.write('{"id": "p2", "messa')  # a write cut by a kill
     result = sd.build("tiny-random", prompts, settings, tiny=TINY, progress=False)
@@ -70,8 +79,13 @@ def test_a_killed_build_resumes_with_the_missing_prompts(tmp_path, settings, ans
 def test_another_setting_or_model_is_never_reused(tmp_path, settings, answered):
     prompts = sd.load_prompts(sd.PromptSpec(source="jsonl", path=str(write_prompts(tmp_path / "p.jsonl"))))
     a = sd.build("tiny-random", prompts, settings, tiny=TINY, progress=False)
-    b = sd.build("tiny-random", prompts, sd.DistillSettings(max_new_tokens=7, batch_size=2, dtype="float32",
-                                                             root=settings.root), tiny=TINY, progress=False)
+    b = sd.build(
+        "tiny-random",
+        prompts,
+        sd.DistillSettings(max_new_tokens=7, batch_size=2, dtype="float32", root=settings.root),
+        tiny=TINY,
+        progress=False,
+    )
     c = sd.build("tiny-random", prompts, settings, tiny={**TINY, "hidden_size": 32}, progress=False)
     assert len({a.folder, b.folder, c.folder}) == 3 and len(answered) == 3
     # a changed prompt text under the same id is a new prompt
@@ -138,6 +152,11 @@ def test_shipped_answers_are_reused_only_for_the_same_fingerprint(tmp_path, sett
     # a shipped folder whose fingerprint does not match is ignored
     meta = shipped / built.folder.name / "meta.json"
     meta.write_text(meta.read_text().replace('"max_new_tokens": 6', '"max_new_tokens": 5'))
-    sd.build("tiny-random", prompts, sd.DistillSettings(max_new_tokens=6, batch_size=2, dtype="float32",
-                                                         root=str(tmp_path / "third")), tiny=TINY, progress=False)
+    sd.build(
+        "tiny-random",
+        prompts,
+        sd.DistillSettings(max_new_tokens=6, batch_size=2, dtype="float32", root=str(tmp_path / "third")),
+        tiny=TINY,
+        progress=False,
+    )
     assert len(answered) == 2

@@ -75,8 +75,11 @@ def test_noisy_load_around_the_target_does_not_make_tau_flap():
     taus = run_trace(smooth, trace)
     assert direction_changes(taus) == 0  # the band and the average absorb it
     # without hysteresis (low == high) and without smoothing it would flap at every update
-    raw = AdaptiveTau(0.6, 1.0, AdaptiveSettings(target_queue=8, high=1.0, low=0.999, relax_rate=0.5,
-                                                 recover_rate=0.5, smoothing_s=0.0))
+    raw = AdaptiveTau(
+        0.6,
+        1.0,
+        AdaptiveSettings(target_queue=8, high=1.0, low=0.999, relax_rate=0.5, recover_rate=0.5, smoothing_s=0.0),
+    )
     run_trace(raw, [(30, 8)] * 5)
     assert direction_changes(run_trace(raw, trace)) > 100
 
@@ -101,15 +104,17 @@ def test_update_frequency_does_not_change_the_trajectory_much():
 
 
 def test_latency_signal_relaxes_on_slow_requests_and_recovers_when_idle():
-    p = AdaptiveTau(0.7, 1.0, AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0,
-                                               recover_rate=1.0, smoothing_s=0.0))
+    p = AdaptiveTau(
+        0.7,
+        1.0,
+        AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0, recover_rate=1.0, smoothing_s=0.0),
+    )
     for i in range(10):
         p.update(LoadSample(i * 0.1, waiting=2, running=4, recent_latency_s=9.0, oldest_age_s=3.0))
     assert p.tau < 1.0
     low = p.tau
     # an old request still in the system counts even before any request finished
-    q = AdaptiveTau(0.7, 1.0, AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0,
-                                               smoothing_s=0.0))
+    q = AdaptiveTau(0.7, 1.0, AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0, smoothing_s=0.0))
     for i in range(5):
         q.update(LoadSample(i * 0.1, waiting=1, running=1, recent_latency_s=None, oldest_age_s=12.0))
     assert q.tau < 1.0
@@ -127,15 +132,24 @@ def test_entropy_metric_relaxes_upwards():
     assert p.for_request(None, verify=True) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(name="fixed", threshold=0.4, tau_min=0.5, tau_max=1.0), "outside"),
-    (dict(name="fixed", threshold=0.9, tau_min=0.95, tau_max=0.9), "above tau_max"),
-    (dict(name="fixed", threshold=0.9, tau_min=0.0, tau_max=1.0), "invalid"),
-    (dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"targte_queue": 3}), "unknown adaptive"),
-    (dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"low": 2.0}), "adaptive.low"),
-    (dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"signal": "vibes"}), "adaptive.signal"),
-    (dict(name="sometimes", threshold=1.0, tau_min=0.5, tau_max=1.0), "tau_policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="fixed", threshold=0.4, tau_min=0.5, tau_max=1.0), "outside"),
+        (dict(name="fixed", threshold=0.9, tau_min=0.95, tau_max=0.9), "above tau_max"),
+        (dict(name="fixed", threshold=0.9, tau_min=0.0, tau_max=1.0), "invalid"),
+        (
+            dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"targte_queue": 3}),
+            "unknown adaptive",
+        ),
+        (dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"low": 2.0}), "adaptive.low"),
+        (
+            dict(name="adaptive", threshold=1.0, tau_min=0.5, tau_max=1.0, adaptive={"signal": "vibes"}),
+            "adaptive.signal",
+        ),
+        (dict(name="sometimes", threshold=1.0, tau_min=0.5, tau_max=1.0), "tau_policy"),
+    ],
+)
 def test_bad_policy_settings_are_refused(kwargs, match):
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=match):

@@ -60,11 +60,25 @@ class DevTools:
 
 def launch(user_dir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--no-default-browser-check",
-         f"--user-data-dir={user_dir}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-         "--window-size=1200,900", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--no-default-browser-check",
+            f"--user-data-dir={user_dir}",
+            "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0",
+            "--window-size=1200,900",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     port_file = user_dir / "DevToolsActivePort"
     deadline = time.monotonic() + 60
     while not (port_file.is_file() and port_file.read_text().strip()):
@@ -102,8 +116,9 @@ def test_the_page_streams_an_answer_with_shaded_forwards(tmp_path):
             document.getElementById('max-tokens').value = '48';
             document.getElementById('send').click();
         })()""")
-        reason = page.wait("document.getElementById('output').dataset.done || document.getElementById('error').textContent",
-                           180)
+        reason = page.wait(
+            "document.getElementById('output').dataset.done || document.getElementById('error').textContent", 180
+        )
         assert reason in ("stop", "length"), reason
         time.sleep(1.2)  # one more poll of the live figures
         text = page.js("document.getElementById('output').textContent")

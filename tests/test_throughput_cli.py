@@ -11,9 +11,35 @@ def test_throughput_benchmark_end_to_end(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Say hi.", "Count to five.", "Name a dog."]))
     out = tmp_path / "out"
-    assert main(["--model", "tiny-random", "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0",
-                 "--max-new-tokens", "6", "--thresholds", "1.0,0.5", "--caches", "cursor", "--verify",
-                 "--ar-static", "--num-prompts", "2", "--prompts-file", str(prompts), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "tiny-random",
+                "--batch-sizes",
+                "1,2",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--thresholds",
+                "1.0,0.5",
+                "--caches",
+                "cursor",
+                "--verify",
+                "--ar-static",
+                "--num-prompts",
+                "2",
+                "--prompts-file",
+                str(prompts),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader((out / "throughput.csv").open()))
     decoders = {r["decoder"] for r in rows}
     assert decoders == {"ar-hf", "ar-hf-static", "ar-cursor", "mars-cursor", "mars-verify"}

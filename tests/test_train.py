@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, TINY_SFT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars.data import LengthGroupedSampler
 from mars.models import read_mars_metadata
 from mars.train import run
-
-from conftest import REPO, TINY_SFT
 
 
 def test_train_exports_a_vanilla_hf_checkpoint_with_same_parameter_count(compose_cfg, tiny_train_overrides, tmp_path):
@@ -32,7 +31,7 @@ def test_train_exports_a_vanilla_hf_checkpoint_with_same_parameter_count(compose
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "loss_curve.png").is_file()
     # identical logits after the round trip through the saved directory
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items()}
+    state = {k[len("model.") :]: v for k, v in ckpt["state_dict"].items()}
     ids = torch.tensor([[5, 17, 200, 3000, 42, 7]])
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     fresh = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -41,7 +40,9 @@ def test_train_exports_a_vanilla_hf_checkpoint_with_same_parameter_count(compose
         torch.testing.assert_close(reloaded(ids).logits, fresh(ids).logits)
 
 
-def test_a_finished_run_is_skipped_and_a_killed_run_resumes_without_losing_steps(compose_cfg, tiny_train_overrides, tmp_path):
+def test_a_finished_run_is_skipped_and_a_killed_run_resumes_without_losing_steps(
+    compose_cfg, tiny_train_overrides, tmp_path
+):
     from test_train_resume import StopAfter
 
     base = tiny_train_overrides + ["checkpoint_every=1", "data.batch_size=2", "trainer.max_steps=4"]
@@ -114,7 +115,7 @@ def test_length_grouped_batches_have_similar_lengths():
     order = list(LengthGroupedSampler(lengths, batch_size=8, seed=0, group=16))
 
     def spread(idx):
-        batches = [idx[i:i + 8] for i in range(0, len(idx), 8)]
+        batches = [idx[i : i + 8] for i in range(0, len(idx), 8)]
         return sum(max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in batches) / len(batches)
 
     shuffled = list(range(400))
@@ -122,23 +123,26 @@ def test_length_grouped_batches_have_similar_lengths():
     assert spread(order) < 0.25 * spread(shuffled)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ("block=0", "block must be"),
-    ("objective.alpha=-0.5", "alpha must be >= 0"),
-    ("objective.name=ntp", "unknown objective"),
-    ("mask_schedule.name=cosine", "mask_schedule must be one of"),
-    ("mask_schedule=random_ratio mask_schedule.min_ratio=0.9 mask_schedule.max_ratio=0.5", "random_ratio needs"),
-    ("mask_schedule=linear_ramp mask_schedule.ramp_fraction=0", "linear_ramp needs"),
-    ("optim.warmup_ratio=1.5", r"optim.warmup_ratio must be in \[0, 1\)"),
-    ("optim.lr=0", "optim.lr must be"),
-    ("trainer.max_steps=0", "trains nothing"),
-    ("trainer.max_epochs=0", "trains nothing"),
-    ("data.max_length=1", "data.max_length must be an integer >= 2"),
-    ("data.batch_size=0", "data.batch_size must be"),
-    ("checkpoint_every=0", "checkpoint_every must be"),
-    ("data.path=/nonexistent/rows.jsonl", "data.path='/nonexistent/rows.jsonl' is not a file"),
-    ("data.source=csv", "data.source must be one of"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ("block=0", "block must be"),
+        ("objective.alpha=-0.5", "alpha must be >= 0"),
+        ("objective.name=ntp", "unknown objective"),
+        ("mask_schedule.name=cosine", "mask_schedule must be one of"),
+        ("mask_schedule=random_ratio mask_schedule.min_ratio=0.9 mask_schedule.max_ratio=0.5", "random_ratio needs"),
+        ("mask_schedule=linear_ramp mask_schedule.ramp_fraction=0", "linear_ramp needs"),
+        ("optim.warmup_ratio=1.5", r"optim.warmup_ratio must be in \[0, 1\)"),
+        ("optim.lr=0", "optim.lr must be"),
+        ("trainer.max_steps=0", "trains nothing"),
+        ("trainer.max_epochs=0", "trains nothing"),
+        ("data.max_length=1", "data.max_length must be an integer >= 2"),
+        ("data.batch_size=0", "data.batch_size must be"),
+        ("checkpoint_every=0", "checkpoint_every must be"),
+        ("data.path=/nonexistent/rows.jsonl", "data.path='/nonexistent/rows.jsonl' is not a file"),
+        ("data.source=csv", "data.source must be one of"),
+    ],
+)
 def test_bad_config_fails_before_loading_anything(compose_cfg, tiny_train_overrides, overrides, match, tmp_path):
     not_a_model = tmp_path / "not_a_model"  # would fail only when loading: validation must come first
     not_a_model.mkdir()
@@ -174,15 +178,31 @@ def test_empty_dataset_after_filtering_fails_clearly(compose_cfg, tiny_train_ove
 
 def test_ddp_with_two_cpu_processes(tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "train.py", "model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}",
-           "data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "trainer.precision=32-true", "trainer.max_steps=2", "logger=none", f"output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "model=tiny-random",
+        "data=jsonl",
+        f"data.path={TINY_SFT}",
+        "data.batch_size=2",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.max_steps=2",
+        "logger=none",
+        f"output_dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["global_step"] == 2
     assert read_mars_metadata(out / "hf")["complete"]
-    assert "world_size=2" in proc.stderr or "distributed_backend=gloo" in proc.stderr or "Initializing distributed" in proc.stderr
+    assert (
+        "world_size=2" in proc.stderr
+        or "distributed_backend=gloo" in proc.stderr
+        or "Initializing distributed" in proc.stderr
+    )
 
 
 def test_wandb_logger_runs_offline_without_credentials(compose_cfg, tiny_train_overrides, tmp_path, monkeypatch):

@@ -38,8 +38,16 @@ def test_an_export_is_complete_only_when_the_run_reached_its_end(compose_cfg, ti
 
 
 def test_metadata_round_trip_keeps_unknown_keys_and_names_bad_fields(tmp_path):
-    meta = MarsMetadata(block_size=4, objective="mars", mask_token="<m>", mask_token_id=7, alpha=1.0,
-                        intra_block="causal", complete=True, extra={"note": "from a newer version"})
+    meta = MarsMetadata(
+        block_size=4,
+        objective="mars",
+        mask_token="<m>",
+        mask_token_id=7,
+        alpha=1.0,
+        intra_block="causal",
+        complete=True,
+        extra={"note": "from a newer version"},
+    )
     write_metadata(tmp_path, meta)
     again = read_metadata(tmp_path)
     assert again == meta and again.to_dict()["note"] == "from a newer version"
@@ -59,14 +67,30 @@ def test_metadata_round_trip_keeps_unknown_keys_and_names_bad_fields(tmp_path):
 
 
 def test_export_cli_writes_the_metadata_training_writes(compose_cfg, tiny_train_overrides, tmp_path):
-    overrides = tiny_train_overrides + ["trainer.max_steps=2", "checkpoint_every=1", "objective=mars_no_sft",
-                                        "block=3", "mask_schedule=linear_ramp"]
+    overrides = tiny_train_overrides + [
+        "trainer.max_steps=2",
+        "checkpoint_every=1",
+        "objective=mars_no_sft",
+        "block=3",
+        "mask_schedule=linear_ramp",
+    ]
     trained = run(compose_cfg("train", overrides))
     exported = tmp_path / "cli_export"
     export_main([str(tmp_path / "run" / "checkpoints" / "last.ckpt"), str(exported)])
     cli, train = read_mars_metadata(exported), read_mars_metadata(trained)
-    for key in ("block_size", "objective", "alpha", "intra_block", "mask_schedule", "mask_token", "mask_token_id",
-                "base_model", "base_num_parameters", "num_parameters", "global_step"):
+    for key in (
+        "block_size",
+        "objective",
+        "alpha",
+        "intra_block",
+        "mask_schedule",
+        "mask_token",
+        "mask_token_id",
+        "base_model",
+        "base_num_parameters",
+        "num_parameters",
+        "global_step",
+    ):
         assert cli[key] == train[key], key
     assert (cli["objective"], cli["alpha"], cli["block_size"], cli["global_step"]) == ("mars_no_sft", 0.0, 3, 2)
     assert train["complete"] is True and cli["complete"] is False  # --complete marks a final checkpoint by hand

@@ -4,23 +4,32 @@ before the model loads, with a message that says how to proceed."""
 import json
 
 import pytest
+from test_train_resume import StopAfter
 
 from mars.run_fingerprint import RunMismatchError, run_fingerprint
 from mars.train import run
-
-from test_train_resume import StopAfter
 
 
 def base(tiny_train_overrides):
     return tiny_train_overrides + ["checkpoint_every=1", "trainer.max_steps=2"]
 
 
-CHANGES = ["optim.lr=1e-3", "trainer.max_steps=3", "seed=1", "objective.alpha=0.5", "data.max_length=64",
-           "data.limit=6", "trainer.accumulate_grad_batches=2", "mask_schedule=linear_ramp", "block=2"]
+CHANGES = [
+    "optim.lr=1e-3",
+    "trainer.max_steps=3",
+    "seed=1",
+    "objective.alpha=0.5",
+    "data.max_length=64",
+    "data.limit=6",
+    "trainer.accumulate_grad_batches=2",
+    "mask_schedule=linear_ramp",
+    "block=2",
+]
 
 
-def test_a_finished_run_with_other_settings_is_refused_not_skipped(compose_cfg, tiny_train_overrides, tmp_path,
-                                                                   monkeypatch):
+def test_a_finished_run_with_other_settings_is_refused_not_skipped(
+    compose_cfg, tiny_train_overrides, tmp_path, monkeypatch
+):
     run(compose_cfg("train", base(tiny_train_overrides)))
     exported = (tmp_path / "run" / "hf" / "model.safetensors").stat().st_mtime_ns
 
@@ -37,7 +46,8 @@ def test_a_finished_run_with_other_settings_is_refused_not_skipped(compose_cfg, 
 
 
 def test_a_half_finished_run_is_not_resumed_under_other_settings_and_overwrite_starts_afresh(
-        compose_cfg, tiny_train_overrides, tmp_path):
+    compose_cfg, tiny_train_overrides, tmp_path
+):
     with pytest.raises(StopAfter.Killed):
         run(compose_cfg("train", base(tiny_train_overrides)), callbacks=[StopAfter(1)])
     config_before = (tmp_path / "run" / "config.yaml").read_text()
@@ -57,8 +67,15 @@ def test_a_half_finished_run_is_not_resumed_under_other_settings_and_overwrite_s
 
 def test_the_fingerprint_ignores_how_and_where_but_not_what(compose_cfg, tiny_train_overrides, tmp_path):
     fp = run_fingerprint(compose_cfg("train", tiny_train_overrides))
-    same = ["gradient_checkpointing=true", "crop_noisy_prompt=false", "checkpoint_every=7", "data.num_workers=1",
-            "logger=csv", "model.attn_implementation=eager", f"output_dir={tmp_path / 'elsewhere'}"]
+    same = [
+        "gradient_checkpointing=true",
+        "crop_noisy_prompt=false",
+        "checkpoint_every=7",
+        "data.num_workers=1",
+        "logger=csv",
+        "model.attn_implementation=eager",
+        f"output_dir={tmp_path / 'elsewhere'}",
+    ]
     for override in same:
         assert run_fingerprint(compose_cfg("train", tiny_train_overrides + [override])) == fp, override
     # the data file by content: a copy elsewhere matches, an edited copy does not
@@ -73,7 +90,9 @@ def test_the_fingerprint_ignores_how_and_where_but_not_what(compose_cfg, tiny_tr
     distill = ["data=self_distill", "data.distill.prompts.source=jsonl", f"data.distill.prompts.path={copy}"]
     d = run_fingerprint(compose_cfg("train", tiny_train_overrides + distill))
     assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.batch_size=3"])) == d
-    assert run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.max_new_tokens=9"])) != d
+    assert (
+        run_fingerprint(compose_cfg("train", tiny_train_overrides + distill + ["data.distill.max_new_tokens=9"])) != d
+    )
 
 
 def test_a_request_that_failed_before_training_does_not_lock_its_folder(compose_cfg, tiny_train_overrides, tmp_path):

@@ -15,15 +15,14 @@ import subprocess
 import sys
 
 import torch
+from conftest import CONF, REPO, TINY_SFT
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mars.export import read_lightning_checkpoint
 from mars.models import read_mars_metadata
 
-from conftest import CONF, REPO, TINY_SFT
-
-HELPER = '''
+HELPER = """
 import os, sys
 import lightning.pytorch.strategies as strategies
 import torch
@@ -57,16 +56,30 @@ with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     cfg = compose(config_name="train", overrides=sys.argv[2:])
 stop = int(os.environ.get("STOP_AFTER", "0"))
 run(cfg, callbacks=[StopAfter(stop)] if stop else [])
-'''
+"""
 
 
 def fsdp_run(tmp_path, out, stop_after=0):
     helper = tmp_path / "fsdp_cpu.py"
     helper.write_text(HELPER)
-    cmd = [sys.executable, str(helper), str(CONF), "model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}",
-           "data.batch_size=2", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "trainer.precision=32-true", "trainer.max_steps=3", "trainer.fsdp.state_dict_type=sharded",
-           "checkpoint_every=1", "logger=none", f"output_dir={out}"]
+    cmd = [
+        sys.executable,
+        str(helper),
+        str(CONF),
+        "model=tiny-random",
+        "data=jsonl",
+        f"data.path={TINY_SFT}",
+        "data.batch_size=2",
+        "trainer=fsdp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.max_steps=3",
+        "trainer.fsdp.state_dict_type=sharded",
+        "checkpoint_every=1",
+        "logger=none",
+        f"output_dir={out}",
+    ]
     env = {**os.environ, "STOP_AFTER": str(stop_after)}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
 
@@ -96,5 +109,6 @@ def test_fsdp_export_holds_the_gathered_trained_weights_and_resumes_from_a_shard
     from mars.models import build_tiny_random
 
     untrained = build_tiny_random().state_dict()
-    assert not torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],
-                           untrained["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        exported["model.layers.0.self_attn.q_proj.weight"], untrained["model.layers.0.self_attn.q_proj.weight"]
+    )

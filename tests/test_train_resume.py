@@ -4,12 +4,11 @@ of the batch size; its loss file covers the whole run as it goes."""
 
 import pytest
 import torch
+from conftest import TINY_SFT
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from mars.train import read_losses, run
-
-from conftest import TINY_SFT
 
 
 class StopAfter(Callback):
@@ -30,13 +29,23 @@ class StopAfter(Callback):
 def overrides(out):
     # 10 rows in batches of 4: 3 batches per epoch, the last one of 2 rows; random_ratio masks draw random
     # numbers every step, so the masks must not depend on the process's RNG history either
-    return ["model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}", "data.batch_size=4",
-            "trainer.precision=32-true", "logger=none", "checkpoint_every=2", "trainer.max_steps=8",
-            "mask_schedule=random_ratio", f"output_dir={out}"]
+    return [
+        "model=tiny-random",
+        "data=jsonl",
+        f"data.path={TINY_SFT}",
+        "data.batch_size=4",
+        "trainer.precision=32-true",
+        "logger=none",
+        "checkpoint_every=2",
+        "trainer.max_steps=8",
+        "mask_schedule=random_ratio",
+        f"output_dir={out}",
+    ]
 
 
-def test_a_killed_and_resumed_run_ends_with_the_weights_and_losses_of_an_uninterrupted_run(compose_cfg, tmp_path,
-                                                                                           monkeypatch):
+def test_a_killed_and_resumed_run_ends_with_the_weights_and_losses_of_an_uninterrupted_run(
+    compose_cfg, tmp_path, monkeypatch
+):
     straight = run(compose_cfg("train", overrides(tmp_path / "straight")))
 
     killed = tmp_path / "killed"
@@ -59,7 +68,10 @@ def test_a_killed_and_resumed_run_ends_with_the_weights_and_losses_of_an_uninter
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
-    steps_straight, steps_resumed = read_losses(tmp_path / "straight" / "losses.csv"), read_losses(killed / "losses.csv")
+    steps_straight, steps_resumed = (
+        read_losses(tmp_path / "straight" / "losses.csv"),
+        read_losses(killed / "losses.csv"),
+    )
     assert [r["step"] for r in steps_resumed] == list(range(1, 9))  # every step once, retrained steps replaced
     for x, y in zip(steps_straight, steps_resumed):
         for key in ("loss", "loss_mask", "loss_ar"):

@@ -6,9 +6,13 @@ from pathlib import Path
 
 from mars.train import run
 
-PROMPTS = ["Describe the smell of rain on warm asphalt.", "Invent a name for a purple vegetable.",
-           "Write one sentence about a lighthouse keeper's cat.", "Suggest a game for two bored robots.",
-           "Explain why socks disappear, as a pirate would."]
+PROMPTS = [
+    "Describe the smell of rain on warm asphalt.",
+    "Invent a name for a purple vegetable.",
+    "Write one sentence about a lighthouse keeper's cat.",
+    "Suggest a game for two bored robots.",
+    "Explain why socks disappear, as a pirate would.",
+]
 
 
 def untied_tiny_model(folder):
@@ -21,9 +25,16 @@ def untied_tiny_model(folder):
     from mars.models import embedded_tokenizer
 
     tok = embedded_tokenizer()
-    config = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                                  tie_word_embeddings=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -41,9 +52,17 @@ def distill_overrides(tiny_train_overrides, tmp_path, out):
     if not model.is_dir():
         untied_tiny_model(model)
     keep = [o for o in tiny_train_overrides if not o.startswith(("data", "output_dir"))]
-    return keep + [f"model.name_or_path={model}", "data=self_distill", "data.distill.prompts.source=jsonl", f"data.distill.prompts.path={prompts}",
-                   "data.distill.max_new_tokens=8", f"data.distill.root={tmp_path / 'distill'}", "data.batch_size=2",
-                   "trainer.max_steps=2", f"output_dir={out}"]
+    return keep + [
+        f"model.name_or_path={model}",
+        "data=self_distill",
+        "data.distill.prompts.source=jsonl",
+        f"data.distill.prompts.path={prompts}",
+        "data.distill.max_new_tokens=8",
+        f"data.distill.root={tmp_path / 'distill'}",
+        "data.batch_size=2",
+        "trainer.max_steps=2",
+        f"output_dir={out}",
+    ]
 
 
 def test_self_distilled_rows_train_and_the_cache_is_reused(compose_cfg, tiny_train_overrides, tmp_path, monkeypatch):

@@ -12,12 +12,29 @@ MASK_ID = 3
 
 
 def make_module(arch="llama", block=4, objective="mars", intra="causal", attn="sdpa", crop=True, **obj):
-    model = build_tiny_random(arch=arch, vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=64, attn_implementation=attn)
-    weights = {"ar": dict(mask_weight=0.0, alpha=1.0), "mars": {}, "mars_no_sft": dict(alpha=0.0),
-               "block_diffusion": dict(alpha=0.0)}[objective]
-    return MarsModule(model, MASK_ID, block_size=block, crop_noisy_prompt=crop,
-                      objective=Objective(objective, intra_block=intra, **{**weights, **obj}))
+    model = build_tiny_random(
+        arch=arch,
+        vocab_size=97,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        attn_implementation=attn,
+    )
+    weights = {
+        "ar": dict(mask_weight=0.0, alpha=1.0),
+        "mars": {},
+        "mars_no_sft": dict(alpha=0.0),
+        "block_diffusion": dict(alpha=0.0),
+    }[objective]
+    return MarsModule(
+        model,
+        MASK_ID,
+        block_size=block,
+        crop_noisy_prompt=crop,
+        objective=Objective(objective, intra_block=intra, **{**weights, **obj}),
+    )
 
 
 def two_stream_logits(module, ids, loss_mask):
@@ -26,8 +43,9 @@ def two_stream_logits(module, ids, loss_mask):
     length = ids.shape[1]
     z, pos, _ = module.two_stream_inputs(ids, loss_mask, response_positions_to_mask(loss_mask))
     assert torch.equal(pos[:, length:], pos[:, :length])
-    attn = two_stream_attention(pos, length, module.block_size, module.objective.intra_block,
-                                module._attn_impl(), torch.float32)
+    attn = two_stream_attention(
+        pos, length, module.block_size, module.objective.intra_block, module._attn_impl(), torch.float32
+    )
     with torch.no_grad():
         hidden = module._hidden(z, pos, attn)
         return module.model.get_output_embeddings()(hidden)
@@ -65,7 +83,7 @@ def test_noisy_block_equals_causal_forward_of_earlier_clean_blocks_then_masks(ar
         context = torch.cat([ids[:, :start], noisy[:, start:end]], dim=1)
         with torch.no_grad():
             plain = module.model(input_ids=context).logits
-        torch.testing.assert_close(logits[:, length + start:length + end], plain[:, start:end], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[:, length + start : length + end], plain[:, start:end], atol=1e-5, rtol=1e-5)
 
 
 def test_block_diffusion_pattern_lets_a_mask_see_later_masks_of_its_block():
@@ -101,8 +119,10 @@ def test_objectives_differ_only_in_loss_terms():
 @pytest.mark.parametrize("objective,intra", [("mars", "causal"), ("block_diffusion", "bidirectional")])
 def test_cropping_prompt_only_noisy_blocks_changes_no_loss_or_gradient(block, objective, intra):
     """Ragged prompts and right padding: the cropped noisy stream gives the full layout's losses and gradients."""
-    full, crop = make_module(block=block, objective=objective, intra=intra, crop=False), \
-        make_module(block=block, objective=objective, intra=intra, crop=True)
+    full, crop = (
+        make_module(block=block, objective=objective, intra=intra, crop=False),
+        make_module(block=block, objective=objective, intra=intra, crop=True),
+    )
     crop.model.load_state_dict(full.model.state_dict())
     ids, loss_mask = batch(20, 0, n=4, seed=3)
     for row, (prompt, end) in enumerate([(3, 20), (9, 15), (13, 18), (6, 11)]):
@@ -140,8 +160,14 @@ def test_a_few_mars_steps_lower_the_mask_loss():
     assert after < 0.8 * before, (before, after)
 
 
-@pytest.mark.parametrize("bad,match", [(dict(name="nope"), "unknown objective"), (dict(name="mars", alpha=-1.0), "alpha"),
-                                       (dict(name="mars", mask_weight=0.0, alpha=0.0), "no loss")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(name="nope"), "unknown objective"),
+        (dict(name="mars", alpha=-1.0), "alpha"),
+        (dict(name="mars", mask_weight=0.0, alpha=0.0), "no loss"),
+    ],
+)
 def test_bad_objectives_fail_fast(bad, match):
     with pytest.raises(ValueError, match=match):
         Objective(**bad)

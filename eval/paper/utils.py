@@ -58,8 +58,10 @@ def gpqa_process_docs(dataset):
 def humaneval_build_predictions(resps, docs):
     """lm-eval's ``build_predictions_instruct`` (restated: importing lm-eval's humaneval utils loads
     code_eval from the hub): the header plus the completion up to its closing code fence."""
-    return [[doc["prompt"] + (r if r.find("```") == -1 else r[: r.find("```")]) for r in resp]
-            for resp, doc in zip(resps, docs)]
+    return [
+        [doc["prompt"] + (r if r.find("```") == -1 else r[: r.find("```")]) for r in resp]
+        for resp, doc in zip(resps, docs)
+    ]
 
 
 def _sandbox():

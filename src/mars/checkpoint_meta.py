@@ -64,8 +64,9 @@ class MarsMetadata:
             raise bad("mask_token", "a non-empty string")
         if not is_int(self.mask_token_id) or self.mask_token_id < 0:
             raise bad("mask_token_id", "an integer >= 0")
-        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
-                                       or self.alpha < 0):
+        if self.alpha is not None and (
+            isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha < 0
+        ):
             raise bad("alpha", "a number >= 0 or null")
         if self.intra_block is not None and self.intra_block not in INTRA_BLOCK:
             raise bad("intra_block", f"one of {INTRA_BLOCK} or null")
@@ -82,12 +83,15 @@ class MarsMetadata:
         return {**self.extra, **out}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "mars_config.json") -> "MarsMetadata":
+    def from_dict(cls, data: dict[str, Any], where: str = "mars_config.json") -> MarsMetadata:
         if not isinstance(data, dict):
             raise MetadataError(f"{where}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [k for k in required if k not in data]
         if missing:
             raise MetadataError(f"{where}: missing field(s) {missing}; found {sorted(data)}")
@@ -139,5 +143,12 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return bool(meta and meta.complete)
 
 
-__all__ = ["METADATA_FILE", "MarsMetadata", "MetadataError", "read_metadata", "write_metadata", "is_complete",
-           "metadata_path"]
+__all__ = [
+    "METADATA_FILE",
+    "MarsMetadata",
+    "MetadataError",
+    "read_metadata",
+    "write_metadata",
+    "is_complete",
+    "metadata_path",
+]

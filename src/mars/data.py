@@ -15,14 +15,15 @@ before any model loads, and every error names the file, the line and what was ex
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import functools
 import math
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import lightning as L
 import torch
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OFFLINE_DATA = REPO_ROOT / "data" / "offline_sft"
 SOURCES = ("offline", "jsonl", "hub")
-ROW_FORMS = ("{'messages': [{'role': ..., 'content': ...}, ...]} or {'prompt': ..., 'response': ...}")
+ROW_FORMS = "{'messages': [{'role': ..., 'content': ...}, ...]} or {'prompt': ..., 'response': ...}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -52,22 +53,28 @@ def to_messages(row: dict[str, Any], index: int | str | None = None) -> list[dic
     if row.get("messages"):
         messages = row["messages"]
         if not isinstance(messages, list):
-            raise ValueError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects, "
-                             f"got {type(messages).__name__}")
+            raise ValueError(
+                f"{where}: 'messages' must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}"
+            )
     elif "prompt" in row and response is not None:
         messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": response}]
     else:
-        raise ValueError(f"{where} has neither 'messages' nor 'prompt'/'response' fields (found keys {sorted(row)}); "
-                         f"expected {ROW_FORMS}")
+        raise ValueError(
+            f"{where} has neither 'messages' nor 'prompt'/'response' fields (found keys {sorted(row)}); "
+            f"expected {ROW_FORMS}"
+        )
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{where}: every message needs 'role' and 'content', got {m!r}")
         if not isinstance(m["content"], str):
-            raise ValueError(f"{where}: message content must be a string, got {type(m['content']).__name__} "
-                             f"in {str(m)[:120]}")
+            raise ValueError(
+                f"{where}: message content must be a string, got {type(m['content']).__name__} in {str(m)[:120]}"
+            )
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant turn to train on (roles "
-                         f"{[m['role'] for m in messages]}); expected at least one 'assistant' message")
+        raise ValueError(
+            f"{where}: the conversation has no assistant turn to train on (roles "
+            f"{[m['role'] for m in messages]}); expected at least one 'assistant' message"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -82,8 +89,9 @@ def row_finished(row: dict[str, Any], index: int | str | None = None) -> bool:
     return value
 
 
-def tokenize_messages(messages: list[dict[str, str]], tokenizer, max_length: int,
-                      finished: bool = True) -> dict[str, Any]:
+def tokenize_messages(
+    messages: list[dict[str, str]], tokenizer, max_length: int, finished: bool = True
+) -> dict[str, Any]:
     """Token ids of the chat-formatted conversation and a 0/1 loss mask over assistant tokens.
 
     Each assistant turn's span is the difference between the template rendered up to the turn
@@ -164,11 +172,14 @@ def read_jsonl(path: str | Path) -> Rows:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}, column {err.colno}); "
-                                     f"expected one JSON object per line: {ROW_FORMS}") from None
+                    raise ValueError(
+                        f"{path}, line {number}: not valid JSON ({err.msg}, column {err.colno}); "
+                        f"expected one JSON object per line: {ROW_FORMS}"
+                    ) from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path}, line {number}: expected a JSON object ({ROW_FORMS}), "
-                                     f"got {type(row).__name__}")
+                    raise ValueError(
+                        f"{path}, line {number}: expected a JSON object ({ROW_FORMS}), got {type(row).__name__}"
+                    )
                 rows.append(row)
                 lines.append(number)
     except UnicodeDecodeError as err:
@@ -183,24 +194,28 @@ def data_file(source: str, path: str | None = None, split: str = "train") -> Pat
     if source == "offline":
         file = OFFLINE_DATA / f"{split}.jsonl"
         if not file.is_file():
-            raise FileNotFoundError(f"offline data {file} is missing (data.split={split!r}; the committed splits are "
-                                    "train and heldout; build them with scripts/build_offline_data.py)")
+            raise FileNotFoundError(
+                f"offline data {file} is missing (data.split={split!r}; the committed splits are "
+                "train and heldout; build them with scripts/build_offline_data.py)"
+            )
         return file
     if source == "jsonl":
         if not path:
             raise ValueError("data.source=jsonl needs data.path=<file.jsonl>")
         file = Path(path).expanduser()
         if not file.is_file():
-            raise FileNotFoundError(f"data.path={path!r} is not a file (expected a JSONL file, one row per line: "
-                                    f"{ROW_FORMS})")
+            raise FileNotFoundError(
+                f"data.path={path!r} is not a file (expected a JSONL file, one row per line: {ROW_FORMS})"
+            )
         return file
     if source == "hub":
         return None
     raise ValueError(f"data.source must be one of {' | '.join(SOURCES)} (or self_distill in train.py), got {source!r}")
 
 
-def load_rows(source: str, path: str | None = None, hub_id: str | None = None, split: str = "train",
-              limit: int | None = None) -> Rows:
+def load_rows(
+    source: str, path: str | None = None, hub_id: str | None = None, split: str = "train", limit: int | None = None
+) -> Rows:
     """Raw rows from ``offline`` (the committed default), ``jsonl`` (``path``) or ``hub`` (``hub_id``)."""
     file = data_file(source, path, split)
     if file is not None:
@@ -260,11 +275,20 @@ def build_dataset(rows, tokenizer, max_length: int) -> TokenizedDataset:
             dropped += 1
             continue
         examples.append({"input_ids": ex["input_ids"], "loss_mask": ex["loss_mask"]})
-    log.info("data: %d rows (%d cut at a token cap: no loss on their EOS), %d truncated to max_length=%d, "
-             "%d dropped (no response token left)", len(examples), cut, truncated, max_length, dropped)
+    log.info(
+        "data: %d rows (%d cut at a token cap: no loss on their EOS), %d truncated to max_length=%d, "
+        "%d dropped (no response token left)",
+        len(examples),
+        cut,
+        truncated,
+        max_length,
+        dropped,
+    )
     if not examples:
-        raise ValueError(f"the dataset {rows.where} is empty after filtering ({dropped} rows dropped: no response "
-                         f"token left within max_length={max_length})")
+        raise ValueError(
+            f"the dataset {rows.where} is empty after filtering ({dropped} rows dropped: no response "
+            f"token left within max_length={max_length})"
+        )
     return TokenizedDataset(examples)
 
 
@@ -289,8 +313,9 @@ class LengthGroupedSampler(Sampler[int]):
     called ``set_epoch``.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, group: int = 32,
-                 num_replicas: int = 1, rank: int = 0):
+    def __init__(
+        self, lengths: list[int], batch_size: int, seed: int = 0, group: int = 32, num_replicas: int = 1, rank: int = 0
+    ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         self.lengths, self.batch_size, self.seed, self.group = lengths, batch_size, seed, group
@@ -373,6 +398,7 @@ def collate(batch: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]
 
 def check_data_config(data: dict[str, Any]) -> None:
     """The data settings that need no file and no model: sizes and the source name."""
+
     def positive_int(name: str, minimum: int) -> None:
         value = data.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -400,12 +426,25 @@ class InstructionDataModule(L.LightningDataModule):
     The data module's own state is restored before any loader is built and applied here.
     """
 
-    def __init__(self, tokenizer, *, source: str = "offline", path: str | None = None, hub_id: str | None = None,
-                 split: str = "train", max_length: int = 512, batch_size: int = 8, limit: int | None = None,
-                 seed: int = 0, num_workers: int = 0, rows: Rows | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        source: str = "offline",
+        path: str | None = None,
+        hub_id: str | None = None,
+        split: str = "train",
+        max_length: int = 512,
+        batch_size: int = 8,
+        limit: int | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+        rows: Rows | None = None,
+    ):
         super().__init__()
-        check_data_config(dict(source=source, max_length=max_length, batch_size=batch_size, limit=limit,
-                               num_workers=num_workers))
+        check_data_config(
+            dict(source=source, max_length=max_length, batch_size=batch_size, limit=limit, num_workers=num_workers)
+        )
         self.tokenizer = tokenizer
         self.kw = dict(source=source, path=path, hub_id=hub_id, split=split, limit=limit)
         self.max_length, self.batch_size, self.seed, self.num_workers = max_length, batch_size, seed, num_workers
@@ -430,9 +469,13 @@ class InstructionDataModule(L.LightningDataModule):
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         self.sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed, num_replicas=replicas, rank=rank)
         pad = self.tokenizer.pad_token_id
-        self.loader = StatefulDataLoader(self.dataset, sampler=self.sampler, batch_size=self.batch_size,
-                                         collate_fn=functools.partial(collate, pad_id=pad),
-                                         num_workers=self.num_workers)
+        self.loader = StatefulDataLoader(
+            self.dataset,
+            sampler=self.sampler,
+            batch_size=self.batch_size,
+            collate_fn=functools.partial(collate, pad_id=pad),
+            num_workers=self.num_workers,
+        )
         if self._pending_state is not None:
             self.loader.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -24,14 +24,21 @@ from mars.checkpoint_meta import MarsMetadata, write_metadata
 log = logging.getLogger(__name__)
 
 
-def export_hf(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any] | MarsMetadata,
-              dtype: torch.dtype | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def export_hf(
+    model,
+    tokenizer,
+    out_dir: str | os.PathLike,
+    metadata: dict[str, Any] | MarsMetadata,
+    dtype: torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Save atomically: a half-written directory never appears under ``out_dir``.  ``metadata`` is
     validated before anything is written; ``num_parameters`` is counted here."""
     if isinstance(metadata, MarsMetadata):
         metadata = metadata.to_dict()
-    meta = MarsMetadata.from_dict({**metadata, "num_parameters": sum(p.numel() for p in model.parameters())},
-                                  where=f"metadata of {out_dir}")
+    meta = MarsMetadata.from_dict(
+        {**metadata, "num_parameters": sum(p.numel() for p in model.parameters())}, where=f"metadata of {out_dir}"
+    )
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -54,7 +61,7 @@ def export_hf(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, 
 # From a live trainer (any strategy)
 # ------------------------------------------------------------------------------------------
 def _strip(state: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
@@ -81,8 +88,11 @@ def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
 
         module = trainer.lightning_module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} \
-                if trainer.is_global_zero else None
+            state = (
+                {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+                if trainer.is_global_zero
+                else None
+            )
         return state
     return None
 
@@ -95,12 +105,16 @@ def _plain_model_with(model, state: dict[str, torch.Tensor]):
     fresh = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
     missing, unexpected = fresh.load_state_dict(state, strict=False)
     fresh.tie_weights()
-    tied = fresh.get_output_embeddings() is not None and \
-        fresh.get_output_embeddings().weight is fresh.get_input_embeddings().weight
+    tied = (
+        fresh.get_output_embeddings() is not None
+        and fresh.get_output_embeddings().weight is fresh.get_input_embeddings().weight
+    )
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"the gathered state dict does not fit {type(fresh).__name__}: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"the gathered state dict does not fit {type(fresh).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     if getattr(model, "generation_config", None) is not None:
         fresh.generation_config = model.generation_config
     return fresh
@@ -179,8 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--intra-block", choices=["causal", "bidirectional"])
     p.add_argument("--mask-schedule")
     p.add_argument("--mask-token", help="the run's mask token (default: its config's, else the loader's policy)")
-    p.add_argument("--complete", action="store_true",
-                   help="mark the export as the finished run (only for the run's final checkpoint)")
+    p.add_argument(
+        "--complete",
+        action="store_true",
+        help="mark the export as the finished run (only for the run's final checkpoint)",
+    )
     args = p.parse_args(argv)
     run_cfg = _run_config_near(Path(args.ckpt))
     model_cfg, objective_cfg = run_cfg.get("model") or {}, dict(run_cfg.get("objective") or {})
@@ -191,26 +208,46 @@ def main(argv: list[str] | None = None) -> None:
     if args.objective and args.objective != objective_cfg.get("name"):
         objective_cfg = {"name": args.objective}
     objective_cfg.setdefault("name", "mars")
-    defaults = {"ar": dict(mask_weight=0.0), "mars_no_sft": dict(alpha=0.0),
-                "block_diffusion": dict(alpha=0.0, intra_block="bidirectional")}
+    defaults = {
+        "ar": dict(mask_weight=0.0),
+        "mars_no_sft": dict(alpha=0.0),
+        "block_diffusion": dict(alpha=0.0, intra_block="bidirectional"),
+    }
     objective_cfg = {**defaults.get(objective_cfg["name"], {}), **objective_cfg}
     if args.alpha is not None:
         objective_cfg["alpha"] = args.alpha
     if args.intra_block:
         objective_cfg["intra_block"] = args.intra_block
     objective = Objective(**objective_cfg)
-    loaded = load_model(base, tiny=model_cfg.get("tiny") if base == "tiny-random" else None,
-                        mask_token=args.mask_token or model_cfg.get("mask_token"),
-                        allow_new_row=bool(model_cfg.get("allow_new_embedding_row", False)))
+    loaded = load_model(
+        base,
+        tiny=model_cfg.get("tiny") if base == "tiny-random" else None,
+        mask_token=args.mask_token or model_cfg.get("mask_token"),
+        allow_new_row=bool(model_cfg.get("allow_new_embedding_row", False)),
+    )
     base_params = sum(p.numel() for p in loaded.model.parameters())
     state, info = read_lightning_checkpoint(args.ckpt)
     loaded.model.load_state_dict(state)
     schedule = args.mask_schedule or (run_cfg.get("mask_schedule") or {}).get("name")
-    export_hf(loaded.model, loaded.tokenizer, args.out, dict(
-        block_size=int(block), objective=objective.name, alpha=objective.alpha, intra_block=objective.intra_block,
-        mask_schedule=schedule, mask_token=loaded.mask.token, mask_token_id=loaded.mask.id,
-        mask_token_policy=loaded.mask.how, base_model=base, base_num_parameters=base_params,
-        global_step=info.get("global_step"), complete=bool(args.complete)))
+    export_hf(
+        loaded.model,
+        loaded.tokenizer,
+        args.out,
+        dict(
+            block_size=int(block),
+            objective=objective.name,
+            alpha=objective.alpha,
+            intra_block=objective.intra_block,
+            mask_schedule=schedule,
+            mask_token=loaded.mask.token,
+            mask_token_id=loaded.mask.id,
+            mask_token_policy=loaded.mask.how,
+            base_model=base,
+            base_num_parameters=base_params,
+            global_step=info.get("global_step"),
+            complete=bool(args.complete),
+        ),
+    )
     print(f"checkpoint: {args.out}")
 
 

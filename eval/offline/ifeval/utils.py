@@ -54,8 +54,9 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
                 raise ValueError(f"{path}: row {row.get('key', '?')} lacks fields {missing} (needs {REQUIRED_FIELDS})")
             unknown = [i for i in row["instruction_id_list"] if i not in INSTRUCTION_DICT]
             if unknown:
-                raise ValueError(f"{path}: row {row['key']} names unknown instructions {unknown}; "
-                                 f"known: {sorted(INSTRUCTION_DICT)}")
+                raise ValueError(
+                    f"{path}: row {row['key']} names unknown instructions {unknown}; known: {sorted(INSTRUCTION_DICT)}"
+                )
             if len(row["kwargs"]) != len(row["instruction_id_list"]):
                 raise ValueError(f"{path}: row {row['key']} needs one kwargs dict per instruction")
         splits[split] = datasets.Dataset.from_list(rows)

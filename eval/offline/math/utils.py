@@ -29,8 +29,10 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
     for split, rel in data_files.items():
         path = HERE / rel
         if not path.is_file():
-            raise FileNotFoundError(f"mars_math data file {path} is missing; rebuild it with "
-                                    "scripts/build_offline_benchmarks.py --only math")
+            raise FileNotFoundError(
+                f"mars_math data file {path} is missing; rebuild it with "
+                "scripts/build_offline_benchmarks.py --only math"
+            )
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for row in rows:
             missing = [f for f in REQUIRED_FIELDS if f not in row]

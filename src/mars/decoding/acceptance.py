@@ -65,7 +65,9 @@ def choose_tokens(
     return tokens, confidence(logp, tokens, metric)
 
 
-def tempered_log_probs(logits: torch.Tensor, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def tempered_log_probs(
+    logits: torch.Tensor, temperature: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(logits / T)`` per row (T = 0 rows stay untempered) and which rows sample (None: none)."""
     logits = logits.float()
     temps = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)

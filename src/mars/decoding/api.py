@@ -120,11 +120,23 @@ def generate(
     per_row = isinstance(threshold, (list, tuple))
     if settings is None:
         settings = DecodingSettings(
-            decoder=decoder, block_size=block_size, threshold=1.0 if per_row and metric != "entropy" else
-            (0.0 if per_row else threshold), metric=metric, max_new_tokens=max_new_tokens, cache=cache,
-            cache_block=cache_block, window=window, max_accept=max_accept, temperature=temperature, seed=seed,
-            verify=verify, draft_length=draft_length, draft_threshold=draft_threshold, fallback=fallback,
-            full_window=full_window, ar_cache=ar_cache,
+            decoder=decoder,
+            block_size=block_size,
+            threshold=1.0 if per_row and metric != "entropy" else (0.0 if per_row else threshold),
+            metric=metric,
+            max_new_tokens=max_new_tokens,
+            cache=cache,
+            cache_block=cache_block,
+            window=window,
+            max_accept=max_accept,
+            temperature=temperature,
+            seed=seed,
+            verify=verify,
+            draft_length=draft_length,
+            draft_threshold=draft_threshold,
+            fallback=fallback,
+            full_window=full_window,
+            ar_cache=ar_cache,
         )
     s = settings
     ids = encode_prompts(tokenizer, prompts, chat_template)
@@ -145,12 +157,21 @@ def generate(
 
     # ---- decoding ----
     if s.decoder == "ar":
-        raw, stats = generate_ar(model, tokenizer, ids, max_new_tokens=s.max_new_tokens, eos_ids=eos_ids,
-                                 stops=stops, temperature=s.temperature, cache_implementation=s.ar_cache)
+        raw, stats = generate_ar(
+            model,
+            tokenizer,
+            ids,
+            max_new_tokens=s.max_new_tokens,
+            eos_ids=eos_ids,
+            stops=stops,
+            temperature=s.temperature,
+            cache_implementation=s.ar_cache,
+        )
         reasons, masks = [None] * len(ids), None
     else:
-        raw, reasons, masks, stats = _run_engine(model, tokenizer, ids, thresholds.tolist(), s, mask_token_id,
-                                                 eos_ids, stops, progress)
+        raw, reasons, masks, stats = _run_engine(
+            model, tokenizer, ids, thresholds.tolist(), s, mask_token_id, eos_ids, stops, progress
+        )
 
     texts, token_ids, finish = [], [], []
     for row, engine_reason in zip(raw, reasons):
@@ -185,8 +206,14 @@ def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_tok
     bar.close()
     seconds = time.perf_counter() - start
     rows = [finished[r.id] for r in requests]
-    stats = DecodeStats(forwards=engine.forwards, generated_tokens=0, seconds=seconds, per_row_tokens=[],
-                        per_row_forwards=[f.forwards for f in rows], decoder=s.decoder)
+    stats = DecodeStats(
+        forwards=engine.forwards,
+        generated_tokens=0,
+        seconds=seconds,
+        per_row_tokens=[],
+        per_row_forwards=[f.forwards for f in rows],
+        decoder=s.decoder,
+    )
     if any(r.verify for r in requests):
         stats.extra.update(draft_statistics(rows))
     return [f.token_ids for f in rows], [f.reason for f in rows], [f.from_mask for f in rows], stats

@@ -25,11 +25,15 @@ NAME = "mars_packed_sdpa"
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     groups = query.shape[1] // key.shape[1]
     if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     batch, heads, q_len, dim = query.shape
     packed = query.reshape(batch, key.shape[1], groups * q_len, dim)
     mask = attention_mask.repeat(1, 1, groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )
     out = out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous()
     return out, None
 

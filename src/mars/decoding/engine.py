@@ -81,8 +81,14 @@ class DecodeEngine:
     block size, metric, draft length, fallback); each :class:`Request` brings its own threshold,
     budget, stop strings, temperature, seed and verification flag."""
 
-    def __init__(self, runner: ModelRunner, settings: DecodingSettings, mask_token_id: int, eos_ids: Sequence[int],
-                 tokenizer=None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        settings: DecodingSettings,
+        mask_token_id: int,
+        eos_ids: Sequence[int],
+        tokenizer=None,
+    ):
         self.runner, self.settings = runner, settings
         self.device = runner.device
         self.mask_id = int(mask_token_id)
@@ -102,10 +108,18 @@ class DecodeEngine:
         self.mask_h: list[list[bool]] = []  # per generated id: accepted from a mask prediction (not verified)
 
     # ------------------------------------------------------------------ requests
-    def make_request(self, prompt_ids: Sequence[int], *, threshold: float | None = None,
-                     max_new_tokens: int | None = None, stop: str | Sequence[str] | StopStrings | None = None,
-                     temperature: float | None = None, seed: int | None = None, verify: bool | None = None,
-                     id=None) -> Request:
+    def make_request(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        threshold: float | None = None,
+        max_new_tokens: int | None = None,
+        stop: str | Sequence[str] | StopStrings | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        verify: bool | None = None,
+        id=None,
+    ) -> Request:
         """A request with this engine's defaults for every knob not given (validated)."""
         s = self.settings
         thr = validate_threshold(s.threshold if threshold is None else threshold, s.metric)
@@ -125,9 +139,17 @@ class DecodeEngine:
         if isinstance(stop, StopStrings) and not stop:
             stop = None
         kwargs = {} if id is None else {"id": id}
-        return Request(prompt_ids=[int(t) for t in prompt_ids], threshold=thr, max_new_tokens=budget, stops=stop,
-                       temperature=temp, seed=s.seed if seed is None else seed, verify=verify,
-                       exact=is_exact_threshold(thr, s.metric), **kwargs)
+        return Request(
+            prompt_ids=[int(t) for t in prompt_ids],
+            threshold=thr,
+            max_new_tokens=budget,
+            stops=stop,
+            temperature=temp,
+            seed=s.seed if seed is None else seed,
+            verify=verify,
+            exact=is_exact_threshold(thr, s.metric),
+            **kwargs,
+        )
 
     def admit(self, requests: Sequence[Request]) -> None:
         """Add requests to the batch.  With the cursor cache, requests joining rows that are already
@@ -136,8 +158,10 @@ class DecodeEngine:
         if not requests:
             return
         if self.settings.cache == "block" and self.stepped:
-            raise RuntimeError("cache='block' synchronises rows on shared block boundaries; requests can only "
-                               "join before the first step (use cache='cursor' for continuous batching)")
+            raise RuntimeError(
+                "cache='block' synchronises rows on shared block boundaries; requests can only "
+                "join before the first step (use cache='cursor' for continuous batching)"
+            )
         if self.settings.cache == "cursor" and len(self.rows):
             self.joining.extend(requests)
             return
@@ -196,7 +220,9 @@ class DecodeEngine:
         what each row accepted and who finished."""
         events = self._retire_cancelled()
         joining = [r for r in self.joining if not r.cancelled]
-        events += [StepEvent(r, [], self.forwards, Finished(r, [], 0, "cancelled")) for r in self.joining if r.cancelled]
+        events += [
+            StepEvent(r, [], self.forwards, Finished(r, [], 0, "cancelled")) for r in self.joining if r.cancelled
+        ]
         self.joining = []
         t0 = time.perf_counter()
         if len(self.rows):
@@ -263,8 +289,18 @@ class DecodeEngine:
         masks_v = np.where(budget_h > k_h + 1, self.W - 1, 0)
         P_h = np.where(v_h, 1 + k_h + masks_v, P_h)
         P_h = np.where(waiting, 1, P_h)
-        return dict(u_h=u_h, P_h=P_h, k_h=k_h, masks_v=masks_v, waiting=waiting, commit=commit, v_h=v_h,
-                    budget_h=budget_h, P=int(P_h.max()), Q=int((u_h + P_h - 1).max()))
+        return dict(
+            u_h=u_h,
+            P_h=P_h,
+            k_h=k_h,
+            masks_v=masks_v,
+            waiting=waiting,
+            commit=commit,
+            v_h=v_h,
+            budget_h=budget_h,
+            P=int(P_h.max()),
+            Q=int((u_h + P_h - 1).max()),
+        )
 
     def _forward(self, plan: dict) -> torch.Tensor:
         rows, dev = self.rows, self.device
@@ -333,8 +369,9 @@ class DecodeEngine:
         kmax = int(plan["k_h"].max())
         acc_tokens = tokens
         if rows.draft_logq is not None and bool((rows.temp > 0).any()):
-            j, x = speculative_accept(logp[:, : kmax + 1], rows.draft_logq[:, :kmax], rows.drafts[:, :kmax], k,
-                                      rows.row_generators())
+            j, x = speculative_accept(
+                logp[:, : kmax + 1], rows.draft_logq[:, :kmax], rows.drafts[:, :kmax], k, rows.row_generators()
+            )
             greedy_rows = rows.temp <= 0
             j = torch.where(greedy_rows, leading_matches(rows.drafts[:, :kmax], tokens, k), j)
             x = torch.where(greedy_rows, tokens.gather(1, j.unsqueeze(1)).squeeze(1), x)
@@ -358,9 +395,16 @@ class DecodeEngine:
             top = logp.max(dim=-1).values.gather(1, idx).exp()
             strong = leading_matches(torch.ones_like(nxt), (top >= s.draft_threshold).long(), count)
             count = torch.minimum(count, strong)
-        out.update(j=j, k=k, next_drafts=nxt, next_count=torch.where(v, count, rows.n_drafts),
-                   next_logq=logp.gather(1, idx.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
-                   if rows.draft_logq is not None else None, verify_rows=v)
+        out.update(
+            j=j,
+            k=k,
+            next_drafts=nxt,
+            next_count=torch.where(v, count, rows.n_drafts),
+            next_logq=logp.gather(1, idx.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
+            if rows.draft_logq is not None
+            else None,
+            verify_rows=v,
+        )
         return acc_tokens, n_acc
 
     def _commit_and_retire(self, plan: dict, acc: dict) -> list[StepEvent]:
@@ -374,7 +418,9 @@ class DecodeEngine:
         n_old = rows.n
         # KV cursor: real tokens fed this step are committed (cursor; block at a block boundary);
         # verified drafts were fed with the right prefix, so theirs are committed too.
-        verified = acc["j"].where(acc["verify_rows"], torch.zeros_like(n_acc)) if "j" in acc else torch.zeros_like(n_acc)
+        verified = (
+            acc["j"].where(acc["verify_rows"], torch.zeros_like(n_acc)) if "j" in acc else torch.zeros_like(n_acc)
+        )
         if s.cache == "cursor" or (s.cache == "block" and plan["commit"]):
             rows.start = n_old + verified
         rows.n = n_old + n_acc
@@ -438,9 +484,15 @@ class DecodeEngine:
     def _retire(self, done_h: np.ndarray, reasons: dict[int, str], events: list[StepEvent]) -> list[StepEvent]:
         rows = self.rows
         for i in np.flatnonzero(done_h):
-            events[i].finished = Finished(rows.requests[i], list(self.out_h[i]), int(rows.forwards_h[i]),
-                                          reasons[i], list(rows.proposed[i]), list(rows.accepted[i]),
-                                          list(self.mask_h[i]))
+            events[i].finished = Finished(
+                rows.requests[i],
+                list(self.out_h[i]),
+                int(rows.forwards_h[i]),
+                reasons[i],
+                list(rows.proposed[i]),
+                list(rows.accepted[i]),
+                list(self.mask_h[i]),
+            )
         keep_h = np.flatnonzero(~done_h)
         rows.keep(keep_h)
         self.out_h = [self.out_h[i] for i in keep_h]

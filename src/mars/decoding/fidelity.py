@@ -15,8 +15,9 @@ import torch
 
 
 @torch.inference_mode()
-def ar_predictions(model, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                   batch_size: int = 8) -> list[list[int]]:
+def ar_predictions(
+    model, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], batch_size: int = 8
+) -> list[list[int]]:
     """The greedy AR token at every output position given the prompt and the output's own prefix."""
     device = next(model.parameters()).device
     preds: list[list[int]] = [[] for _ in outputs]
@@ -39,18 +40,23 @@ def ar_predictions(model, prompts: Sequence[Sequence[int]], outputs: Sequence[Se
     return preds
 
 
-def token_fidelity(outputs: Sequence[Sequence[int]], predictions: Sequence[Sequence[int]],
-                   from_mask: Sequence[Sequence[bool]] | None = None) -> list[dict[str, int]]:
+def token_fidelity(
+    outputs: Sequence[Sequence[int]],
+    predictions: Sequence[Sequence[int]],
+    from_mask: Sequence[Sequence[bool]] | None = None,
+) -> list[dict[str, int]]:
     """Per row: tokens, tokens equal to the AR prediction, mask-accepted tokens and how many of those
     equal the AR prediction (the share the masks got right)."""
     rows = []
     for r, (out, pred) in enumerate(zip(outputs, predictions)):
         flags = list(from_mask[r]) if from_mask is not None else [True] * len(out)
         same = [int(t == p) for t, p in zip(out, pred)]
-        rows.append({
-            "tokens": len(out),
-            "ar_equal": sum(same),
-            "mask_tokens": sum(flags[: len(out)]),
-            "mask_ar_equal": sum(s for s, f in zip(same, flags) if f),
-        })
+        rows.append(
+            {
+                "tokens": len(out),
+                "ar_equal": sum(same),
+                "mask_tokens": sum(flags[: len(out)]),
+                "mask_ar_equal": sum(s for s, f in zip(same, flags) if f),
+            }
+        )
     return rows

@@ -25,7 +25,7 @@ class RaggedKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: "RaggedKVCache"):
+    def __init__(self, owner: RaggedKVCache):
         super().__init__()
         self.owner = owner
 
@@ -68,7 +68,7 @@ class RaggedKVLayer(CacheLayerMixin):
             self.keys = self.keys.index_select(0, rows)
             self.values = self.values.index_select(0, rows)
 
-    def extend(self, other: "RaggedKVLayer") -> None:
+    def extend(self, other: RaggedKVLayer) -> None:
         if not other.is_initialized:
             return
         if not self.is_initialized:
@@ -111,7 +111,7 @@ class RaggedKVCache(Cache):
         for layer in self.layers:
             layer.select_rows(rows)
 
-    def extend(self, other: "RaggedKVCache") -> None:
+    def extend(self, other: RaggedKVCache) -> None:
         """Append ``other``'s rows (a group prefilled on its own joins the running batch)."""
         self.capacity = max(self.capacity, other.capacity)
         for mine, theirs in zip(self.layers, other.layers):

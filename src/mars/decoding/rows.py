@@ -127,7 +127,9 @@ class RowBatch:
         self.drafts = torch.cat([self.drafts, torch.full((len(requests), self.K), self.mask_id, device=dev)])
         self.n_drafts = cat(self.n_drafts, np.zeros(len(requests), dtype=np.int64))
         if self.draft_logq is not None:
-            self.draft_logq = torch.cat([self.draft_logq, self.draft_logq.new_zeros((len(requests), *self.draft_logq.shape[1:]))])
+            self.draft_logq = torch.cat(
+                [self.draft_logq, self.draft_logq.new_zeros((len(requests), *self.draft_logq.shape[1:]))]
+            )
         # Jacobi's first guesses: the last prompt token repeated
         self.guess = torch.cat([self.guess, last.expand(-1, self.G)])
         self.n_h = np.concatenate([self.n_h, plen])
@@ -144,7 +146,7 @@ class RowBatch:
             self.proposed.append([0] * self.K)
             self.accepted.append([0] * self.K)
 
-    def extend(self, other: "RowBatch") -> None:
+    def extend(self, other: RowBatch) -> None:
         """Append ``other``'s rows (a prefilled group joining the running batch)."""
         if not len(other):
             return

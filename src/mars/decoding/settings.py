@@ -66,37 +66,68 @@ def _help(text: str) -> dict[str, str]:
 class DecodingSettings:
     """How to decode; every field is validated on construction (see each field's ``help``)."""
 
-    decoder: str = field(default="mars", metadata=_help(
-        "mars (multi-token), ar (transformers generate with its KV cache) or jacobi (training-free baseline)"))
+    decoder: str = field(
+        default="mars",
+        metadata=_help(
+            "mars (multi-token), ar (transformers generate with its KV cache) or jacobi (training-free baseline)"
+        ),
+    )
     block_size: int = field(default=4, metadata=_help("MARS block size B: predictions per step by default"))
-    threshold: float = field(default=1.0, metadata=_help(
-        "accept left to right while the confidence meets it; 1.0 (0 for entropy) is exactly greedy AR"))
-    metric: str = field(default="probability", metadata=_help(
-        "probability (>= tau), entropy (<= tau nats) or margin (top1 - top2 >= tau)"))
+    threshold: float = field(
+        default=1.0,
+        metadata=_help("accept left to right while the confidence meets it; 1.0 (0 for entropy) is exactly greedy AR"),
+    )
+    metric: str = field(
+        default="probability",
+        metadata=_help("probability (>= tau), entropy (<= tau nats) or margin (top1 - top2 >= tau)"),
+    )
     max_new_tokens: int = field(default=256, metadata=_help("generated tokens per row at most"))
-    cache: str = field(default="cursor", metadata=_help(
-        "none (full forward per step), block (the paper's block-level cache), cursor (per-row KV cursor)"))
+    cache: str = field(
+        default="cursor",
+        metadata=_help(
+            "none (full forward per step), block (the paper's block-level cache), cursor (per-row KV cursor)"
+        ),
+    )
     cache_block: int = field(default=32, metadata=_help("Bcache of cache=block"))
-    window: int | str | None = field(default=None, metadata=_help(
-        "predictions per step: None (= block_size), an integer, or 'cache_block' (cache=block only)"))
+    window: int | str | None = field(
+        default=None,
+        metadata=_help("predictions per step: None (= block_size), an integer, or 'cache_block' (cache=block only)"),
+    )
     max_accept: int | None = field(default=None, metadata=_help("cap on tokens accepted per step"))
     temperature: float = field(default=0.0, metadata=_help("0 is greedy; > 0 samples"))
     seed: int | None = field(default=None, metadata=_help("random seed of sampling"))
-    verify: bool = field(default=False, metadata=_help(
-        "lossless self-speculation: the masks' predictions are drafts verified by the next forward; "
-        "output identical to greedy AR (exact sampling at temperature > 0)"))
-    draft_length: int | None = field(default=None, metadata=_help(
-        "drafts verified per step with verify=True (default window - 1)"))
-    draft_threshold: float = field(default=0.0, metadata=_help(
-        "verify=True: propose a draft only while the mask's top probability is >= this (0: always); "
-        "never changes the output, only how many columns a step spends on drafts"))
-    fallback: str = field(default="none", metadata=_help(
-        "verify=True, after a rejected draft: none (the next step drafts from its masks) or jacobi "
-        "(the unverified AR predictions become the next drafts)"))
-    full_window: bool = field(default=False, metadata=_help(
-        "append the masks even where no row can accept them (threshold 1.0): measures their cost"))
-    ar_cache: str = field(default="dynamic", metadata=_help(
-        "decoder=ar: transformers' KV cache, dynamic (grows per step) or static (fixed-shape buffers)"))
+    verify: bool = field(
+        default=False,
+        metadata=_help(
+            "lossless self-speculation: the masks' predictions are drafts verified by the next forward; "
+            "output identical to greedy AR (exact sampling at temperature > 0)"
+        ),
+    )
+    draft_length: int | None = field(
+        default=None, metadata=_help("drafts verified per step with verify=True (default window - 1)")
+    )
+    draft_threshold: float = field(
+        default=0.0,
+        metadata=_help(
+            "verify=True: propose a draft only while the mask's top probability is >= this (0: always); "
+            "never changes the output, only how many columns a step spends on drafts"
+        ),
+    )
+    fallback: str = field(
+        default="none",
+        metadata=_help(
+            "verify=True, after a rejected draft: none (the next step drafts from its masks) or jacobi "
+            "(the unverified AR predictions become the next drafts)"
+        ),
+    )
+    full_window: bool = field(
+        default=False,
+        metadata=_help("append the masks even where no row can accept them (threshold 1.0): measures their cost"),
+    )
+    ar_cache: str = field(
+        default="dynamic",
+        metadata=_help("decoder=ar: transformers' KV cache, dynamic (grows per step) or static (fixed-shape buffers)"),
+    )
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -121,7 +152,9 @@ class DecodingSettings:
             if self.cache != "block":
                 raise ValueError("window='cache_block' (masks fill the rest of the cache block) needs cache='block'")
         elif self.window is not None and (not _is_int(self.window) or self.window < 1):
-            raise ValueError(f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {self.window!r}")
+            raise ValueError(
+                f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {self.window!r}"
+            )
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be true or false, got {self.verify!r}")
         if self.ar_cache not in AR_CACHES:
@@ -178,7 +211,7 @@ class DecodingSettings:
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any] | None, **overrides: Any) -> "DecodingSettings":
+    def from_mapping(cls, mapping: Mapping[str, Any] | None, **overrides: Any) -> DecodingSettings:
         """From a ``decoding`` config (or adapter/request keys): unknown keys fail naming the allowed ones;
         ``None`` values mean "the default"; ``overrides`` win."""
         values = {k: v for k, v in dict(mapping or {}).items() if k not in CONFIG_ONLY_KEYS}
@@ -190,7 +223,7 @@ class DecodingSettings:
         values = {k: _coerce(v, nullable=k in nullable) for k, v in values.items()}
         return cls(**{k: v for k, v in values.items() if v is not None})
 
-    def replace(self, **changes: Any) -> "DecodingSettings":
+    def replace(self, **changes: Any) -> DecodingSettings:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict[str, Any]:

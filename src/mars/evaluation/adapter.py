@@ -174,8 +174,9 @@ class MarsLM(TemplateLM):
                 where = "cpu"
             if self._world_size > 1 and where == "cuda":
                 where = f"cuda:{int(os.environ.get('LOCAL_RANK', self._rank))}"
-            loaded = load_model(str(pretrained), device=where,
-                                dtype=resolve_dtype_name(dtype, where) if dtype else "float32")
+            loaded = load_model(
+                str(pretrained), device=where, dtype=resolve_dtype_name(dtype, where) if dtype else "float32"
+            )
             model, tokenizer, mask_token_id = loaded.model, loaded.tokenizer, loaded.mask.id
             trained = (loaded.metadata or {}).get("block_size")
             if trained and not settings.get("block_size"):
@@ -283,8 +284,11 @@ class MarsLM(TemplateLM):
         """The model's own chat template (lm-eval's ``apply_chat_template=True`` path)."""
         import jinja2
 
-        kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
-                      continue_final_message=not add_generation_prompt)
+        kwargs = dict(
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
         try:
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
         except jinja2.exceptions.TemplateError:
@@ -297,8 +301,11 @@ class MarsLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_name": getattr(self.model.config, "_name_or_path", ""), **self.settings.as_dict(),
-                "fidelity": self.fidelity}
+        return {
+            "model_name": getattr(self.model.config, "_name_or_path", ""),
+            **self.settings.as_dict(),
+            "fidelity": self.fidelity,
+        }
 
     # ------------------------------------------------------------------ generation
     def _max_new(self, gen_kwargs: dict) -> int:
@@ -315,8 +322,16 @@ class MarsLM(TemplateLM):
     def request_key(self, prompt_ids: list[int], until: list[str], settings: DecodingSettings) -> str:
         """What identifies a generation: the prompt's ids, stop strings, every decoding setting (the
         threshold and budget included), whether fidelity is measured, and the config's fingerprint."""
-        text = json.dumps({"salt": self.cache_salt, "prompt": list(prompt_ids), "until": list(until),
-                           "settings": settings.as_dict(), "fidelity": self.fidelity}, sort_keys=True)
+        text = json.dumps(
+            {
+                "salt": self.cache_salt,
+                "prompt": list(prompt_ids),
+                "until": list(until),
+                "settings": settings.as_dict(),
+                "fidelity": self.fidelity,
+            },
+            sort_keys=True,
+        )
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def _fidelity(self, prompts: list[list[int]], outputs: list[list[int]], flags: list[list[bool]]):
@@ -338,8 +353,9 @@ class MarsLM(TemplateLM):
             context, gen_kwargs = req.args
             if gen_kwargs.get("do_sample"):
                 log.warning("task %s asks for sampling; MARS evaluation decodes greedily", req.task_name)
-            key = json.dumps({k: v for k, v in sorted(gen_kwargs.items()) if k in ("until", "max_gen_toks")},
-                             default=str)
+            key = json.dumps(
+                {k: v for k, v in sorted(gen_kwargs.items()) if k in ("until", "max_gen_toks")}, default=str
+            )
             groups[(str(req.task_name), key)].append(i)
 
         bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
@@ -373,8 +389,13 @@ class MarsLM(TemplateLM):
                 prompts = [encoded[i] for i in batch]
                 t0 = time.perf_counter()
                 result = generate(
-                    self.model, self.tokenizer, prompts, stop=until or None, mask_token_id=self.mask_token_id,
-                    chat_template=False, settings=settings,
+                    self.model,
+                    self.tokenizer,
+                    prompts,
+                    stop=until or None,
+                    mask_token_id=self.mask_token_id,
+                    chat_template=False,
+                    settings=settings,
                 )
                 seconds = float(result.stats.seconds or (time.perf_counter() - t0))
                 self.generate_calls += 1
@@ -422,8 +443,14 @@ class MarsLM(TemplateLM):
         stats.resumed += int(resumed)
         stats.add_fidelity(row.get("fidelity"))
         self.records[(task, int(request.doc_id))] = RequestRecord(
-            tokens=row["tokens"], forwards=row["forwards"], finish_reason=row["finish_reason"], text=row["text"],
-            output_ids=row["output_ids"], from_mask=row["from_mask"], fidelity=row.get("fidelity"), resumed=resumed,
+            tokens=row["tokens"],
+            forwards=row["forwards"],
+            finish_reason=row["finish_reason"],
+            text=row["text"],
+            output_ids=row["output_ids"],
+            from_mask=row["from_mask"],
+            fidelity=row.get("fidelity"),
+            resumed=resumed,
         )
         self.cache_hook.add_partial("generate_until", request.args, row["text"])
 
@@ -469,8 +496,10 @@ class MarsLM(TemplateLM):
             windows = [
                 make_disjoint_window(w)
                 for w in get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1,
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
                 )
             ]
             scores = self._loglikelihood_tokens([(None, a, b) for a, b in windows], disable_tqdm=True)

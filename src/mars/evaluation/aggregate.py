@@ -39,19 +39,71 @@ from mars.evaluation.store import ResultsDir, atomic_write_text, write_json
 
 AVERAGE = "Average"
 SCORE_KINDS = ("metric", "chrf", "token_f1", "exact")
-INTERVAL_KEYS = ("accuracy", "accuracy_delta", "tokens_per_forward", "agreement", "agreement_chrf",
-                 "agreement_token_f1", "fidelity", "ar_equal", "mask_share", "compare_delta", "compare_ar_delta")
+INTERVAL_KEYS = (
+    "accuracy",
+    "accuracy_delta",
+    "tokens_per_forward",
+    "agreement",
+    "agreement_chrf",
+    "agreement_token_f1",
+    "fidelity",
+    "ar_equal",
+    "mask_share",
+    "compare_delta",
+    "compare_ar_delta",
+)
 FIELDS = (
-    "label", "model", "block_size", "threshold", "task", "lm_eval_task", "metric", "score",
-    "accuracy", "accuracy_lo", "accuracy_hi", "accuracy_delta", "accuracy_delta_lo", "accuracy_delta_hi", "n_paired",
-    "tokens_per_forward", "tokens_per_forward_lo", "tokens_per_forward_hi", "batch_tokens_per_forward",
-    "tokens_per_second", "wall_seconds", "generated_tokens", "n_samples",
-    "agreement", "agreement_lo", "agreement_hi", "agreement_chrf", "agreement_chrf_lo", "agreement_chrf_hi",
-    "agreement_token_f1", "agreement_token_f1_lo", "agreement_token_f1_hi",
-    "fidelity", "fidelity_lo", "fidelity_hi", "fidelity_tokens", "ar_equal", "ar_equal_lo", "ar_equal_hi",
-    "mask_share", "mask_share_lo", "mask_share_hi",
-    "compare_label", "compare_threshold", "compare_delta", "compare_delta_lo", "compare_delta_hi", "compare_n",
-    "compare_ar_delta", "compare_ar_delta_lo", "compare_ar_delta_hi",
+    "label",
+    "model",
+    "block_size",
+    "threshold",
+    "task",
+    "lm_eval_task",
+    "metric",
+    "score",
+    "accuracy",
+    "accuracy_lo",
+    "accuracy_hi",
+    "accuracy_delta",
+    "accuracy_delta_lo",
+    "accuracy_delta_hi",
+    "n_paired",
+    "tokens_per_forward",
+    "tokens_per_forward_lo",
+    "tokens_per_forward_hi",
+    "batch_tokens_per_forward",
+    "tokens_per_second",
+    "wall_seconds",
+    "generated_tokens",
+    "n_samples",
+    "agreement",
+    "agreement_lo",
+    "agreement_hi",
+    "agreement_chrf",
+    "agreement_chrf_lo",
+    "agreement_chrf_hi",
+    "agreement_token_f1",
+    "agreement_token_f1_lo",
+    "agreement_token_f1_hi",
+    "fidelity",
+    "fidelity_lo",
+    "fidelity_hi",
+    "fidelity_tokens",
+    "ar_equal",
+    "ar_equal_lo",
+    "ar_equal_hi",
+    "mask_share",
+    "mask_share_lo",
+    "mask_share_hi",
+    "compare_label",
+    "compare_threshold",
+    "compare_delta",
+    "compare_delta_lo",
+    "compare_delta_hi",
+    "compare_n",
+    "compare_ar_delta",
+    "compare_ar_delta_lo",
+    "compare_ar_delta_hi",
     "is_reference",
 )
 
@@ -79,8 +131,9 @@ def score_kinds(benchmarks: Mapping[str, Any] | None) -> dict[str, str]:
         if isinstance(entry, Mapping):
             kind = str(entry.get("score") or "metric")
             if kind not in SCORE_KINDS:
-                raise ValueError(f"benchmarks task {entry.get('name')!r}: score must be one of {list(SCORE_KINDS)}, "
-                                 f"got {kind!r}")
+                raise ValueError(
+                    f"benchmarks task {entry.get('name')!r}: score must be one of {list(SCORE_KINDS)}, got {kind!r}"
+                )
             kinds[str(entry.get("name"))] = kind
     return kinds
 
@@ -145,8 +198,15 @@ def _compare_label(path: Path) -> str:
     return path.name
 
 
-def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _Samples]], threshold: float, spec,
-                 reference: float, kind: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _entry_point(
+    plan: Plan,
+    samples: _Samples,
+    others: list[tuple[str, Path, _Samples]],
+    threshold: float,
+    spec,
+    reference: float,
+    kind: str,
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     store = samples.store
     if not samples.complete(threshold, spec.leaves):
         return None
@@ -174,8 +234,9 @@ def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _S
     pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
     figures = stats.agreement_figures(pairs) if pairs else {}
     if threshold == reference:  # identity, not a sample: no interval around 100%
-        figures.update({k: stats.Estimate(e.value, e.value, e.value, e.n) for k, e in figures.items()
-                        if k in stats.SIMILARITY})
+        figures.update(
+            {k: stats.Estimate(e.value, e.value, e.value, e.n) for k, e in figures.items() if k in stats.SIMILARITY}
+        )
     point: dict[str, Any] = {
         "label": plan.curve_label,
         "model": plan.model_label,
@@ -200,8 +261,14 @@ def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _S
         "n_samples": n,
         "is_reference": threshold == reference,
     }
-    for name, key in (("exact", "agreement"), ("chrf", "agreement_chrf"), ("token_f1", "agreement_token_f1"),
-                      ("fidelity", "fidelity"), ("ar_equal", "ar_equal"), ("mask_share", "mask_share")):
+    for name, key in (
+        ("exact", "agreement"),
+        ("chrf", "agreement_chrf"),
+        ("token_f1", "agreement_token_f1"),
+        ("fidelity", "fidelity"),
+        ("ar_equal", "ar_equal"),
+        ("mask_share", "mask_share"),
+    ):
         point.update(figures.get(name, stats.NONE).fields(key))
     fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
     point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
@@ -212,9 +279,21 @@ def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _S
         same = other.scores(threshold, spec.leaves, kind, reference)
         ar = other.scores(reference, spec.leaves, kind, reference)
         d_same, d_ar = _paired(scores, same), _paired(scores, ar)
-        compares.append({"label": label, "path": str(path), "threshold": threshold if same is not None else None,
-                         "delta": d_same.value, "delta_lo": d_same.lo, "delta_hi": d_same.hi, "n": d_same.n,
-                         "ar_delta": d_ar.value, "ar_delta_lo": d_ar.lo, "ar_delta_hi": d_ar.hi, "ar_n": d_ar.n})
+        compares.append(
+            {
+                "label": label,
+                "path": str(path),
+                "threshold": threshold if same is not None else None,
+                "delta": d_same.value,
+                "delta_lo": d_same.lo,
+                "delta_hi": d_same.hi,
+                "n": d_same.n,
+                "ar_delta": d_ar.value,
+                "ar_delta_lo": d_ar.lo,
+                "ar_delta_hi": d_ar.hi,
+                "ar_n": d_ar.n,
+            }
+        )
         extras["compare"].append((same, ar))
     point["compare"] = compares
     _flatten_compare(point)
@@ -223,13 +302,19 @@ def _entry_point(plan: Plan, samples: _Samples, others: list[tuple[str, Path, _S
 
 def _flatten_compare(point: dict[str, Any]) -> None:
     first = (point.get("compare") or [None])[0] or {}
-    point.update({
-        "compare_label": first.get("label"), "compare_threshold": first.get("threshold"),
-        "compare_delta": first.get("delta"), "compare_delta_lo": first.get("delta_lo"),
-        "compare_delta_hi": first.get("delta_hi"), "compare_n": first.get("n"),
-        "compare_ar_delta": first.get("ar_delta"), "compare_ar_delta_lo": first.get("ar_delta_lo"),
-        "compare_ar_delta_hi": first.get("ar_delta_hi"),
-    })
+    point.update(
+        {
+            "compare_label": first.get("label"),
+            "compare_threshold": first.get("threshold"),
+            "compare_delta": first.get("delta"),
+            "compare_delta_lo": first.get("delta_lo"),
+            "compare_delta_hi": first.get("delta_hi"),
+            "compare_n": first.get("n"),
+            "compare_ar_delta": first.get("ar_delta"),
+            "compare_ar_delta_lo": first.get("ar_delta_lo"),
+            "compare_ar_delta_hi": first.get("ar_delta_hi"),
+        }
+    )
 
 
 def _estimate(p: dict[str, Any], key: str) -> stats.Estimate:
@@ -251,23 +336,41 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
     acc = stats.combine_intervals([_estimate(row[i], "accuracy") for i in metric])
     point = {
         **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference")},
-        "task": AVERAGE, "lm_eval_task": None, "metric": "mean over tasks", "score": "metric",
-        "accuracy": _nanmean([row[i]["accuracy"] for i in metric]), "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
-        "accuracy_delta": None, "accuracy_delta_lo": delta.lo, "accuracy_delta_hi": delta.hi, "n_paired": delta.n,
+        "task": AVERAGE,
+        "lm_eval_task": None,
+        "metric": "mean over tasks",
+        "score": "metric",
+        "accuracy": _nanmean([row[i]["accuracy"] for i in metric]),
+        "accuracy_lo": acc.lo,
+        "accuracy_hi": acc.hi,
+        "accuracy_delta": None,
+        "accuracy_delta_lo": delta.lo,
+        "accuracy_delta_hi": delta.hi,
+        "n_paired": delta.n,
         "batch_tokens_per_forward": _nanmean([p["batch_tokens_per_forward"] for p in row]),
-        "tokens_per_second": (sum(p["generated_tokens"] for p in row) / s
-                              if (s := sum(p["wall_seconds"] for p in row)) > 0 else None),
+        "tokens_per_second": (
+            sum(p["generated_tokens"] for p in row) / s if (s := sum(p["wall_seconds"] for p in row)) > 0 else None
+        ),
         "wall_seconds": sum(p["wall_seconds"] for p in row),
         "generated_tokens": sum(p["generated_tokens"] for p in row),
         "n_samples": sum(p["n_samples"] for p in row),
     }
-    for key in ("tokens_per_forward", "agreement", "agreement_chrf", "agreement_token_f1", "fidelity", "ar_equal",
-                "mask_share"):
-        est = stats.combine_intervals([_estimate(p, key) for p in row],
-                                      bounds=None if key == "tokens_per_forward" else (0.0, 1.0))
+    for key in (
+        "tokens_per_forward",
+        "agreement",
+        "agreement_chrf",
+        "agreement_token_f1",
+        "fidelity",
+        "ar_equal",
+        "mask_share",
+    ):
+        est = stats.combine_intervals(
+            [_estimate(p, key) for p in row], bounds=None if key == "tokens_per_forward" else (0.0, 1.0)
+        )
         point.update({key: _nanmean([p[key] for p in row]), f"{key}_lo": est.lo, f"{key}_hi": est.hi})
-    point["fidelity_tokens"] = (sum(p["fidelity_tokens"] or 0 for p in row)
-                                if any(p["fidelity_tokens"] is not None for p in row) else None)
+    point["fidelity_tokens"] = (
+        sum(p["fidelity_tokens"] or 0 for p in row) if any(p["fidelity_tokens"] is not None for p in row) else None
+    )
     compares = []
     for j, (label, path, _) in enumerate(others):
         same_groups, ar_groups = [], []
@@ -281,9 +384,21 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         complete = len(same_groups) == len(metric) and metric
         d_same = stats.mean_of_paired_differences(same_groups) if complete else stats.NONE
         d_ar = stats.mean_of_paired_differences(ar_groups) if len(ar_groups) == len(metric) and metric else stats.NONE
-        compares.append({"label": label, "path": str(path), "threshold": row[0]["threshold"] if complete else None,
-                         "delta": d_same.value, "delta_lo": d_same.lo, "delta_hi": d_same.hi, "n": d_same.n,
-                         "ar_delta": d_ar.value, "ar_delta_lo": d_ar.lo, "ar_delta_hi": d_ar.hi, "ar_n": d_ar.n})
+        compares.append(
+            {
+                "label": label,
+                "path": str(path),
+                "threshold": row[0]["threshold"] if complete else None,
+                "delta": d_same.value,
+                "delta_lo": d_same.lo,
+                "delta_hi": d_same.hi,
+                "n": d_same.n,
+                "ar_delta": d_ar.value,
+                "ar_delta_lo": d_ar.lo,
+                "ar_delta_hi": d_ar.hi,
+                "ar_n": d_ar.n,
+            }
+        )
     point["compare"] = compares
     _flatten_compare(point)
     return point
@@ -300,8 +415,11 @@ def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:
     thresholds = sorted(set(store.thresholds_on_disk()) | set(plan.thresholds), reverse=(metric != "entropy"))
     points: list[dict[str, Any]] = []
     for thr in thresholds:
-        built = [b for spec in plan.suite.tasks
-                 if (b := _entry_point(plan, samples, others, thr, spec, reference, kinds.get(spec.name, "metric")))]
+        built = [
+            b
+            for spec in plan.suite.tasks
+            if (b := _entry_point(plan, samples, others, thr, spec, reference, kinds.get(spec.name, "metric")))
+        ]
         if not built:
             continue
         row, extras = [b[0] for b in built], [b[1] for b in built]

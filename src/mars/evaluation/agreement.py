@@ -188,8 +188,13 @@ def _ratio_replicates(num: np.ndarray, den: np.ndarray, iterations: int, seed: i
     return _replicates(num.size, iterations, seed, stat)
 
 
-def mean_interval(values: Iterable[Any], confidence: float = CONFIDENCE, iterations: int = ITERATIONS,
-                  seed: int = 0, binary: bool | None = None) -> Estimate:
+def mean_interval(
+    values: Iterable[Any],
+    confidence: float = CONFIDENCE,
+    iterations: int = ITERATIONS,
+    seed: int = 0,
+    binary: bool | None = None,
+) -> Estimate:
     """Mean of per-document scores with its interval: Wilson for right/wrong scores, else a percentile
     bootstrap.  ``binary=None`` decides by the data (every score 0 or 1); a graded score (chrF) that
     happens to be all 1.0 should pass ``binary=False`` (no variation: a zero-width interval).
@@ -198,15 +203,20 @@ def mean_interval(values: Iterable[Any], confidence: float = CONFIDENCE, iterati
     if v.size == 0:
         return NONE
     mean = float(v.mean())
-    if (_is_binary(v) if binary is None else binary):
+    if _is_binary(v) if binary is None else binary:
         lo, hi = wilson_interval(float(v.sum()), int(v.size), confidence)
     else:
         lo, hi = _percentiles(_mean_replicates(v, iterations, seed), confidence)
     return Estimate(mean, min(lo, mean), max(hi, mean), int(v.size))
 
 
-def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], confidence: float = CONFIDENCE,
-                   iterations: int = ITERATIONS, seed: int = 0) -> Estimate:
+def ratio_interval(
+    numerators: Sequence[float],
+    denominators: Sequence[float],
+    confidence: float = CONFIDENCE,
+    iterations: int = ITERATIONS,
+    seed: int = 0,
+) -> Estimate:
     """``sum(numerators) / sum(denominators)`` with a bootstrap interval over the units (requests):
     tokens per forward over requests, fidelity over outputs.  None when the denominators sum to 0."""
     if len(numerators) != len(denominators):
@@ -221,8 +231,9 @@ def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], c
     return Estimate(value, min(lo, value), max(hi, value), int(num.size))
 
 
-def paired_difference(a: Sequence[Any], b: Sequence[Any], confidence: float = CONFIDENCE,
-                      iterations: int = ITERATIONS, seed: int = 0) -> Estimate:
+def paired_difference(
+    a: Sequence[Any], b: Sequence[Any], confidence: float = CONFIDENCE, iterations: int = ITERATIONS, seed: int = 0
+) -> Estimate:
     """Mean of ``a[i] - b[i]`` over paired documents with a percentile bootstrap over the pairs
     (pairs where either side is missing are left out).  Identical pairs give a zero-width interval."""
     if len(a) != len(b):
@@ -257,9 +268,12 @@ def combine_intervals(estimates: Sequence[Estimate], bounds: tuple[float, float]
     return Estimate(value, min(lo, value), max(hi, value), sum(e.n for e in given))
 
 
-def mean_of_paired_differences(groups: Sequence[tuple[Sequence[Any], Sequence[Any]]],
-                               confidence: float = CONFIDENCE, iterations: int = ITERATIONS,
-                               seed: int = 0) -> Estimate:
+def mean_of_paired_differences(
+    groups: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+    confidence: float = CONFIDENCE,
+    iterations: int = ITERATIONS,
+    seed: int = 0,
+) -> Estimate:
     """Unweighted mean over groups of each group's paired mean difference, stratified bootstrap."""
     diffs = []
     for a, b in groups:
@@ -296,8 +310,9 @@ def similarity(kind: str, output: str | None, reference: str | None) -> float:
         raise ValueError(f"unknown similarity {kind!r}; one of {sorted(SIMILARITY)}") from None
 
 
-def pair_rows(rows: Iterable[Mapping[str, Any]], reference: Iterable[Mapping[str, Any]],
-              key: str = "doc_id") -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+def pair_rows(
+    rows: Iterable[Mapping[str, Any]], reference: Iterable[Mapping[str, Any]], key: str = "doc_id"
+) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
     """(row, reference row) for every ``key`` present in both, in the order of ``rows``."""
     ref = {r[key]: r for r in reference}
     return [(r, ref[r[key]]) for r in rows if r[key] in ref]
@@ -321,8 +336,12 @@ def mask_counts(row: Mapping[str, Any]) -> tuple[int, int] | None:
     return None
 
 
-def agreement_figures(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], confidence: float = CONFIDENCE,
-                      iterations: int = ITERATIONS, seed: int = 0) -> dict[str, Estimate]:
+def agreement_figures(
+    pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+    confidence: float = CONFIDENCE,
+    iterations: int = ITERATIONS,
+    seed: int = 0,
+) -> dict[str, Estimate]:
     """Agreement of outputs with their reference outputs (same prompts), with intervals.
 
     ``pairs``: (sample row, reference sample row) as written in ``samples/<threshold>/<task>.jsonl``
@@ -335,8 +354,11 @@ def agreement_figures(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]
     """
     kw = {"confidence": confidence, "iterations": iterations, "seed": seed}
     out: dict[str, Estimate] = {
-        kind: mean_interval([similarity(kind, r.get("output"), ref.get("output")) for r, ref in pairs],
-                            binary=None if kind == "exact" else False, **kw)
+        kind: mean_interval(
+            [similarity(kind, r.get("output"), ref.get("output")) for r, ref in pairs],
+            binary=None if kind == "exact" else False,
+            **kw,
+        )
         for kind in SIMILARITY
     }
     fids = [f for r, _ in pairs if (f := fidelity_counts(r)) is not None]
@@ -348,7 +370,22 @@ def agreement_figures(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]
 
 
 __all__ = [
-    "CONFIDENCE", "Estimate", "ITERATIONS", "SIMILARITY", "agreement_figures", "chrf", "combine_intervals",
-    "fidelity_counts", "mask_counts", "mean_interval", "mean_of_paired_differences", "pair_rows",
-    "paired_difference", "ratio_interval", "similarity", "token_f1", "wilson_interval", "words",
+    "CONFIDENCE",
+    "Estimate",
+    "ITERATIONS",
+    "SIMILARITY",
+    "agreement_figures",
+    "chrf",
+    "combine_intervals",
+    "fidelity_counts",
+    "mask_counts",
+    "mean_interval",
+    "mean_of_paired_differences",
+    "pair_rows",
+    "paired_difference",
+    "ratio_interval",
+    "similarity",
+    "token_f1",
+    "wilson_interval",
+    "words",
 ]

@@ -39,7 +39,9 @@ def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
     """The MARS metadata of a checkpoint folder written by train.py, checked for a usable mask token."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)")
+        raise CheckpointError(
+            f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)"
+        )
     if not (p / "config.json").is_file():
         raise CheckpointError(f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder")
     meta_file = p / "mars_config.json"
@@ -243,7 +245,9 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     from mars.hardware import validate_dtype
 
     try:
-        DecodingSettings.from_mapping(decoding, threshold=reference_threshold(str(decoding.get("metric", "probability"))))
+        DecodingSettings.from_mapping(
+            decoding, threshold=reference_threshold(str(decoding.get("metric", "probability")))
+        )
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
     validate_dtype(resolved.get("dtype"))
@@ -266,7 +270,8 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     if check_results_dir if check_sandbox is None else check_sandbox:
         check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
     out = resolved.get("output_dir") or "outputs/eval/" + run_name(
-        model_label(resolved), resolved.get("checkpoint"), block, suite.name, decoding.get("name"))
+        model_label(resolved), resolved.get("checkpoint"), block, suite.name, decoding.get("name")
+    )
     output_dir = Path(out).expanduser()
     fingerprint = fingerprint_of(resolved, block, suite)
     if check_results_dir:
@@ -276,7 +281,16 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
         if not (p / "points.json").is_file():
             raise FileNotFoundError(f"compare: {p} holds no points.json (run evaluate.py there first)")
     return Plan(
-        thresholds=thresholds, reference_added=added, block_size=block, model_label=model_label(resolved),
-        output_dir=output_dir, suite=suite, decoding=decoding, fingerprint=fingerprint, resolved=resolved,
-        checkpoint_meta=checkpoint_meta, compare=compare, task_manager=manager,
+        thresholds=thresholds,
+        reference_added=added,
+        block_size=block,
+        model_label=model_label(resolved),
+        output_dir=output_dir,
+        suite=suite,
+        decoding=decoding,
+        fingerprint=fingerprint,
+        resolved=resolved,
+        checkpoint_meta=checkpoint_meta,
+        compare=compare,
+        task_manager=manager,
     )

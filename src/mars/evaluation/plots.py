@@ -52,22 +52,33 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
         ys = [100 * p["accuracy"] for p in pts]
         xerr = _errors(pts, "tokens_per_forward", 1.0)
         yerr = _errors(pts, "accuracy", 100.0, paired=True)
-        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="-o", color=color, label=label, markersize=5,
-                    elinewidth=1, capsize=2)
+        ax.errorbar(
+            xs, ys, xerr=xerr, yerr=yerr, fmt="-o", color=color, label=label, markersize=5, elinewidth=1, capsize=2
+        )
         labelled.append((color, xs, ys, [p["threshold"] for p in pts]))
         ref = [p for p in pts if p.get("is_reference")]
         if ref:
             r = ref[0]
-            ax.axhline(100 * r["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7,
-                       label=f"{label}: AR (τ={fmt_threshold(r['threshold'])})")
+            ax.axhline(
+                100 * r["accuracy"],
+                color=color,
+                linestyle="--",
+                linewidth=1,
+                alpha=0.7,
+                label=f"{label}: AR (τ={fmt_threshold(r['threshold'])})",
+            )
             if r.get("accuracy_lo") is not None and r.get("accuracy_hi") is not None:
                 ax.axhspan(100 * r["accuracy_lo"], 100 * r["accuracy_hi"], color=color, alpha=0.12, linewidth=0)
         if any(p.get("score") not in (None, "metric") for p in pts):
             ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{task}: {ylabel.split(' (')[0]} vs tokens per forward" if ylabel.startswith("accuracy")
-                 else f"{task} vs tokens per forward", fontsize=10)
+    ax.set_title(
+        f"{task}: {ylabel.split(' (')[0]} vs tokens per forward"
+        if ylabel.startswith("accuracy")
+        else f"{task} vs tokens per forward",
+        fontsize=10,
+    )
     ax.grid(True, alpha=0.3)
     lo, hi = ax.get_xlim()
     lo, hi = min(lo, 0.95), max(hi, 1.05)
@@ -121,8 +132,9 @@ def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.
             groups.append([i])
     for group in groups:
         text = "τ=" + ", ".join(fmt_threshold(t) for t in sorted((thresholds[i] for i in group), reverse=True))
-        ax.annotate(text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5),
-                    fontsize=7, color=color)
+        ax.annotate(
+            text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
+        )
 
 
 def _curves(plan: Plan, points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

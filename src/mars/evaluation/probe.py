@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r["prompt"] for r in rows]
     loaded, block = load(args.checkpoint, args.base, args.dtype)
     model, tok = loaded.model.eval(), loaded.tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-           for q in prompts]
+    ids = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in prompts
+    ]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     results, reference = [], None
@@ -80,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         for b in range(0, len(order), args.batch_size):
             batch = order[b : b + args.batch_size]
-            res = generate(model, tok, [ids[i] for i in batch], threshold=thr, block_size=block,
-                           max_new_tokens=args.max_new_tokens, mask_token_id=loaded.mask.id)
+            res = generate(
+                model,
+                tok,
+                [ids[i] for i in batch],
+                threshold=thr,
+                block_size=block,
+                max_new_tokens=args.max_new_tokens,
+                mask_token_id=loaded.mask.id,
+            )
             for j, i in enumerate(batch):
                 outs[i], flags[i] = res.token_ids[j], res.from_mask[j]
                 rates[i] = res.stats.per_row_tokens[j] / max(1, res.stats.per_row_forwards[j])
@@ -90,18 +99,26 @@ def main(argv: list[str] | None = None) -> int:
             reference = outs
         fid = token_fidelity(outs, ar_predictions(model, ids, outs), flags)
         mask_tokens = sum(r["mask_tokens"] for r in fid)
-        results.append({
-            "threshold": thr,
-            "tokens_per_forward": round(statistics.mean(rates), 3),
-            "identical_to_tau_1": round(sum(o == r for o, r in zip(outs, reference)) / len(outs), 3),
-            "mask_tokens_share": round(mask_tokens / max(1, sum(r["tokens"] for r in fid)), 3),
-            "mask_fidelity": round(sum(r["mask_ar_equal"] for r in fid) / mask_tokens, 3) if mask_tokens else None,
-            "generated_tokens": sum(r["tokens"] for r in fid),
-            "seconds": round(seconds, 1),
-        })
+        results.append(
+            {
+                "threshold": thr,
+                "tokens_per_forward": round(statistics.mean(rates), 3),
+                "identical_to_tau_1": round(sum(o == r for o, r in zip(outs, reference)) / len(outs), 3),
+                "mask_tokens_share": round(mask_tokens / max(1, sum(r["tokens"] for r in fid)), 3),
+                "mask_fidelity": round(sum(r["mask_ar_equal"] for r in fid) / mask_tokens, 3) if mask_tokens else None,
+                "generated_tokens": sum(r["tokens"] for r in fid),
+                "seconds": round(seconds, 1),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
-    summary = {"checkpoint": args.checkpoint, "block_size": block, "prompts": len(prompts), "dtype": args.dtype,
-               "max_new_tokens": args.max_new_tokens, "results": results}
+    summary = {
+        "checkpoint": args.checkpoint,
+        "block_size": block,
+        "prompts": len(prompts),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "results": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

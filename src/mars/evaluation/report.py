@@ -23,8 +23,9 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
-def fmt_interval(value: float | None, lo: float | None, hi: float | None, spec: str = ".1f",
-                 scale: float = 100.0, sign: bool = False) -> str:
+def fmt_interval(
+    value: float | None, lo: float | None, hi: float | None, spec: str = ".1f", scale: float = 100.0, sign: bool = False
+) -> str:
     """``31.2 [29.8, 32.5]`` (``-0.4 [-1.1, 0.2]`` with ``sign``); the bracket is left out when the
     interval is unknown, and "–" stands for an unknown value."""
     if value is None:
@@ -58,8 +59,9 @@ def _get(cell: dict, key: tuple, field: str):
     return (cell.get(key) or {}).get(field)
 
 
-def _interval_cell(p: dict[str, Any] | None, key: str, spec: str = ".1f", scale: float = 100.0,
-                   suffix: str = "") -> str:
+def _interval_cell(
+    p: dict[str, Any] | None, key: str, spec: str = ".1f", scale: float = 100.0, suffix: str = ""
+) -> str:
     if p is None or p.get(key) is None:
         return "–"
     return fmt_interval(p.get(key), p.get(f"{key}_lo"), p.get(f"{key}_hi"), spec, scale) + suffix
@@ -83,7 +85,8 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
         f"max {dec.get('max_new_tokens')} new tokens; greedy; suite `{plan.suite.name}` "
         f"({'chat template' if plan.suite.apply_chat_template else 'no chat template'})"
         + (f"; dtype `{res['dtype']}`" if res.get("dtype") else "")
-        + (f"; limit {res['limit']} samples per task" if res.get("limit") else "") + ".",
+        + (f"; limit {res['limit']} samples per task" if res.get("limit") else "")
+        + ".",
         "",
         f"τ = {ref} is plain greedy AR decoding: the reference point. *acc* = accuracy in %, its change from "
         f"τ = {ref} in brackets; *95% CI* = interval of the accuracy (Wilson for right/wrong scores, else "
@@ -93,10 +96,16 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
         "(a fidelity check the paper does not report).",
     ]
     if similarity_cols:
-        lines += ["", "Columns scored against the τ = " + ref + " output (no gold answer; 100 at τ = " + ref
-                  + " by definition; left out of the Average's accuracy): "
-                  + ", ".join(f"{c} ({next(p['score'] for p in points if p['task'] == c)})" for c in similarity_cols)
-                  + "."]
+        lines += [
+            "",
+            "Columns scored against the τ = "
+            + ref
+            + " output (no gold answer; 100 at τ = "
+            + ref
+            + " by definition; left out of the Average's accuracy): "
+            + ", ".join(f"{c} ({next(p['score'] for p in points if p['task'] == c)})" for c in similarity_cols)
+            + ".",
+        ]
     if plan.reference_added:
         lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
     header = "| τ | | " + " | ".join(columns) + " |"
@@ -114,8 +123,15 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
             lines.append(f"| {first} | {what} | " + " | ".join(cells) + " |")
     lines += _agreement_section(columns, thresholds, cell, ref)
     lines += _compare_section(columns, thresholds, cell, points, ref)
-    lines += ["", "## Throughput", "", "Generated tokens per second and decoder wall time (s) per task.", "",
-              header, rule]
+    lines += [
+        "",
+        "## Throughput",
+        "",
+        "Generated tokens per second and decoder wall time (s) per task.",
+        "",
+        header,
+        rule,
+    ]
     for thr in thresholds:
         cells_tps = [_fmt(_get(cell, (thr, c), "tokens_per_second"), ".1f") for c in columns]
         cells_wall = [_fmt(_get(cell, (thr, c), "wall_seconds"), ".1f") for c in columns]
@@ -128,7 +144,9 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
 
 def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, ref: str) -> list[str]:
     lines = [
-        "", f"## Agreement with the τ = {ref} output", "",
+        "",
+        f"## Agreement with the τ = {ref} output",
+        "",
         f"Per task and threshold, each output against the same run's τ = {ref} output of the same prompt, in %, "
         "with 95% intervals: *exact* = identical text; *chrF* = character n-gram F-score (sacrebleu's chrF); "
         "*token F1* = bag-of-words F1; *fidelity* = share of the tokens accepted from mask predictions that "
@@ -147,34 +165,46 @@ def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, 
             n = p.get("n_samples")
             lines.append(
                 f"| {fmt_threshold(thr)} | {c} | {n if n is not None else '–'} | "
-                + " | ".join(_interval_cell(p, k) for k in ("agreement", "agreement_chrf", "agreement_token_f1",
-                                                             "fidelity", "ar_equal", "mask_share"))
-                + " |")
+                + " | ".join(
+                    _interval_cell(p, k)
+                    for k in ("agreement", "agreement_chrf", "agreement_token_f1", "fidelity", "ar_equal", "mask_share")
+                )
+                + " |"
+            )
     return lines
 
 
-def _compare_section(columns: list[str], thresholds: list[float], cell: dict, points: list[dict[str, Any]],
-                     ref: str) -> list[str]:
+def _compare_section(
+    columns: list[str], thresholds: list[float], cell: dict, points: list[dict[str, Any]], ref: str
+) -> list[str]:
     labels = list(dict.fromkeys(c["label"] for p in points for c in (p.get("compare") or [])))
     if not labels:
         return []
     lines = [
-        "", "## Paired comparisons", "",
+        "",
+        "## Paired comparisons",
+        "",
         "Accuracy of this run minus the compared run's, in points, on the same documents (paired bootstrap, 95%): "
         f"*same τ* = the compared run at the same threshold; *vs its AR* = the compared run at τ = {ref} "
         "(e.g. MARS at 0.9 against the AR-SFT model trained for as many steps). – where the compared run "
         "lacks the point.",
     ]
-    for j, label in enumerate(labels):
-        lines += ["", f"### vs {label}", "", "| τ | | " + " | ".join(columns) + " |",
-                  "|---|---|" + "---:|" * len(columns)]
+    for _j, label in enumerate(labels):
+        lines += [
+            "",
+            f"### vs {label}",
+            "",
+            "| τ | | " + " | ".join(columns) + " |",
+            "|---|---|" + "---:|" * len(columns),
+        ]
         for thr in thresholds:
             same, ar = [], []
             for c in columns:
                 comp = next((x for x in ((cell.get((thr, c)) or {}).get("compare") or []) if x["label"] == label), None)
                 same.append(fmt_interval(comp["delta"], comp["delta_lo"], comp["delta_hi"], sign=True) if comp else "–")
-                ar.append(fmt_interval(comp["ar_delta"], comp["ar_delta_lo"], comp["ar_delta_hi"], sign=True)
-                          if comp else "–")
+                ar.append(
+                    fmt_interval(comp["ar_delta"], comp["ar_delta_lo"], comp["ar_delta_hi"], sign=True) if comp else "–"
+                )
             lines.append(f"| **{fmt_threshold(thr)}** | same τ | " + " | ".join(same) + " |")
             lines.append("|  | vs its AR | " + " | ".join(ar) + " |")
     return lines

@@ -91,8 +91,12 @@ def build_lm(plan: Plan, loaded):
 
     decoding = dict(plan.decoding)
     return MarsLM(
-        model=loaded.model, tokenizer=loaded.tokenizer, mask_token_id=loaded.mask.id,
-        threshold=plan.thresholds[0], decoding=decoding, fidelity=bool(plan.resolved.get("fidelity", True)),
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        mask_token_id=loaded.mask.id,
+        threshold=plan.thresholds[0],
+        decoding=decoding,
+        fidelity=bool(plan.resolved.get("fidelity", True)),
     )
 
 
@@ -142,14 +146,17 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
     by_doc: dict[int, dict] = {}
     for s in logged:
         doc_id = int(s["doc_id"])
-        row = by_doc.setdefault(doc_id, {
-            "doc_id": doc_id,
-            "prompt": s["arguments"][0][0] if s.get("arguments") else None,
-            "output": s["resps"][0][0] if s.get("resps") and s["resps"][0] else None,
-            "target": s.get("target"),
-            "filtered": {},
-            "metrics": {},
-        })
+        row = by_doc.setdefault(
+            doc_id,
+            {
+                "doc_id": doc_id,
+                "prompt": s["arguments"][0][0] if s.get("arguments") else None,
+                "output": s["resps"][0][0] if s.get("resps") and s["resps"][0] else None,
+                "target": s.get("target"),
+                "filtered": {},
+                "metrics": {},
+            },
+        )
         key = s.get("filter", "none")
         row["filtered"][key] = s.get("filtered_resps", [None])[0]
         row["metrics"][key] = {m: s.get(m) for m in s.get("metrics", [])}
@@ -162,16 +169,23 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
         row["score"] = values.get(m)
         record = lm.records.get((task, doc_id))
         if record is not None:
-            row.update(tokens=record.tokens, forwards=record.forwards, finish_reason=record.finish_reason,
-                       output_ids=record.output_ids, from_mask=record.from_mask, resumed=record.resumed)
+            row.update(
+                tokens=record.tokens,
+                forwards=record.forwards,
+                finish_reason=record.finish_reason,
+                output_ids=record.output_ids,
+                from_mask=record.from_mask,
+                resumed=record.resumed,
+            )
             if record.fidelity is not None:
                 row["fidelity"] = record.fidelity
         rows.append(row)
     return rows
 
 
-def _write_points(plan: Plan, store: ResultsDir, threshold: float, leaves: list[str], results: dict, lm,
-                  seconds: float) -> None:
+def _write_points(
+    plan: Plan, store: ResultsDir, threshold: float, leaves: list[str], results: dict, lm, seconds: float
+) -> None:
     for leaf in leaves:
         spec = plan.suite.spec_of_leaf(leaf)
         task_results = results["results"].get(leaf, {})
@@ -252,8 +266,13 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     for thr, leaves in todo.items():
         done = len(plan.suite.leaves) - len(leaves)
         if done:
-            log.info("threshold %s: %d of %d tasks already complete in %s, skipped", threshold_key(thr), done,
-                     len(plan.suite.leaves), store.root)
+            log.info(
+                "threshold %s: %d of %d tasks already complete in %s, skipped",
+                threshold_key(thr),
+                done,
+                len(plan.suite.leaves),
+                store.root,
+            )
 
     computed: list[tuple[float, str]] = []
     if plan.resolved.get("threads"):

@@ -54,12 +54,22 @@ PROMPTS = [
 ARCH_PRESETS: dict[str, dict[str, Any]] = {
     # Shapes of the released Qwen2.5-Instruct configs.
     "qwen2.5-0.5b": dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-7b": dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -80,8 +90,13 @@ def build_preset(preset: str, dtype: torch.dtype, device: str):
     if preset not in ARCH_PRESETS:
         raise SystemExit(f"--arch-preset must be one of {sorted(ARCH_PRESETS)}, got {preset!r}")
     config = Qwen2Config(
-        **ARCH_PRESETS[preset], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        **ARCH_PRESETS[preset],
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -120,8 +135,13 @@ def variants(args) -> list[Variant]:
         out.append(Variant("jacobi-cursor", dict(decoder="jacobi", cache="cursor")))
     if args.verify:
         for fallback in args.verify_fallbacks:
-            out.append(Variant(f"mars-verify{'' if fallback == 'none' else '-' + fallback}",
-                               dict(decoder="mars", cache="cursor", verify=True, fallback=fallback), fixed_threshold=1.0))
+            out.append(
+                Variant(
+                    f"mars-verify{'' if fallback == 'none' else '-' + fallback}",
+                    dict(decoder="mars", cache="cursor", verify=True, fallback=fallback),
+                    fixed_threshold=1.0,
+                )
+            )
     return out
 
 
@@ -136,7 +156,9 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
     drafts = [0, 0]
     for start in range(0, len(prompts), batch):
-        res = generate(model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs)
+        res = generate(
+            model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
+        )
         extra = res.stats.extra
         if extra.get("drafts_proposed"):
             drafts[0] += sum(extra["drafts_proposed"])
@@ -146,9 +168,14 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
         seconds += res.stats.seconds
         ids.extend(res.token_ids)
         row_rates.extend(t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f)
-    return dict(tokens=tokens, forwards=forwards, seconds=seconds, ids=ids, row_tpf=statistics.mean(row_rates),
-                draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None)
-
+    return dict(
+        tokens=tokens,
+        forwards=forwards,
+        seconds=seconds,
+        ids=ids,
+        row_tpf=statistics.mean(row_rates),
+        draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None,
+    )
 
 
 def fmt(x: float, nd: int = 2) -> str:
@@ -159,13 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mars.evaluation.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded:smollm2-135m")
     p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
-    p.add_argument("--arch-preset", default=None, choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32")
+    p.add_argument(
+        "--arch-preset", default=None, choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-sizes", default="1,4,8,16")
-    p.add_argument("--num-prompts", type=int, default=0,
-                   help="prompts per configuration, at least the batch size (8: the same 8 prompts at batch 1, 4, 8)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=0,
+        help="prompts per configuration, at least the batch size (8: the same 8 prompts at batch 1, 4, 8)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per decoder before timing")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -175,16 +212,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-block", type=int, default=32)
     p.add_argument("--caches", default="none,block,cursor")
     p.add_argument("--block-window", action="store_true", help="also time cache=block with window='cache_block'")
-    p.add_argument("--full-window", action="store_true",
-                   help="also time cursor with the masks appended even at threshold 1.0 (their cost)")
+    p.add_argument(
+        "--full-window",
+        action="store_true",
+        help="also time cursor with the masks appended even at threshold 1.0 (their cost)",
+    )
     p.add_argument("--jacobi", action="store_true", help="also time the Jacobi decoder (cursor cache)")
-    p.add_argument("--verify", action="store_true",
-                   help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)",
+    )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
-    p.add_argument("--ar-static", action="store_true",
-                   help="also time transformers generate with its static cache as an AR baseline candidate")
-    p.add_argument("--prompts-file", default=None,
-                   help="JSONL with a 'prompt' field (e.g. data/prompts/heldout.jsonl); default: built-in prompts")
+    p.add_argument(
+        "--ar-static",
+        action="store_true",
+        help="also time transformers generate with its static cache as an AR baseline candidate",
+    )
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="JSONL with a 'prompt' field (e.g. data/prompts/heldout.jsonl); default: built-in prompts",
+    )
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--out", default="results/throughput")
@@ -245,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    print(f"model={args.checkpoint or args.arch_preset or args.model} dtype={args.dtype} device={args.device} "
-          f"block_size={block_size} threads={torch.get_num_threads()}", flush=True)
+    print(
+        f"model={args.checkpoint or args.arch_preset or args.model} dtype={args.dtype} device={args.device} "
+        f"block_size={block_size} threads={torch.get_num_threads()}",
+        flush=True,
+    )
     for v in vs:  # warm-up: allocator, kernels, tokenizer caches
         for _ in range(args.warmup):
             run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
@@ -261,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                 for v in vs:
                     r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
                     runs[v.name].append(r)
-                    print(f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
-                          f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd", flush=True)
+                    print(
+                        f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
+                        f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
+                        flush=True,
+                    )
             rows.extend(summarise_runs(vs, runs, threshold, batch))
             write_tables(rows, out_dir, config)
     print((out_dir / "throughput.md").read_text())
@@ -282,6 +337,7 @@ def load_prompts(path: str | None) -> list[str]:
 def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: float, batch: int) -> list[dict]:
     """Median tokens/s per decoder and its speedup over the fastest AR decoder of this run (ratios per
     repeat, so drift on a shared machine hits both sides alike); outputs compared with transformers'."""
+
     def tps(name):
         return [r["tokens"] / r["seconds"] for r in runs[name]]
 
@@ -293,15 +349,27 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
         ratios = [t / a for t, a in zip(tps(v.name), tps(best_ar))]
         last = runs[v.name][-1]
         same = sum(a == b for a, b in zip(last["ids"], reference_ids))
-        rows.append(dict(
-            threshold=v.fixed_threshold if v.fixed_threshold is not None else threshold,
-            sweep_threshold=threshold, batch=batch, decoder=v.name, ar_baseline=best_ar,
-            tokens_per_s=statistics.median(tps(v.name)), tokens_per_s_min=min(tps(v.name)),
-            tokens_per_s_max=max(tps(v.name)), speedup=statistics.median(ratios), speedup_min=min(ratios),
-            speedup_max=max(ratios), tokens_per_forward=last["tokens"] / last["forwards"],
-            row_tokens_per_forward=last["row_tpf"], same_as_ar=f"{same}/{len(reference_ids)}",
-            draft_acceptance=last["draft_acceptance"], generated_tokens=last["tokens"], forwards=last["forwards"],
-        ))
+        rows.append(
+            dict(
+                threshold=v.fixed_threshold if v.fixed_threshold is not None else threshold,
+                sweep_threshold=threshold,
+                batch=batch,
+                decoder=v.name,
+                ar_baseline=best_ar,
+                tokens_per_s=statistics.median(tps(v.name)),
+                tokens_per_s_min=min(tps(v.name)),
+                tokens_per_s_max=max(tps(v.name)),
+                speedup=statistics.median(ratios),
+                speedup_min=min(ratios),
+                speedup_max=max(ratios),
+                tokens_per_forward=last["tokens"] / last["forwards"],
+                row_tokens_per_forward=last["row_tpf"],
+                same_as_ar=f"{same}/{len(reference_ids)}",
+                draft_acceptance=last["draft_acceptance"],
+                generated_tokens=last["tokens"],
+                forwards=last["forwards"],
+            )
+        )
     return rows
 
 

@@ -16,8 +16,15 @@ from mars.evaluation.report import fmt_threshold
 from mars.evaluation.store import ResultsDir
 
 
-def log_to_wandb(plan: Plan, store: ResultsDir, points: list[dict[str, Any]], table_md: str, plots: list[Path],
-                 logger_cfg: dict[str, Any] | None = None, save_dir: str | os.PathLike | None = None):
+def log_to_wandb(
+    plan: Plan,
+    store: ResultsDir,
+    points: list[dict[str, Any]],
+    table_md: str,
+    plots: list[Path],
+    logger_cfg: dict[str, Any] | None = None,
+    save_dir: str | os.PathLike | None = None,
+):
     """One W&B run per results folder: a ``points`` table, metrics per threshold (x axis = threshold
     step in sweep order), the markdown table and the Pareto PNGs.  Returns the finished run's directory."""
     import wandb

@@ -120,8 +120,11 @@ def create_app(state: ServingState) -> FastAPI:
     async def health() -> JSONResponse:
         ok = state.loop.accepting
         snap = state.loop.snapshot()
-        body = {"status": "ok" if ok else ("draining" if state.loop.alive else "stopped"),
-                "model": state.model_name, **{k: snap[k] for k in ("queued", "running", "tau")}}
+        body = {
+            "status": "ok" if ok else ("draining" if state.loop.alive else "stopped"),
+            "model": state.model_name,
+            **{k: snap[k] for k in ("queued", "running", "tau")},
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -141,16 +144,21 @@ def create_app(state: ServingState) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
         if model != state.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         return JSONResponse(_model_card(state))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         prompts = body.prompts()
-        ids = [_encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt")
-               for p in prompts]
+        ids = [
+            _encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt") for p in prompts
+        ]
         jobs = _jobs(state, body, ids, body.max_tokens, "max_tokens", "prompt")
         return await _serve(state, request, jobs, body, chat=False)
 
@@ -184,8 +192,9 @@ async def _parse(request: Request, schema: type[_Common]) -> _Common:
     body.unsupported()
     state: ServingState = request.app.state.serving
     if body.model is not None and body.model != state.model_name:
-        raise APIError(400, f"unknown model {body.model!r}; this server serves {state.model_name!r}", "model",
-                       "model_not_found")
+        raise APIError(
+            400, f"unknown model {body.model!r}; this server serves {state.model_name!r}", "model", "model_not_found"
+        )
     return body
 
 
@@ -201,14 +210,19 @@ def _check_ids(state: ServingState, ids: list[int], param: str) -> list[int]:
     if bad is not None:
         raise APIError(400, f"{param} has token id {bad}, outside the model's vocabulary of {state.vocab_size}", param)
     if len(ids) >= state.context_length:
-        raise APIError(400, f"{param} has {len(ids)} tokens, longer than the model's context of "
-                            f"{state.context_length} tokens (at least one position must remain for generation)",
-                       param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"{param} has {len(ids)} tokens, longer than the model's context of "
+            f"{state.context_length} tokens (at least one position must remain for generation)",
+            param,
+            "context_length_exceeded",
+        )
     return ids
 
 
-def _jobs(state: ServingState, body: _Common, ids: list[list[int]], budget: int | None, budget_field: str,
-          prompt_field: str) -> list[Job]:
+def _jobs(
+    state: ServingState, body: _Common, ids: list[list[int]], budget: int | None, budget_field: str, prompt_field: str
+) -> list[Job]:
     s = state.settings
     threshold = body.threshold
     if threshold is not None:
@@ -228,13 +242,28 @@ def _jobs(state: ServingState, body: _Common, ids: list[list[int]], budget: int 
         if budget is None:
             n = min(state.default_max_tokens, room)
         elif budget > room:
-            raise APIError(400, f"{budget_field}={budget} with a prompt of {len(prompt)} tokens would reach position "
-                                f"{len(prompt) + budget}, past the model's context of {state.context_length} tokens; "
-                                f"lower {budget_field} to at most {room}", budget_field, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"{budget_field}={budget} with a prompt of {len(prompt)} tokens would reach position "
+                f"{len(prompt) + budget}, past the model's context of {state.context_length} tokens; "
+                f"lower {budget_field} to at most {room}",
+                budget_field,
+                "context_length_exceeded",
+            )
         else:
             n = budget
-        jobs.append(Job(prompt_ids=prompt, max_new_tokens=n, threshold=threshold, stop=body.stop,
-                        temperature=temperature, seed=body.seed, verify=body.verify, index=i))
+        jobs.append(
+            Job(
+                prompt_ids=prompt,
+                max_new_tokens=n,
+                threshold=threshold,
+                stop=body.stop,
+                temperature=temperature,
+                seed=body.seed,
+                verify=body.verify,
+                index=i,
+            )
+        )
     return jobs
 
 
@@ -259,14 +288,15 @@ async def _serve(state: ServingState, request: Request, jobs: list[Job], body: _
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(state, jobs, queue, rid, chat, include_usage, body.return_token_ids)
-        return EventSourceResponse(events, ping=15, shutdown_event=anyio.Event(),
-                                   shutdown_grace_period=state.shutdown_grace_s)
+        return EventSourceResponse(
+            events, ping=15, shutdown_event=anyio.Event(), shutdown_grace_period=state.shutdown_grace_s
+        )
     done: dict[int, JobEvent] = {}
     try:
         while len(done) < len(jobs):
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:  # nothing yet: is the client still there?
+            except TimeoutError:  # nothing yet: is the client still there?
                 if await request.is_disconnected():
                     log.info("client of %s went away; cancelling", rid)
                     return Response(status_code=499)
@@ -295,33 +325,60 @@ def _usage(jobs: list[Job]) -> dict:
 def _mars(state: ServingState, jobs: list[Job]) -> dict:
     forwards = sum(j.forwards for j in jobs)
     tokens = sum(j.completion_tokens for j in jobs)
-    out = jobs[0].stats() if len(jobs) == 1 else {
-        "threshold": [j.served_tau for j in jobs], "forwards": forwards, "completion_tokens": tokens,
-        "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
-        "choices": [j.stats() for j in jobs]}
+    out = (
+        jobs[0].stats()
+        if len(jobs) == 1
+        else {
+            "threshold": [j.served_tau for j in jobs],
+            "forwards": forwards,
+            "completion_tokens": tokens,
+            "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
+            "choices": [j.stats() for j in jobs],
+        }
+    )
     out.update(server_tau=round(state.policy.tau, 4), tau_policy=state.policy.name)
     return out
 
 
-def _response(state: ServingState, jobs: list[Job], done: dict[int, JobEvent], rid: str, chat: bool,
-              token_ids: bool) -> dict:
+def _response(
+    state: ServingState, jobs: list[Job], done: dict[int, JobEvent], rid: str, chat: bool, token_ids: bool
+) -> dict:
     choices = []
     for job in jobs:
         ev = done[job.index]
         if chat:
-            choices.append({"index": job.index, "message": {"role": "assistant", "content": ev.final_text},
-                            "finish_reason": _finish(ev), "logprobs": None})
+            choices.append(
+                {
+                    "index": job.index,
+                    "message": {"role": "assistant", "content": ev.final_text},
+                    "finish_reason": _finish(ev),
+                    "logprobs": None,
+                }
+            )
         else:
-            choices.append({"index": job.index, "text": ev.final_text, "finish_reason": _finish(ev),
-                            "logprobs": None})
+            choices.append({"index": job.index, "text": ev.final_text, "finish_reason": _finish(ev), "logprobs": None})
         if token_ids:
             choices[-1]["token_ids"] = job.token_ids
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices, "usage": _usage(jobs), "mars": _mars(state, jobs)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(jobs),
+        "mars": _mars(state, jobs),
+    }
 
 
-async def _stream(state: ServingState, jobs: list[Job], queue: asyncio.Queue, rid: str, chat: bool,
-                  include_usage: bool, token_ids: bool):
+async def _stream(
+    state: ServingState,
+    jobs: list[Job],
+    queue: asyncio.Queue,
+    rid: str,
+    chat: bool,
+    include_usage: bool,
+    token_ids: bool,
+):
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     finished: set[int] = set()
@@ -332,8 +389,14 @@ async def _stream(state: ServingState, jobs: list[Job], queue: asyncio.Queue, ri
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
-        return {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": [choice],
-                "mars": mars}
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+            "mars": mars,
+        }
 
     try:
         if chat:
@@ -351,16 +414,28 @@ async def _stream(state: ServingState, jobs: list[Job], queue: asyncio.Queue, ri
                 mars["token_ids"] = event.token_ids
             if event.done:
                 finished.add(job.index)
-                mars.update(job.stats(), tokens=event.tokens, forward=event.forward,
-                            server_tau=round(state.policy.tau, 4))
+                mars.update(
+                    job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.tau, 4)
+                )
                 if token_ids:
                     mars["token_ids"] = event.token_ids
                 yield {"data": json.dumps(chunk(job.index, event.text, _finish(event), mars))}
             else:
                 yield {"data": json.dumps(chunk(job.index, event.text, None, mars))}
         if include_usage:
-            yield {"data": json.dumps({"id": rid, "object": kind, "created": created, "model": state.model_name,
-                                       "choices": [], "usage": _usage(jobs), "mars": _mars(state, jobs)})}
+            yield {
+                "data": json.dumps(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [],
+                        "usage": _usage(jobs),
+                        "mars": _mars(state, jobs),
+                    }
+                )
+            }
         yield {"data": "[DONE]"}
     finally:  # normal end, error, or the client went away (the task is cancelled)
         for job in jobs:
@@ -369,7 +444,16 @@ async def _stream(state: ServingState, jobs: list[Job], queue: asyncio.Queue, ri
 
 
 def _model_card(state: ServingState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "mars",
-            "max_model_len": state.context_length, "mars": {**state.info, "tau_policy": state.policy.name,
-                                                             "tau_min": state.policy.tau_min,
-                                                             "tau_max": state.policy.tau_max}}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mars",
+        "max_model_len": state.context_length,
+        "mars": {
+            **state.info,
+            "tau_policy": state.policy.name,
+            "tau_min": state.policy.tau_min,
+            "tau_max": state.policy.tau_max,
+        },
+    }

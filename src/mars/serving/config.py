@@ -67,14 +67,17 @@ class ServeConfig:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig | dict) -> "ServeConfig":
+    def from_cfg(cls, cfg: DictConfig | dict) -> ServeConfig:
         c = _plain(cfg)
         host = c.get("host", "127.0.0.1")
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a host name or address, got {host!r}")
         if host not in ("localhost",) and not _is_loopback(host):
-            warnings.warn(f"host={host} exposes the server beyond this machine; it has no authentication",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"host={host} exposes the server beyond this machine; it has no authentication",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         port = _int(c, "port", 0, 65535)
         checkpoint = c.get("checkpoint")
         meta = None
@@ -88,11 +91,15 @@ class ServeConfig:
         decoding.pop("threshold", None)
         settings = DecodingSettings.from_mapping(decoding)
         if settings.decoder not in ("mars", "jacobi"):
-            raise ValueError(f"decoding.decoder={settings.decoder!r} cannot serve: the server runs the step-wise "
-                             "engine (mars or jacobi); plain AR is decoding=mars with threshold=1.0")
+            raise ValueError(
+                f"decoding.decoder={settings.decoder!r} cannot serve: the server runs the step-wise "
+                "engine (mars or jacobi); plain AR is decoding=mars with threshold=1.0"
+            )
         if settings.cache == "block":
-            raise ValueError("decoding.cache='block' synchronises rows on block boundaries and cannot take requests "
-                             "into a running batch; use cache=cursor (continuous batching) or none")
+            raise ValueError(
+                "decoding.cache='block' synchronises rows on block boundaries and cannot take requests "
+                "into a running batch; use cache=cursor (continuous batching) or none"
+            )
         if settings.verify:
             raise ValueError("decoding.verify is per request on the server (the 'verify' body field)")
         policy = str(c.get("tau_policy", "fixed"))
@@ -101,8 +108,9 @@ class ServeConfig:
         threshold, tau_min, tau_max = c.get("threshold", 1.0), c.get("tau_min"), c.get("tau_max")
         adaptive = dict(c.get("adaptive") or {})
         # checks bounds, threshold and the adaptive settings without a model
-        build_policy(policy, threshold=threshold, tau_min=tau_min, tau_max=tau_max, metric=settings.metric,
-                     adaptive=adaptive)
+        build_policy(
+            policy, threshold=threshold, tau_min=tau_min, tau_max=tau_max, metric=settings.metric, adaptive=adaptive
+        )
         max_tokens = c.get("max_tokens")
         if max_tokens is None:
             max_tokens = settings.max_new_tokens
@@ -112,14 +120,28 @@ class ServeConfig:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got {grace!r}")
         return cls(
-            host=host, port=port, model=model, checkpoint=checkpoint, checkpoint_meta=meta, settings=settings,
-            tau_policy=policy, threshold=float(threshold), tau_min=float(tau_min), tau_max=float(tau_max),
-            adaptive=adaptive, max_batch=_int(c, "max_batch", 1), max_queue=_int(c, "max_queue", 0),
+            host=host,
+            port=port,
+            model=model,
+            checkpoint=checkpoint,
+            checkpoint_meta=meta,
+            settings=settings,
+            tau_policy=policy,
+            threshold=float(threshold),
+            tau_min=float(tau_min),
+            tau_max=float(tau_max),
+            adaptive=adaptive,
+            max_batch=_int(c, "max_batch", 1),
+            max_queue=_int(c, "max_queue", 0),
             max_tokens=_int({"max_tokens": max_tokens}, "max_tokens", 1),
-            max_model_len=_int(c, "max_model_len", 2, allow_none=True), served_model_name=str(name),
-            dtype=str(c.get("dtype", "auto")), device=str(c.get("device", "auto")),
-            threads=_int(c, "threads", 1, allow_none=True), shutdown_grace_s=float(grace),
-            warmup=bool(c.get("warmup", True)), log_level=str(c.get("log_level", "info")),
+            max_model_len=_int(c, "max_model_len", 2, allow_none=True),
+            served_model_name=str(name),
+            dtype=str(c.get("dtype", "auto")),
+            device=str(c.get("device", "auto")),
+            threads=_int(c, "threads", 1, allow_none=True),
+            shutdown_grace_s=float(grace),
+            warmup=bool(c.get("warmup", True)),
+            log_level=str(c.get("log_level", "info")),
             metrics_window_s=float(c.get("metrics_window_s", 10.0)),
         )
 
@@ -159,10 +181,15 @@ def build_state(sc: ServeConfig, loaded=None):
         device = resolve_device(sc.device)
         name = str(sc.checkpoint or sc.model["name_or_path"])
         mask_token = (sc.checkpoint_meta or {}).get("mask_token") or sc.model.get("mask_token")
-        loaded = load_model(name, tiny=sc.model.get("tiny") if not sc.checkpoint else None, mask_token=mask_token,
-                            allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
-                            dtype=resolve_dtype_name(sc.dtype, device),
-                            attn_implementation=sc.model.get("attn_implementation") or "sdpa", device=device)
+        loaded = load_model(
+            name,
+            tiny=sc.model.get("tiny") if not sc.checkpoint else None,
+            mask_token=mask_token,
+            allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
+            dtype=resolve_dtype_name(sc.dtype, device),
+            attn_implementation=sc.model.get("attn_implementation") or "sdpa",
+            device=device,
+        )
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     runner = ModelRunner(model)
     context = runner.context_length or 2048
@@ -180,13 +207,34 @@ def build_state(sc: ServeConfig, loaded=None):
         engine.admit([engine.make_request(tokenizer("Hello")["input_ids"], max_new_tokens=2)])
         while engine.live:
             engine.step()
-    policy = build_policy(sc.tau_policy, threshold=sc.threshold, tau_min=sc.tau_min, tau_max=sc.tau_max,
-                          metric=settings.metric, adaptive=sc.adaptive)
+    policy = build_policy(
+        sc.tau_policy,
+        threshold=sc.threshold,
+        tau_min=sc.tau_min,
+        tau_max=sc.tau_max,
+        metric=settings.metric,
+        adaptive=sc.adaptive,
+    )
     metrics = ServerMetrics(sc.metrics_window_s)
     loop = EngineLoop(make_engine, policy, metrics, tokenizer, eos, max_batch=sc.max_batch, max_queue=sc.max_queue)
-    info = {"decoder": settings.decoder, "block_size": settings.block_size, "metric": settings.metric,
-            "cache": settings.cache, "max_model_len": context, "dtype": str(next(model.parameters()).dtype),
-            "device": str(runner.device), "mask_token_id": mask_id}
-    return ServingState(loop=loop, tokenizer=tokenizer, model_name=sc.served_model_name, settings=settings,
-                        context_length=context, vocab_size=runner.vocab_size, default_max_tokens=sc.max_tokens,
-                        shutdown_grace_s=sc.shutdown_grace_s, info=info)
+    info = {
+        "decoder": settings.decoder,
+        "block_size": settings.block_size,
+        "metric": settings.metric,
+        "cache": settings.cache,
+        "max_model_len": context,
+        "dtype": str(next(model.parameters()).dtype),
+        "device": str(runner.device),
+        "mask_token_id": mask_id,
+    }
+    return ServingState(
+        loop=loop,
+        tokenizer=tokenizer,
+        model_name=sc.served_model_name,
+        settings=settings,
+        context_length=context,
+        vocab_size=runner.vocab_size,
+        default_max_tokens=sc.max_tokens,
+        shutdown_grace_s=sc.shutdown_grace_s,
+        info=info,
+    )

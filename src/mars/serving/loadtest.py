@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -79,8 +79,9 @@ def load_prompts(path: Path, max_prompt_tokens: int, limit: int) -> list[str]:
     out = []
     for line in path.read_text().splitlines():
         prompt = json.loads(line)["prompt"]
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         if len(tok(text, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens:
             out.append(prompt)
         if len(out) == limit:
@@ -107,8 +108,15 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(log_dir / "server.log", "w")
-        cmd = [sys.executable, "serve.py", "host=127.0.0.1", f"port={self.port}", f"hydra.run.dir={log_dir}",
-               "log_level=warning", *overrides]
+        cmd = [
+            sys.executable,
+            "serve.py",
+            "host=127.0.0.1",
+            f"port={self.port}",
+            f"hydra.run.dir={log_dir}",
+            "log_level=warning",
+            *overrides,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -152,8 +160,12 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, r: Resul
     try:
         async with asyncio.timeout(timeout):
             stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
-                extra_body={"return_token_ids": True})
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"return_token_ids": True},
+            )
             async for ch in stream:
                 mars = ch.model_extra.get("mars") or {}
                 if r.ttft is None and mars.get("tokens"):
@@ -169,7 +181,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, r: Resul
         r.status = 200
     except openai.APIStatusError as err:
         r.status, r.error = err.status_code, str(err)[:200]
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         r.status, r.error = 0, "timeout"
     except asyncio.CancelledError:
         r.status, r.error = 0, "cut at the level's time limit"
@@ -188,24 +200,47 @@ async def sample_stats(url: str, out: list, t0: float, stop: asyncio.Event) -> N
         while not stop.is_set():
             try:
                 s = (await h.get(url + "/stats")).json()
-                out.append({"t": time.monotonic() - t0, "tau": s["tau"], "queued": s["queued"],
-                            "running": s["running"], "tokens_per_second": s["tokens_per_second"]})
+                out.append(
+                    {
+                        "t": time.monotonic() - t0,
+                        "tau": s["tau"],
+                        "queued": s["queued"],
+                        "running": s["running"],
+                        "tokens_per_second": s["tokens_per_second"],
+                    }
+                )
             except Exception:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
-async def run_level(url: str, model: str, policy: str, rate: float, arrivals: list[float], prompts: list[str],
-                    first_prompt: int, max_tokens: int, limit_s: float, timeout_s: float) -> tuple[list[Result], list]:
+async def run_level(
+    url: str,
+    model: str,
+    policy: str,
+    rate: float,
+    arrivals: list[float],
+    prompts: list[str],
+    first_prompt: int,
+    max_tokens: int,
+    limit_s: float,
+    timeout_s: float,
+) -> tuple[list[Result], list]:
     import httpx
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s,
-                                http_client=openai.DefaultAsyncHttpxClient(
-                                    limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200)))
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=timeout_s,
+        http_client=openai.DefaultAsyncHttpxClient(
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+        ),
+    )
     results = [Result(policy, rate, k, (first_prompt + k) % len(prompts), off) for k, off in enumerate(arrivals)]
     trace: list = []
     stop = asyncio.Event()
@@ -251,13 +286,20 @@ async def burst(server: ServerProcess, model: str, n: int, max_tokens: int, time
 
     watcher = asyncio.create_task(watch())
     t0 = time.monotonic()
-    async with httpx.AsyncClient(base_url=server.url, timeout=timeout_s,
-                                 limits=httpx.Limits(max_connections=n + 10)) as h:
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=timeout_s, limits=httpx.Limits(max_connections=n + 10)
+    ) as h:
+
         async def post(i):
             try:
-                r = await h.post("/v1/chat/completions", json={
-                    "model": model, "max_tokens": max_tokens,
-                    "messages": [{"role": "user", "content": f"Say something about the number {i}."}]})
+                r = await h.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": model,
+                        "max_tokens": max_tokens,
+                        "messages": [{"role": "user", "content": f"Say something about the number {i}."}],
+                    },
+                )
                 return r.status_code
             except Exception as err:
                 return f"{type(err).__name__}"
@@ -270,9 +312,16 @@ async def burst(server: ServerProcess, model: str, n: int, max_tokens: int, time
     counts: dict[str, int] = {}
     for c in codes:
         counts[str(c)] = counts.get(str(c), 0) + 1
-    return {"requests": n, "codes": counts, "seconds": round(seconds, 2), "healthy_after": healthy,
-            "all_answered_200_429_503": all(c in (200, 429, 503) for c in codes),
-            "rss_mb_before": round(rss[0], 1), "rss_mb_peak": round(max(rss), 1), "rss_mb_after": round(server.rss_mb(), 1)}
+    return {
+        "requests": n,
+        "codes": counts,
+        "seconds": round(seconds, 2),
+        "healthy_after": healthy,
+        "all_answered_200_429_503": all(c in (200, 429, 503) for c in codes),
+        "rss_mb_before": round(rss[0], 1),
+        "rss_mb_peak": round(max(rss), 1),
+        "rss_mb_after": round(server.rss_mb(), 1),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -304,9 +353,14 @@ def summarise(results: list[Result], reference: dict[int, list[int]]) -> dict:
     prefix = [common_prefix(r.token_ids, reference[r.prompt]) / max(1, len(reference[r.prompt])) for r in compared]
     taus = [r.served_tau for r in ok if r.served_tau is not None]
     return {
-        "requests": len(results), "completed": len(ok), "rejected": rejected, "failed": failed,
-        "achieved_rps": len(ok) / span if ok else 0.0, "tokens_per_s": tokens / span if ok else 0.0,
-        "latency_p50": pct([r.latency for r in ok], 50), "latency_p95": pct([r.latency for r in ok], 95),
+        "requests": len(results),
+        "completed": len(ok),
+        "rejected": rejected,
+        "failed": failed,
+        "achieved_rps": len(ok) / span if ok else 0.0,
+        "tokens_per_s": tokens / span if ok else 0.0,
+        "latency_p50": pct([r.latency for r in ok], 50),
+        "latency_p95": pct([r.latency for r in ok], 95),
         "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 50),
         "ttft_p95": pct([r.ttft for r in ok if r.ttft is not None], 95),
         "mean_tau": sum(taus) / len(taus) if taus else None,
@@ -321,8 +375,16 @@ def fmt(x, d=2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
 
-def write_outputs(out: Path, rows: list[dict], results: list[Result], traces: dict, bursts: dict, args,
-                  machine: dict, consistency: dict) -> None:
+def write_outputs(
+    out: Path,
+    rows: list[dict],
+    results: list[Result],
+    traces: dict,
+    bursts: dict,
+    args,
+    machine: dict,
+    consistency: dict,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     keys = list(rows[0])
     with open(out / "levels.csv", "w", newline="") as f:
@@ -331,20 +393,62 @@ def write_outputs(out: Path, rows: list[dict], results: list[Result], traces: di
         w.writerows(rows)
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["policy", "offered_rps", "k", "prompt", "offset_s", "status", "latency_s", "ttft_s",
-                    "completion_tokens", "forwards", "served_tau", "finish_reason", "error"])
+        w.writerow(
+            [
+                "policy",
+                "offered_rps",
+                "k",
+                "prompt",
+                "offset_s",
+                "status",
+                "latency_s",
+                "ttft_s",
+                "completion_tokens",
+                "forwards",
+                "served_tau",
+                "finish_reason",
+                "error",
+            ]
+        )
         for r in results:
-            w.writerow([r.policy, r.rate, r.k, r.prompt, f"{r.offset:.3f}", r.status, f"{r.latency:.3f}",
-                        fmt(r.ttft, 3), r.completion_tokens, r.forwards, r.served_tau, r.finish_reason, r.error])
+            w.writerow(
+                [
+                    r.policy,
+                    r.rate,
+                    r.k,
+                    r.prompt,
+                    f"{r.offset:.3f}",
+                    r.status,
+                    f"{r.latency:.3f}",
+                    fmt(r.ttft, 3),
+                    r.completion_tokens,
+                    r.forwards,
+                    r.served_tau,
+                    r.finish_reason,
+                    r.error,
+                ]
+            )
     with open(out / "outputs.jsonl", "w") as f:
         for r in results:
             if r.status == 200:
-                f.write(json.dumps({"policy": r.policy, "offered_rps": r.rate, "prompt": r.prompt,
-                                    "served_tau": r.served_tau, "token_ids": r.token_ids, "text": r.text}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "policy": r.policy,
+                            "offered_rps": r.rate,
+                            "prompt": r.prompt,
+                            "served_tau": r.served_tau,
+                            "token_ids": r.token_ids,
+                            "text": r.text,
+                        }
+                    )
+                    + "\n"
+                )
     (out / "burst.json").write_text(json.dumps(bursts, indent=2) + "\n")
     (out / "traces.json").write_text(json.dumps(traces) + "\n")
-    (out / "config.json").write_text(json.dumps({"args": vars(args), "machine": machine,
-                                                 "tau1_consistency": consistency}, indent=2) + "\n")
+    (out / "config.json").write_text(
+        json.dumps({"args": vars(args), "machine": machine, "tau1_consistency": consistency}, indent=2) + "\n"
+    )
     (out / "table.md").write_text(table_md(rows, bursts, args, machine, consistency))
     plot(out / "serving_load.png", rows, traces)
 
@@ -354,7 +458,9 @@ def saturation_check(rows: list[dict]) -> str:
     if not base:
         return ""
     sat = next((r for r in base if r["achieved_rps"] < 0.9 * r["offered_rps"]), base[-1])
-    lines = [f"tau=1.0 saturates at an offered {sat['offered_rps']:g} req/s (completes {sat['achieved_rps']:.3f} req/s)."]
+    lines = [
+        f"tau=1.0 saturates at an offered {sat['offered_rps']:g} req/s (completes {sat['achieved_rps']:.3f} req/s)."
+    ]
     for name in ("adaptive", "tau0.9"):
         other = next((r for r in rows if r["policy"] == name and r["offered_rps"] == sat["offered_rps"]), None)
         if other and sat["achieved_rps"]:
@@ -363,26 +469,48 @@ def saturation_check(rows: list[dict]) -> str:
                 f"({other['tokens_per_s'] / max(sat['tokens_per_s'], 1e-9):.2f}x the tokens/s) at p95 latency "
                 f"{fmt(other['latency_p95'], 1)} s vs {fmt(sat['latency_p95'], 1)} s; its outputs are identical to "
                 f"tau=1.0's for {fmt(100 * other['agreement_exact'] if other['agreement_exact'] is not None else None, 0)}% "
-                f"of the requests (mean shared prefix {fmt(100 * other['agreement_prefix'] if other['agreement_prefix'] is not None else None, 0)}%).")
+                f"of the requests (mean shared prefix {fmt(100 * other['agreement_prefix'] if other['agreement_prefix'] is not None else None, 0)}%)."
+            )
     return " ".join(lines)
 
 
 def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: dict) -> str:
-    head = ("| policy | offered req/s | requests | done | 429/503 | failed | req/s | tokens/s | p50 latency s | "
-            "p95 latency s | p50 TTFT s | p95 TTFT s | mean tau | tok/fwd | tokens/req | identical to tau=1.0 | "
-            "shared prefix |")
+    head = (
+        "| policy | offered req/s | requests | done | 429/503 | failed | req/s | tokens/s | p50 latency s | "
+        "p95 latency s | p50 TTFT s | p95 TTFT s | mean tau | tok/fwd | tokens/req | identical to tau=1.0 | "
+        "shared prefix |"
+    )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join([
-            r["policy"], f"{r['offered_rps']:g}", str(r["requests"]), str(r["completed"]), str(r["rejected"]),
-            str(r["failed"]), fmt(r["achieved_rps"], 3), fmt(r["tokens_per_s"], 1), fmt(r["latency_p50"], 1),
-            fmt(r["latency_p95"], 1), fmt(r["ttft_p50"], 2), fmt(r["ttft_p95"], 2), fmt(r["mean_tau"], 3),
-            fmt(r["tokens_per_forward"], 2), fmt(r["mean_completion_tokens"], 1),
-            fmt(None if r["agreement_exact"] is None else 100 * r["agreement_exact"], 0) + "%",
-            fmt(None if r["agreement_prefix"] is None else 100 * r["agreement_prefix"], 0) + "%"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["policy"],
+                    f"{r['offered_rps']:g}",
+                    str(r["requests"]),
+                    str(r["completed"]),
+                    str(r["rejected"]),
+                    str(r["failed"]),
+                    fmt(r["achieved_rps"], 3),
+                    fmt(r["tokens_per_s"], 1),
+                    fmt(r["latency_p50"], 1),
+                    fmt(r["latency_p95"], 1),
+                    fmt(r["ttft_p50"], 2),
+                    fmt(r["ttft_p95"], 2),
+                    fmt(r["mean_tau"], 3),
+                    fmt(r["tokens_per_forward"], 2),
+                    fmt(r["mean_completion_tokens"], 1),
+                    fmt(None if r["agreement_exact"] is None else 100 * r["agreement_exact"], 0) + "%",
+                    fmt(None if r["agreement_prefix"] is None else 100 * r["agreement_prefix"], 0) + "%",
+                ]
+            )
+            + " |"
+        )
     b = bursts
     text = [
-        f"# Serving load test ({args.model}{', checkpoint ' + args.checkpoint if args.checkpoint else ''})", "",
+        f"# Serving load test ({args.model}{', checkpoint ' + args.checkpoint if args.checkpoint else ''})",
+        "",
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_capability')}, native bf16: {machine.get('cpu_native_bf16')}), "
         f"{os.cpu_count()} cores shared with other jobs; server dtype {args.dtype}, {args.threads} torch thread(s), "
         f"max_batch={args.max_batch}, max_queue={args.max_queue}, block size 4, cache=cursor.",
@@ -391,15 +519,20 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
         "tokens/s are completed work over the span from the first arrival to the last completion. "
         f"Adaptive: tau between {args.tau_min} and 1.0, {args.adaptive_signal} signal, target_queue "
-        f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults).", "",
-        *lines, "",
-        saturation_check(rows), "",
+        f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults).",
+        "",
+        *lines,
+        "",
+        saturation_check(rows),
+        "",
         f"tau=1.0 outputs identical across load levels: {consistency.get('identical')}/{consistency.get('prompts')} "
-        "prompts served more than once.", "",
+        "prompts served more than once.",
+        "",
         f"Burst: {b.get('requests')} simultaneous requests (4x max_queue={args.max_queue}) at tau=1.0: answers "
         f"{b.get('codes')}, all 200/429/503: {b.get('all_answered_200_429_503')}, healthy after: "
         f"{b.get('healthy_after')}, server RSS {b.get('rss_mb_before')} MB before, {b.get('rss_mb_peak')} MB peak, "
-        f"{b.get('rss_mb_after')} MB after ({b.get('seconds')} s).", "",
+        f"{b.get('rss_mb_after')} MB after ({b.get('seconds')} s).",
+        "",
     ]
     return "\n".join(text)
 
@@ -413,10 +546,13 @@ def plot(path: Path, rows: list[dict], traces: dict) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     colors = {"tau1.0": "#1f5f99", "tau0.9": "#d9822b", "adaptive": "#2e8b57"}
-    panels = [("achieved_rps", None, "completed requests / s"), ("tokens_per_s", None, "generated tokens / s"),
-              ("latency_p50", "latency_p95", "latency s (p50 solid, p95 dashed)"),
-              ("ttft_p50", "ttft_p95", "time to first token s (p50 solid, p95 dashed)"),
-              ("agreement_exact", None, "outputs identical to tau=1.0")]
+    panels = [
+        ("achieved_rps", None, "completed requests / s"),
+        ("tokens_per_s", None, "generated tokens / s"),
+        ("latency_p50", "latency_p95", "latency s (p50 solid, p95 dashed)"),
+        ("ttft_p50", "ttft_p95", "time to first token s (p50 solid, p95 dashed)"),
+        ("agreement_exact", None, "outputs identical to tau=1.0"),
+    ]
     for ax, (key, key2, title) in zip(axes.flat, panels):
         for p in policies:
             pts = [r for r in rows if r["policy"] == p]
@@ -447,7 +583,9 @@ def plot(path: Path, rows: list[dict], traces: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m", help="conf/model/ name (model=...)")
     p.add_argument("--checkpoint", default=None, help="a train.py checkpoint folder (checkpoint=...)")
     p.add_argument("--policies", default="tau1.0,tau0.9,adaptive", help=f"comma list of {list(POLICIES)}")
@@ -461,9 +599,13 @@ def parse_args(argv=None):
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--tau-min", type=float, default=0.9, help="the adaptive policy's lower bound")
     p.add_argument("--adaptive-signal", default="queue", choices=["queue", "latency"])
-    p.add_argument("--target-queue", type=float, default=None,
-                   help="adaptive.target_queue (default: half of max_batch: relax once the batch is half full "
-                        "and requests keep coming)")
+    p.add_argument(
+        "--target-queue",
+        type=float,
+        default=None,
+        help="adaptive.target_queue (default: half of max_batch: relax once the batch is half full "
+        "and requests keep coming)",
+    )
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--burst-max-tokens", type=int, default=16)
@@ -486,11 +628,18 @@ def main(argv=None) -> None:
     rates = [float(x) for x in args.rates.split(",")]
     policies = args.policies.split(",")
     prompts = load_prompts(Path(args.prompts), args.max_prompt_tokens, limit=400)
-    model_name = Path(args.checkpoint).name if args.checkpoint else args.model
-    common = [f"model={args.model}", f"max_batch={args.max_batch}", f"max_queue={args.max_queue}",
-              f"max_tokens={args.max_tokens}", f"threads={args.threads}", f"dtype={args.dtype}",
-              f"tau_min={args.tau_min}", f"adaptive.signal={args.adaptive_signal}",
-              f"adaptive.target_queue={args.target_queue or max(1, args.max_batch // 2)}"]
+    Path(args.checkpoint).name if args.checkpoint else args.model
+    common = [
+        f"model={args.model}",
+        f"max_batch={args.max_batch}",
+        f"max_queue={args.max_queue}",
+        f"max_tokens={args.max_tokens}",
+        f"threads={args.threads}",
+        f"dtype={args.dtype}",
+        f"tau_min={args.tau_min}",
+        f"adaptive.signal={args.adaptive_signal}",
+        f"adaptive.target_queue={args.target_queue or max(1, args.max_batch // 2)}",
+    ]
     if args.checkpoint:
         common.append(f"checkpoint={args.checkpoint}")
     if args.tau_min > 0.9 and "tau0.9" in policies:
@@ -517,21 +666,36 @@ def main(argv=None) -> None:
             say(f"{p}: serving {names[p]} at {server.url}")
         for i, rate in enumerate(rates):
             arrivals = schedule(rate, args.duration, args.seed)
-            for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
+            for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
                 server = servers[policy]
                 # every level starts at the first prompt: tau=1.0 outputs of one prompt at different loads
                 # must be identical, and every policy is compared with them
-                res, trace = asyncio.run(run_level(server.url, names[policy], policy, rate, arrivals, prompts, 0,
-                                                   args.max_tokens, args.level_limit, args.timeout))
+                res, trace = asyncio.run(
+                    run_level(
+                        server.url,
+                        names[policy],
+                        policy,
+                        rate,
+                        arrivals,
+                        prompts,
+                        0,
+                        args.max_tokens,
+                        args.level_limit,
+                        args.timeout,
+                    )
+                )
                 asyncio.run(wait_idle(server.url))
                 results += res
                 traces[f"{policy}@{rate:g}"] = trace
                 levels.append((policy, rate, res))
                 ok = [r for r in res if r.status == 200]
-                say(f"{policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, p95 {fmt(pct([r.latency for r in ok], 95), 1)} s")
+                say(
+                    f"{policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, p95 {fmt(pct([r.latency for r in ok], 95), 1)} s"
+                )
         if "tau1.0" in servers and not args.no_burst:
-            bursts = asyncio.run(burst(servers["tau1.0"], names["tau1.0"], 4 * args.max_queue, args.burst_max_tokens,
-                                       args.timeout))
+            bursts = asyncio.run(
+                burst(servers["tau1.0"], names["tau1.0"], 4 * args.max_queue, args.burst_max_tokens, args.timeout)
+            )
             say(f"burst: {bursts}")
     finally:
         for p, server in servers.items():
@@ -544,7 +708,9 @@ def main(argv=None) -> None:
         if r.policy == "tau1.0" and r.status == 200:
             reference.setdefault(r.prompt, r.token_ids)
             seen.setdefault(r.prompt, set()).add(tuple(r.token_ids))
-    multi = [p for p in seen if sum(1 for r in results if r.policy == "tau1.0" and r.prompt == p and r.status == 200) > 1]
+    multi = [
+        p for p in seen if sum(1 for r in results if r.policy == "tau1.0" and r.prompt == p and r.status == 200) > 1
+    ]
     consistency = {"prompts": len(multi), "identical": sum(len(seen[p]) == 1 for p in multi)}
     rows = [{"policy": policy, "offered_rps": rate, **summarise(res, reference)} for policy, rate, res in levels]
     write_outputs(out, rows, results, traces, bursts, args, describe() | {"server_threads": args.threads}, consistency)

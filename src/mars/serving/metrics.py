@@ -29,8 +29,14 @@ import collections
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the route)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4)
@@ -74,21 +80,27 @@ class ServerMetrics:
         self.queue_depth = Gauge("mars_queue_depth", "Requests waiting for a row", registry=r)
         self.running = Gauge("mars_running_batch_size", "Rows in the running batch", registry=r)
         self.tau = Gauge("mars_tau", "The server's current threshold", registry=r)
-        self.tokens_per_second = Gauge("mars_tokens_per_second", "Generated tokens per second (recent window)",
-                                       registry=r)
-        self.tokens_per_forward = Gauge("mars_tokens_per_forward", "Generated tokens per row-forward (recent window)",
-                                        registry=r)
+        self.tokens_per_second = Gauge(
+            "mars_tokens_per_second", "Generated tokens per second (recent window)", registry=r
+        )
+        self.tokens_per_forward = Gauge(
+            "mars_tokens_per_forward", "Generated tokens per row-forward (recent window)", registry=r
+        )
         self.generated_tokens = Counter("mars_generated_tokens", "Generated tokens", registry=r)
         self.forwards = Counter("mars_forwards", "Engine forward passes", registry=r)
-        self.ttft = Histogram("mars_time_to_first_token_seconds", "Arrival to first accepted token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("mars_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
-                                 registry=r)
-        self.queue_wait = Histogram("mars_queue_wait_seconds", "Arrival to admission", buckets=LATENCY_BUCKETS,
-                                    registry=r)
+        self.ttft = Histogram(
+            "mars_time_to_first_token_seconds", "Arrival to first accepted token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "mars_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "mars_queue_wait_seconds", "Arrival to admission", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.step_seconds = Histogram("mars_step_seconds", "One engine step", buckets=STEP_BUCKETS, registry=r)
-        self.request_tpf = Histogram("mars_request_tokens_per_forward", "Finished requests' tokens per forward",
-                                     buckets=TPF_BUCKETS, registry=r)
+        self.request_tpf = Histogram(
+            "mars_request_tokens_per_forward", "Finished requests' tokens per forward", buckets=TPF_BUCKETS, registry=r
+        )
         self.recent = RecentRates(window_s)
 
     def observe_step(self, seconds: float, tokens: int, rows: int, now: float | None = None) -> None:

@@ -128,8 +128,9 @@ class AdaptiveTau(TauPolicy):
 
     name = "adaptive"
 
-    def __init__(self, tau_min: float, tau_max: float, settings: AdaptiveSettings | None = None,
-                 metric: str = "probability"):
+    def __init__(
+        self, tau_min: float, tau_max: float, settings: AdaptiveSettings | None = None, metric: str = "probability"
+    ):
         super().__init__(tau_min, tau_max, metric)
         self.settings = settings or AdaptiveSettings()
         self.level = 0.0  # 0 = strict end, 1 = relaxed end
@@ -169,8 +170,15 @@ class AdaptiveTau(TauPolicy):
         return {**super().describe(), "level": self.level, "load": self.smoothed, "signal": self.settings.signal}
 
 
-def build_policy(name: str, *, threshold: float, tau_min: float, tau_max: float, metric: str = "probability",
-                 adaptive: dict | None = None) -> TauPolicy:
+def build_policy(
+    name: str,
+    *,
+    threshold: float,
+    tau_min: float,
+    tau_max: float,
+    metric: str = "probability",
+    adaptive: dict | None = None,
+) -> TauPolicy:
     """``fixed`` (serves ``threshold``) or ``adaptive`` (moves between the bounds with the load)."""
     if name == "fixed":
         return FixedTau(threshold, tau_min, tau_max, metric)
@@ -178,6 +186,8 @@ def build_policy(name: str, *, threshold: float, tau_min: float, tau_max: float,
         values = dict(adaptive or {})
         unknown = sorted(set(values) - set(AdaptiveSettings.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"unknown adaptive setting(s) {unknown}; allowed: {sorted(AdaptiveSettings.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown adaptive setting(s) {unknown}; allowed: {sorted(AdaptiveSettings.__dataclass_fields__)}"
+            )
         return AdaptiveTau(tau_min, tau_max, AdaptiveSettings(**values), metric)
     raise ValueError(f"tau_policy must be one of {list(POLICIES)}, got {name!r}")

@@ -46,7 +46,7 @@ class Unavailable(RuntimeError):
 class JobEvent:
     """What a job's client receives: a text delta with the tokens of one forward, or the end."""
 
-    job: "Job"
+    job: Job
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # the ids this row accepted in this forward
     forward: int = 0  # this request's own forward count (1-based)
@@ -107,9 +107,18 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], DecodeEngine], policy: TauPolicy, metrics: ServerMetrics,
-                 tokenizer, eos_ids: Sequence[int], *, max_batch: int = 8, max_queue: int = 64,
-                 idle_wait_s: float = 0.05):
+    def __init__(
+        self,
+        make_engine: Callable[[], DecodeEngine],
+        policy: TauPolicy,
+        metrics: ServerMetrics,
+        tokenizer,
+        eos_ids: Sequence[int],
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        idle_wait_s: float = 0.05,
+    ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self._make_engine = make_engine
@@ -132,7 +141,7 @@ class EngineLoop:
         self.finished_total = 0
 
     # ------------------------------------------------------------------ life cycle
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread = threading.Thread(target=self._run, name="mars-engine-loop", daemon=True)
         self._thread.start()
         return self
@@ -184,10 +193,19 @@ class EngineLoop:
         with self._lock:
             queued, running = len(self.pending), len(self.live)
         tps, tpf = self.metrics.recent.rates()
-        return {"queued": queued, "running": running, "max_batch": self.max_batch, "max_queue": self.max_queue,
-                "tokens_per_second": round(tps, 3), "tokens_per_forward": round(tpf, 4), "steps": self.steps,
-                "finished": self.finished_total, "engine_failures": self.engine_failures,
-                "accepting": self.accepting, **self.policy.describe()}
+        return {
+            "queued": queued,
+            "running": running,
+            "max_batch": self.max_batch,
+            "max_queue": self.max_queue,
+            "tokens_per_second": round(tps, 3),
+            "tokens_per_forward": round(tpf, 4),
+            "steps": self.steps,
+            "finished": self.finished_total,
+            "engine_failures": self.engine_failures,
+            "accepting": self.accepting,
+            **self.policy.describe(),
+        }
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -215,9 +233,15 @@ class EngineLoop:
             self.engine.cancel(job_id)
         in_system = list(self.live.values()) + admit
         oldest = min((j.created for j in in_system), default=None)
-        tau = self.policy.update(LoadSample(now, waiting=waiting + len(admit), running=len(self.live),
-                                            recent_latency_s=self._recent_latency,
-                                            oldest_age_s=None if oldest is None else now - oldest))
+        tau = self.policy.update(
+            LoadSample(
+                now,
+                waiting=waiting + len(admit),
+                running=len(self.live),
+                recent_latency_s=self._recent_latency,
+                oldest_age_s=None if oldest is None else now - oldest,
+            )
+        )
         self._retune(tau)
         self._admit(admit, now)
         self.metrics.refresh(queued=waiting, running=self.engine.live, tau=tau, now=now)
@@ -243,10 +267,16 @@ class EngineLoop:
         for job in jobs:
             try:
                 job.served_tau = self.policy.for_request(job.threshold, job.verify)
-                req = self.engine.make_request(job.prompt_ids, threshold=job.served_tau,
-                                               max_new_tokens=job.max_new_tokens, stop=job.stop or None,
-                                               temperature=job.temperature, seed=job.seed, verify=job.verify,
-                                               id=job.id)
+                req = self.engine.make_request(
+                    job.prompt_ids,
+                    threshold=job.served_tau,
+                    max_new_tokens=job.max_new_tokens,
+                    stop=job.stop or None,
+                    temperature=job.temperature,
+                    seed=job.seed,
+                    verify=job.verify,
+                    id=job.id,
+                )
                 job.stream = TextStream(self.tokenizer, self.eos_ids, req.stops, job.max_new_tokens)
             except Exception as err:  # this job only
                 log.exception("request %s could not be admitted", job.id)
@@ -326,8 +356,9 @@ class EngineLoop:
         self.metrics.finished.labels(f.reason).inc()
         if f.reason == "error":
             job.failed = True
-            self._send(job, JobEvent(job, done=True, finish_reason="error", error="checking stop strings failed",
-                                     status=500))
+            self._send(
+                job, JobEvent(job, done=True, finish_reason="error", error="checking stop strings failed", status=500)
+            )
             return
         rest, final = job.stream.finish(f.token_ids)
         latency = now - job.created
@@ -335,8 +366,18 @@ class EngineLoop:
         if job.forwards:
             self.metrics.request_tpf.observe(job.tokens_per_forward)
         self._recent_latency = latency if self._recent_latency is None else 0.8 * self._recent_latency + 0.2 * latency
-        self._send(job, JobEvent(job, text=delta + rest, token_ids=list(ev.tokens), forward=job.forwards, done=True,
-                                 finish_reason=f.reason, final_text=final))
+        self._send(
+            job,
+            JobEvent(
+                job,
+                text=delta + rest,
+                token_ids=list(ev.tokens),
+                forward=job.forwards,
+                done=True,
+                finish_reason=f.reason,
+                final_text=final,
+            ),
+        )
 
     # ------------------------------------------------------------------ failures and shutdown
     def _send(self, job: Job, event: JobEvent) -> None:

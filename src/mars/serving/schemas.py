@@ -18,16 +18,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-             500: "server_error", 503: "service_unavailable"}
+    TYPES = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "service_unavailable",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def from_validation_error(err: ValidationError) -> APIError:

@@ -22,8 +22,15 @@ log = logging.getLogger(__name__)
 
 
 def uvicorn_config(app, *, host: str, port: int, grace_s: float, log_level: str = "info") -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s,
-                          lifespan="on", access_log=False)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=grace_s,
+        lifespan="on",
+        access_log=False,
+    )
 
 
 def run(cfg) -> None:
@@ -34,10 +41,19 @@ def run(cfg) -> None:
     log.info("loading %s", sc.checkpoint or sc.model.get("name_or_path"))
     state = build_state(sc)
     app = create_app(state)
-    log.info("serving %s on http://%s:%d (tau_policy=%s, max_batch=%d, max_queue=%d) %s", state.model_name, sc.host,
-             sc.port, sc.tau_policy, sc.max_batch, sc.max_queue, state.info)
-    server = uvicorn.Server(uvicorn_config(app, host=sc.host, port=sc.port, grace_s=sc.shutdown_grace_s,
-                                           log_level=sc.log_level))
+    log.info(
+        "serving %s on http://%s:%d (tau_policy=%s, max_batch=%d, max_queue=%d) %s",
+        state.model_name,
+        sc.host,
+        sc.port,
+        sc.tau_policy,
+        sc.max_batch,
+        sc.max_queue,
+        state.info,
+    )
+    server = uvicorn.Server(
+        uvicorn_config(app, host=sc.host, port=sc.port, grace_s=sc.shutdown_grace_s, log_level=sc.log_level)
+    )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; both end here
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -57,17 +73,21 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(self.app, host=self.host, port=self.port,
-                                                    grace_s=state.shutdown_grace_s, log_level=log_level))
+        self.server = uvicorn.Server(
+            uvicorn_config(
+                self.app, host=self.host, port=self.port, grace_s=state.shutdown_grace_s, log_level=log_level
+            )
+        )
         self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="mars-uvicorn")
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="mars-uvicorn"
+        )
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -82,7 +102,7 @@ class BackgroundServer:
             self.thread.join(timeout)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

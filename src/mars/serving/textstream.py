@@ -42,13 +42,13 @@ class TextStream:
         text = self._held_back(self.tokenizer.decode(self.ids, skip_special_tokens=True))
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""
-        delta = text[len(self.sent):]
+        delta = text[len(self.sent) :]
         self.sent = text
         return delta
 
     def finish(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """The request's final ids (from the engine): ``(remaining delta, final text)``."""
         _, final, _ = finalize_row(token_ids, self.eos_ids, self.stops, self.max_new_tokens)
-        delta = final[len(self.sent):] if final.startswith(self.sent) else ""
+        delta = final[len(self.sent) :] if final.startswith(self.sent) else ""
         self.sent = final if final.startswith(self.sent) else self.sent
         return delta, final
