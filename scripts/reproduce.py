@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-THRESHOLDS = "[1.0,0.95,0.9,0.8,0.7]"
+THRESHOLDS = "[1.0,0.9,0.8]"
 
 
 class Stages:
