@@ -27,29 +27,8 @@ from contextlib import nullcontext
 
 import torch
 
-# Real shapes of the Qwen2.5 models (random weights: per-step cost only, no download).
-ARCH_PRESETS = {
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-}
+from mars.evaluation.throughput import ARCH_PRESETS  # real Qwen2.5 shapes (random weights, no download)
+
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
@@ -59,8 +38,7 @@ def build(args):
     from mars.models import load_model
 
     if args.arch_preset:
-        spec = dict(ARCH_PRESETS[args.arch_preset])
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        config = AutoConfig.for_model("qwen2", **ARCH_PRESETS[args.arch_preset])
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=args.attn)
         return model, config.vocab_size - 1

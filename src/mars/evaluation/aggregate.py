@@ -279,25 +279,28 @@ def _entry_point(
         same = other.scores(threshold, spec.leaves, kind, reference)
         ar = other.scores(reference, spec.leaves, kind, reference)
         d_same, d_ar = _paired(scores, same), _paired(scores, ar)
-        compares.append(
-            {
-                "label": label,
-                "path": str(path),
-                "threshold": threshold if same is not None else None,
-                "delta": d_same.value,
-                "delta_lo": d_same.lo,
-                "delta_hi": d_same.hi,
-                "n": d_same.n,
-                "ar_delta": d_ar.value,
-                "ar_delta_lo": d_ar.lo,
-                "ar_delta_hi": d_ar.hi,
-                "ar_n": d_ar.n,
-            }
-        )
+        compares.append(_compare_row(label, path, threshold if same is not None else None, d_same, d_ar))
         extras["compare"].append((same, ar))
     point["compare"] = compares
     _flatten_compare(point)
     return point, extras
+
+
+def _compare_row(label: str, path, threshold, d_same, d_ar) -> dict:
+    """One compared run at a point: paired differences against it at the same threshold and at its AR point."""
+    return {
+        "label": label,
+        "path": str(path),
+        "threshold": threshold,
+        "delta": d_same.value,
+        "delta_lo": d_same.lo,
+        "delta_hi": d_same.hi,
+        "n": d_same.n,
+        "ar_delta": d_ar.value,
+        "ar_delta_lo": d_ar.lo,
+        "ar_delta_hi": d_ar.hi,
+        "ar_n": d_ar.n,
+    }
 
 
 def _flatten_compare(point: dict[str, Any]) -> None:
@@ -384,21 +387,7 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         complete = len(same_groups) == len(metric) and metric
         d_same = stats.mean_of_paired_differences(same_groups) if complete else stats.NONE
         d_ar = stats.mean_of_paired_differences(ar_groups) if len(ar_groups) == len(metric) and metric else stats.NONE
-        compares.append(
-            {
-                "label": label,
-                "path": str(path),
-                "threshold": row[0]["threshold"] if complete else None,
-                "delta": d_same.value,
-                "delta_lo": d_same.lo,
-                "delta_hi": d_same.hi,
-                "n": d_same.n,
-                "ar_delta": d_ar.value,
-                "ar_delta_lo": d_ar.lo,
-                "ar_delta_hi": d_ar.hi,
-                "ar_n": d_ar.n,
-            }
-        )
+        compares.append(_compare_row(label, path, row[0]["threshold"] if complete else None, d_same, d_ar))
     point["compare"] = compares
     _flatten_compare(point)
     return point
