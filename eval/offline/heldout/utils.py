@@ -14,11 +14,12 @@ in file order, so a smaller subset is a prefix of a larger one within each categ
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import datasets
+
+from mars.evaluation.task_rows import read_task_rows
 
 HERE = Path(__file__).resolve().parent
 REQUIRED_FIELDS = ("id", "category", "prompt")
@@ -58,16 +59,12 @@ def load_heldout(
     splits = {}
     for split, rel in data_files.items():
         path = (HERE / rel).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"mars_heldout: {path} is missing (the held-out prompts of data/prompts; "
-                "scripts/build_prompt_set.py writes them)"
-            )
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for row in rows:
-            missing = [f for f in REQUIRED_FIELDS if f not in row]
-            if missing:
-                raise ValueError(f"{path}: row {row.get('id', '?')} lacks fields {missing} (needs {REQUIRED_FIELDS})")
+        rows = read_task_rows(
+            path,
+            REQUIRED_FIELDS,
+            f"mars_heldout: {path} is missing (the held-out prompts of data/prompts; "
+            "scripts/build_prompt_set.py writes them)",
+        )
         rows = stratified(rows, None if size is None else int(size))
         splits[split] = datasets.Dataset.from_list(
             [{k: r[k] for k in ("id", "source", "category", "prompt") if k in r} for r in rows]

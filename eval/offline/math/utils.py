@@ -7,11 +7,12 @@ tolerance, so "42.0" matches "42"). ``strict_match`` only accepts the "The answe
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import datasets
+
+from mars.evaluation.task_rows import read_task_rows
 
 HERE = Path(__file__).resolve().parent
 REQUIRED_FIELDS = ("id", "question", "answer")
@@ -28,16 +29,11 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
     splits = {}
     for split, rel in data_files.items():
         path = HERE / rel
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"mars_math data file {path} is missing; rebuild it with "
-                "scripts/build_offline_benchmarks.py --only math"
-            )
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for row in rows:
-            missing = [f for f in REQUIRED_FIELDS if f not in row]
-            if missing:
-                raise ValueError(f"{path}: row {row.get('id', '?')} lacks fields {missing} (needs {REQUIRED_FIELDS})")
+        rows = read_task_rows(
+            path,
+            REQUIRED_FIELDS,
+            f"mars_math data file {path} is missing; rebuild it with scripts/build_offline_benchmarks.py --only math",
+        )
         splits[split] = datasets.Dataset.from_list(rows)
     return datasets.DatasetDict(splits)
 

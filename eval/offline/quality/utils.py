@@ -25,6 +25,8 @@ from pathlib import Path
 
 import datasets
 
+from mars.evaluation.task_rows import read_task_rows
+
 HERE = Path(__file__).resolve().parent
 REQUIRED_FIELDS = ("id", "question", "answer")
 CONTINENTS = ("Africa", "Asia", "Europe", "North America", "South America", "Oceania", "Antarctica")
@@ -38,13 +40,9 @@ def load_local(data_files: dict[str, str] | None = None, **_metadata) -> dataset
     splits = {}
     for split, rel in data_files.items():
         path = HERE / rel
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; rebuild it with scripts/build_quality_tasks.py")
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for row in rows:
-            missing = [f for f in REQUIRED_FIELDS if f not in row]
-            if missing:
-                raise ValueError(f"{path}: row {row.get('id', '?')} lacks fields {missing} (needs {REQUIRED_FIELDS})")
+        rows = read_task_rows(
+            path, REQUIRED_FIELDS, f"{path} is missing; rebuild it with scripts/build_quality_tasks.py"
+        )
         splits[split] = datasets.Dataset.from_list(rows)
     return datasets.DatasetDict(splits)
 
