@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from module_loading import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "offline_sft"
@@ -19,11 +20,7 @@ SCRIPT = ROOT / "scripts" / "build_offline_data.py"
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("build_offline_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "build_offline_data")
 
 
 def _rows(split: str) -> list[dict]:

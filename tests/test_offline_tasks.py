@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from module_loading import load_module
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = REPO / "eval" / "offline"
@@ -58,14 +59,6 @@ _SANDBOX_OK, _SANDBOX_HOW = _sandbox().sandbox_status()
 needs_sandbox = pytest.mark.skipif(
     not _SANDBOX_OK and not _sandbox().unsandboxed_allowed(), reason=f"HumanEval code cannot run here: {_SANDBOX_HOW}"
 )
-
-
-def load_module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

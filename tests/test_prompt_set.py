@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from module_loading import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "prompts"
@@ -22,11 +23,7 @@ NON_PERMISSIVE = re.compile(r"\bNC\b|non-?commercial|no licen[cs]e|unknown", re.
 
 
 def _load_builder():
-    spec = importlib.util.spec_from_file_location("build_prompt_set", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "build_prompt_set")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from module_loading import load_module
 
 REPO = Path(__file__).resolve().parents[1]
 QUALITY = REPO / "eval" / "offline" / "quality"
@@ -19,14 +20,6 @@ HELDOUT = REPO / "eval" / "offline" / "heldout"
 SHORT = ["capitals", "continents", "first_letter", "next_number", "copy"]
 SUITE_LEAVES = ["mars_heldout_quick", *[f"mars_quality_{t}" for t in SHORT]]
 ROWS = 100  # per short-answer task
-
-
-def load_module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from module_loading import load_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,10 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _load():
     name = "mars_eval_code_sandbox"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "eval" / "offline" / "humaneval" / "sandbox.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        load_module(REPO / "eval" / "offline" / "humaneval" / "sandbox.py", name)
     return sys.modules[name]
 
 
