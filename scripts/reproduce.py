@@ -23,60 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from mars.pipeline import Stages, complete_checkpoint, has_points
+
 REPO = Path(__file__).resolve().parents[1]
 THRESHOLDS = "[1.0,0.9,0.8]"
-
-
-class Stages:
-    """Runs each stage's command once; remembers wall times in stages.json."""
-
-    def __init__(self, out: Path, dry_run: bool):
-        self.out, self.dry_run = out, dry_run
-        self.record_path = out / "stages.json"
-        self.record = json.loads(self.record_path.read_text()) if self.record_path.is_file() else {}
-        self.commands: list[str] = []
-
-    def run(self, name: str, cmd: list[str], done: bool, env: dict | None = None) -> None:
-        text = "python " + " ".join(cmd)
-        self.commands.append(f"# {name}\n{text}")
-        if done:
-            print(f"=== {name}: done already, skipped", flush=True)
-            return
-        print(f"\n=== {name}: {text}", flush=True)
-        if self.dry_run:
-            return
-        start = time.perf_counter()
-        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, env={**os.environ, **(env or {})})
-        minutes = (time.perf_counter() - start) / 60
-        self.record[name] = {
-            **self.record.get(name, {}),
-            "minutes_last_run": round(minutes, 1),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.record_path.write_text(json.dumps(self.record, indent=2) + "\n")
-        print(f"=== {name} took {minutes:.1f} min", flush=True)
-
-
-def complete_checkpoint(path: Path) -> bool:
-    meta = path / "mars_config.json"
-    return meta.is_file() and bool(json.loads(meta.read_text()).get("complete"))
-
-
-def has_points(folder: Path, thresholds: list[float]) -> bool:
-    points = folder / "points.json"
-    if not points.is_file():
-        return False
-    have = {round(float(p["threshold"]), 6) for p in json.loads(points.read_text())}
-    return all(round(t, 6) in have for t in thresholds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = REPO / "benchmarks" / f"reproduce_{args.name}"
     work = REPO / "outputs" / "reproduce" / args.name
-    stages = Stages(bench, args.dry_run)
+    stages = Stages(bench, args.dry_run, REPO)
     thresholds = [float(t) for t in args.thresholds.strip("[]").split(",")]
     runs = {obj: f"repro-{args.name}-{obj}-b4" for obj in ("ar", "mars")}
     ckpt = {obj: REPO / "outputs" / "train" / runs[obj] / "hf" for obj in runs}
@@ -197,9 +152,7 @@ def report(bench: Path, args, runs, ckpt, evals, tput, stages: Stages) -> None:
     for name in ("throughput.md", "throughput.csv", "config.json"):
         if (tput / name).is_file():
             shutil.copy(tput / name, bench / f"throughput_{name}")
-    (bench / "commands.md").write_text(
-        "# Commands run by scripts/reproduce.py\n\n```\n" + "\n\n".join(stages.commands) + "\n```\n"
-    )
+    stages.write_commands(bench / "commands.md", "Commands run by scripts/reproduce.py")
     lines = [
         f"# MARS replication: {args.name}",
         "",

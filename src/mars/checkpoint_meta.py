@@ -43,6 +43,8 @@ class MarsMetadata:
     num_parameters: int | None = None
     global_step: int | None = None
     complete: bool = False  # True only for the export of a training run that reached its configured end
+    # gated_lora: the folder holds an adapter for base_model (mars.adapters), not full weights
+    adapter: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +78,10 @@ class MarsMetadata:
                 raise bad(name, "an integer >= 0 or null")
         if not isinstance(self.complete, bool):
             raise bad("complete", "true or false")
+        if self.adapter not in (None, "gated_lora"):
+            raise bad("adapter", "null or 'gated_lora'")
+        if self.adapter is not None and not self.base_model:
+            raise bad("base_model", "the base model an adapter applies to")
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -57,6 +57,50 @@ def export_hf(
     return out
 
 
+def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]) -> Path:
+    """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`), the tokenizer with
+    its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base model), in one folder that
+    :func:`mars.models.load_model` turns back into base + adapter.  Written atomically."""
+    from mars.adapters import adapter_state_dict, base_digest, save_adapter
+
+    meta = MarsMetadata.from_dict(
+        {**metadata, "adapter": "gated_lora", "num_parameters": metadata.get("base_num_parameters")},
+        where=f"metadata of {out_dir}",
+    )
+    out = Path(out_dir)
+    adapter_meta = {
+        "base_model": meta.base_model,
+        "base_tiny": metadata.get("base_tiny"),
+        "base_digest": base_digest(model),
+        "block_size": meta.block_size,
+        "mask_token": meta.mask_token,
+        "mask_token_id": meta.mask_token_id,
+        "adapter_parameters": sum(t.numel() for t in adapter_state_dict(model).values()),
+    }
+    save_adapter(model, out, adapter_meta)  # atomic: the folder appears complete or not at all
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for item in out.iterdir():
+            os.link(item, tmp / item.name)
+        tokenizer.save_pretrained(tmp)
+        write_metadata(tmp, meta)
+        shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported gated adapter to %s", out)
+    return out
+
+
+def merged_copy(model):
+    """A plain copy of ``model`` with an ungated LoRA folded into its weights (the live model keeps training)."""
+    import copy
+
+    from mars.adapters import merge_adapter
+
+    return merge_adapter(copy.deepcopy(model))
+
+
 # ------------------------------------------------------------------------------------------
 # From a live trainer (any strategy)
 # ------------------------------------------------------------------------------------------
@@ -123,6 +167,16 @@ def _plain_model_with(model, state: dict[str, torch.Tensor]):
 def export_from_trainer(trainer, model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]) -> Path | None:
     """Export ``model`` (the LightningModule's HF model) at the end of ``fit``, on any strategy.
     Collective: call it on every rank; global rank 0 writes and returns the folder, the others None."""
+    settings = getattr(model, "mars_adapter", None)
+    if settings is not None:  # adapters run unsharded (train.py refuses FSDP / ZeRO-3 with them)
+        out = None
+        if trainer.is_global_zero:
+            if settings.gated:
+                out = export_adapter(model, tokenizer, out_dir, metadata)
+            else:
+                out = export_hf(merged_copy(model), tokenizer, out_dir, metadata)
+        trainer.strategy.barrier("mars-export")
+        return out
     state = gathered_state_dict(trainer)
     out = None
     if trainer.is_global_zero:

@@ -20,11 +20,12 @@ import torch
 INTRA_BLOCK_PATTERNS = ("causal", "bidirectional")
 
 
-def _check_block(length: int, block_size: int, intra_block: str) -> None:
+def _check_block(length: int, block_size: int | torch.Tensor, intra_block: str) -> None:
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    smallest = int(block_size.min()) if isinstance(block_size, torch.Tensor) else block_size
+    if smallest < 1:
+        raise ValueError(f"block_size must be >= 1, got {smallest}")
     if intra_block not in INTRA_BLOCK_PATTERNS:
         raise ValueError(f"intra_block must be one of {INTRA_BLOCK_PATTERNS}, got {intra_block!r}")
 
@@ -59,23 +60,40 @@ def mars_attention_mask(
 
 
 def two_stream_mask(
-    positions: torch.Tensor, clean_length: int, block_size: int, intra_block: str = "causal"
+    positions: torch.Tensor,
+    clean_length: int,
+    block_size: int | torch.Tensor,
+    intra_block: str = "causal",
+    block_offset: torch.Tensor | None = None,
 ) -> torch.BoolTensor:
-    """Per-row mask ``[N, T, T]`` for inputs ``[clean (clean_length) | noisy]`` with position ids ``[N, T]``."""
+    """Per-row mask ``[N, T, T]`` for inputs ``[clean (clean_length) | noisy]`` with position ids ``[N, T]``.
+
+    ``block_size`` may be one size per row (``[N]``) and ``block_offset`` (``[N]``) shifts a row's block
+    grid: ``block(t) = (t + offset) // B``.  Causality only compares positions, so the shift moves the
+    block boundaries and nothing else."""
     _check_block(clean_length, block_size, intra_block)
     noisy = torch.arange(positions.shape[1], device=positions.device) >= clean_length
+    if block_offset is not None:
+        positions = positions + block_offset[:, None]
+    if isinstance(block_size, torch.Tensor):
+        block_size = block_size.reshape(-1, 1, 1)
     return allowed(
         positions[:, :, None], positions[:, None, :], noisy[:, None], noisy[None, :], block_size, intra_block
     )
 
 
-def noisy_window_starts(loss_mask: torch.Tensor, block_size: int) -> torch.LongTensor:
+def noisy_window_starts(
+    loss_mask: torch.Tensor, block_size: int | torch.Tensor, block_offset: torch.Tensor | None = None
+) -> torch.LongTensor:
     """Where each row's noisy stream may start: the block holding the position just before its first
     response token (the first noisy position with a target).  Earlier noisy blocks hold prompt tokens
-    only, carry no loss and are attended by nothing outside themselves, so dropping them changes no loss."""
+    only, carry no loss and are attended by nothing outside themselves, so dropping them changes no loss.
+    Per-row block sizes and grid offsets (see :func:`two_stream_mask`) are taken into account."""
     has = loss_mask.bool().any(dim=1)
     first = torch.where(has, loss_mask.bool().long().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
-    return ((first - 1).clamp(min=0) // block_size) * block_size
+    offset = block_offset if block_offset is not None else torch.zeros_like(first)
+    start = (((first - 1).clamp(min=0) + offset) // block_size) * block_size - offset
+    return start.clamp(min=0)
 
 
 def two_stream_position_ids(length: int, device: torch.device | str | None = None) -> torch.LongTensor:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars.adapters import ADAPTER_META
 from mars.checkpoint_meta import METADATA_FILE
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,35 @@ def ensure_mask_token(
     return use(token, "added_row")
 
 
+def load_with_adapter(
+    folder: str,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+    base: str | None = None,
+) -> LoadedModel:
+    """Base model + the gated adapter in ``folder``.  The base is loaded in fp32 (the precision its digest
+    was taken in), checked against the adapter's record, adapted, then cast to ``dtype``."""
+    from mars.adapters import load_adapter, read_adapter_meta
+
+    adapter = read_adapter_meta(folder)
+    metadata = read_mars_metadata(folder)
+    base_name = base or adapter.get("base_model") or (metadata or {}).get("base_model")
+    if not base_name:
+        raise ValueError(f"{folder}: the adapter does not name its base model; pass base=<model>")
+    if Path(str(base_name)).is_dir() and (Path(str(base_name)) / ADAPTER_META).is_file():
+        raise ValueError(f"the base of {folder} is itself an adapter folder ({base_name}): give its base model")
+    loaded = load_model(
+        str(base_name), tiny=adapter.get("base_tiny"), dtype="float32", attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    _prepare_tokenizer(tokenizer)
+    mask = ensure_mask_token(loaded.model, tokenizer, mask_token=(metadata or {}).get("mask_token"))
+    load_adapter(loaded.model, folder, mask.id, block_size=(metadata or {}).get("block_size"))
+    return LoadedModel(loaded.model.to(dtype).to(device).eval(), tokenizer, mask, str(folder), metadata)
+
+
 # --------------------------------------------------------------------------------------------
 # Metadata written next to an exported checkpoint (mars.checkpoint_meta owns the format)
 # --------------------------------------------------------------------------------------------
@@ -282,6 +312,8 @@ def check_model_source(name_or_path: str) -> None:
                 "model folder with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)"
             )
         return  # a hub id
+    if (path / ADAPTER_META).is_file():
+        return  # a gated adapter run's folder: its base model is checked when it loads
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model.name_or_path={name_or_path!r} is a folder without config.json, so it is not a "
@@ -322,11 +354,19 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
+    base: str | None = None,
 ) -> LoadedModel:
     """Load ``name_or_path``: ``embedded:smollm2-135m``, ``tiny-random`` (with ``tiny`` kwargs),
-    a local HF directory (e.g. a MARS checkpoint, whose metadata is returned) or a hub id."""
+    a local HF directory (e.g. a MARS checkpoint, whose metadata is returned), a hub id, or the folder of a
+    gated adapter run (base model + adapter; ``base`` overrides the base recorded in it)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     metadata = None
+    if name_or_path != "tiny-random" and Path(name_or_path).is_dir() and (Path(name_or_path) / ADAPTER_META).is_file():
+        return load_with_adapter(
+            name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, base=base
+        )
+    if base is not None:
+        raise ValueError(f"base={base!r} is for adapter folders; {name_or_path} is not one (no {ADAPTER_META})")
     if name_or_path == "tiny-random":
         tokenizer = embedded_tokenizer()
         model = build_tiny_random(attn_implementation=attn_implementation, **(tiny or {})).to(torch_dtype)

@@ -16,8 +16,8 @@ In the fingerprint (they change the result):
   by a digest of its content, so the same file under another path matches and an edited file does not.
   The self-distillation sub-config ``data.distill`` likewise, except ``threads``, ``batch_size`` (the
   answers do not depend on them) and ``root`` (where the cache lives), its prompt file by content.
-- ``objective`` (name, ``mask_weight``, ``alpha``, ``intra_block``), ``block``, ``mask_schedule``,
-  ``optim``, ``seed``.
+- ``objective`` (every field), ``block``, ``mask_schedule``, ``optim``, ``seed``, ``adapter`` and the
+  compute ``budget`` (it sets the run's length and lr schedule).
 - ``trainer``: ``max_steps``, ``max_epochs``, ``precision``, ``accumulate_grad_batches``,
   ``gradient_clip_val`` and the number of processes (``devices`` x ``num_nodes``, resolved): with the
   data's batch size they fix the effective batch and the learning-rate schedule's length.
@@ -149,6 +149,8 @@ def run_fingerprint(cfg) -> dict[str, Any]:
         "optim": c["optim"],
         "seed": c["seed"],
         "trainer": trainer,
+        "adapter": c.get("adapter") or {"kind": "none"},
+        "budget": c.get("budget") or {"minutes": None},
     }
 
 

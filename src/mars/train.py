@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from mars.adapters import AdapterSettings
+from mars.budget import BudgetSettings, ComputeBudget, minimum_step_seconds
 from mars.checkpoint_meta import is_complete
 from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
 from mars.export import export_from_trainer
@@ -150,6 +152,8 @@ def reached_end(trainer) -> bool:
     """True when fit stopped because it reached ``max_steps`` / ``max_epochs`` after at least one step."""
     if trainer.global_step < 1 or trainer.interrupted:
         return False
+    if any(isinstance(cb, ComputeBudget) and cb.exhausted for cb in trainer.callbacks):
+        return True
     if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
         return True
     return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch >= trainer.max_epochs
@@ -185,12 +189,70 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def run_settings(cfg: DictConfig) -> tuple[Objective, AdapterSettings, BudgetSettings]:
+    """The objective, adapter and compute-budget settings of a run, validated."""
+    objective = Objective(**OmegaConf.to_container(cfg.objective))
+    adapter = AdapterSettings.from_dict(OmegaConf.to_container(cfg.adapter) if cfg.get("adapter") else None)
+    budget = BudgetSettings(**(OmegaConf.to_container(cfg.budget) if cfg.get("budget") else {}))
+    if adapter.gated and (objective.alpha > 0 or objective.kl_weight > 0 or not objective.uses_noisy_stream):
+        raise ValueError(
+            f"adapter=gated_lora trains the mask columns only (the clean stream is the frozen base): it needs "
+            f"objective.alpha=0 and kl_weight=0 and a mask loss; got objective={objective.name} "
+            f"alpha={objective.alpha} kl_weight={objective.kl_weight} mask_weight={objective.mask_weight}"
+        )
+    strategy = str(cfg.trainer.get("strategy", "auto"))
+    if adapter.enabled and (strategy == "fsdp" or "deepspeed_stage_3" in strategy):
+        raise ValueError(f"adapter={adapter.kind} runs unsharded (DDP or one device); trainer.strategy={strategy}")
+    if budget.minutes is not None and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ValueError("budget.minutes counts optimizer steps' compute: use trainer.accumulate_grad_batches=1")
+    return objective, adapter, budget
+
+
+def check_budget_fits_a_step(cfg: DictConfig, budget: BudgetSettings) -> None:
+    """Refuse, before anything loads, a budget that cannot hold one optimizer step even at this CPU's peak
+    (skipped on accelerators and when the model's config cannot be read without loading weights)."""
+    if budget.seconds is None or str(cfg.trainer.get("accelerator", "cpu")) not in ("cpu", "auto"):
+        return
+    if str(cfg.trainer.get("accelerator")) == "auto" and torch.cuda.is_available():
+        return
+    params = estimated_parameters(cfg.model)
+    if params is None:
+        return
+    tokens = int(cfg.data.batch_size) * int(cfg.data.max_length)
+    streams = 2 if cfg.objective.get("mask_weight", 1.0) > 0 else 1
+    floor = minimum_step_seconds(params, tokens, streams, os.cpu_count() or 1)
+    if budget.seconds < floor:
+        raise ValueError(
+            f"budget.minutes={budget.minutes} is too small for one training step: a step of "
+            f"{cfg.data.batch_size} x {cfg.data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes "
+            f"at least {floor:.0f} s on this CPU ({os.cpu_count()} cores)"
+        )
+
+
+def estimated_parameters(model_cfg) -> int | None:
+    """The parameter count of a decoder-only transformer from its config alone (no weights read)."""
+    from transformers import AutoConfig
+
+    from mars.models import cache_root
+
+    name = str(model_cfg.name_or_path)
+    if name == "tiny-random":
+        return None
+    folder = cache_root() / "smollm2-135m-instruct" if name.startswith("embedded:") else Path(name)
+    if not (folder / "config.json").is_file():
+        return None
+    c = AutoConfig.from_pretrained(folder)
+    h, layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    kv = h * getattr(c, "num_key_value_heads", c.num_attention_heads) // c.num_attention_heads
+    return vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+
+
 def validate(cfg: DictConfig) -> Objective:
     """Every check that needs no model, before anything expensive: config values, the model source and
     the data file (its existence; its rows are read and checked by :func:`preload_rows`)."""
     if not _int(cfg.block) or cfg.block < 1:
         raise ValueError(f"block must be an integer >= 1, got {cfg.block!r}")
-    objective = Objective(**OmegaConf.to_container(cfg.objective))
+    objective, _, budget = run_settings(cfg)
     schedule = OmegaConf.to_container(cfg.mask_schedule)
     name = schedule.pop("name", None)
     if name not in MASK_SCHEDULES:
@@ -237,6 +299,7 @@ def validate(cfg: DictConfig) -> Objective:
         check_data_config(data)
         data_file(data["source"], data.get("path"), data.get("split", "train"))
     check_model_source(cfg.model.name_or_path)
+    check_budget_fits_a_step(cfg, budget)
     return objective
 
 
@@ -296,6 +359,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
     unless ``overwrite``; ``callbacks`` are added to the trainer's."""
     objective = validate(cfg)
+    _, adapter, budget = run_settings(cfg)
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)
@@ -345,9 +409,17 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         gradient_checkpointing=cfg.gradient_checkpointing,
         crop_noisy_prompt=cfg.get("crop_noisy_prompt", True),
         seed=cfg.seed,
+        adapter=adapter,
     )
+    extra_callbacks: list[Callback] = []
+    if budget.minutes is not None:
+        budget_cb = ComputeBudget(budget)
+        module.budget_progress = budget_cb.progress
+        extra_callbacks.append(budget_cb)
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
+    if budget.minutes is not None and trainer_cfg.get("max_steps", -1) == -1:
+        trainer_cfg["max_epochs"] = -1  # the budget ends the run (epochs repeat the data until then)
     # precision=auto: bf16-mixed on GPUs, bf16-true (+ fp32 master weights) on native-bf16 CPUs, else 32-true
     trainer_cfg["precision"] = resolve_precision(trainer_cfg.get("precision", "auto"), trainer_cfg.get("accelerator"))
     module.master_weights = cfg.optim.get("master_weights", "auto")
@@ -370,6 +442,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             mask_token_id=loaded.mask.id,
             mask_token_policy=loaded.mask.how,
             base_model=m.name_or_path,
+            base_tiny=tiny,
             base_num_parameters=base_params,
         ),
     )
@@ -379,6 +452,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         ),
         TQDMProgressBar(refresh_rate=1),
         history,
+        *extra_callbacks,
         exporter,
         *callbacks,
     ]
@@ -411,6 +485,8 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             "block": cfg.block,
             "global_step": trainer.global_step,
             "steps_this_run": steps_run,
+            "tokens_seen": module.tokens_seen,
+            "response_tokens_seen": module.response_tokens_seen,
             "fit_seconds": round(seconds, 2),
             "seconds_per_step": round(seconds / max(1, steps_run), 3),
             "peak_memory_mb": round(peak_memory_mb(module.device), 1),
@@ -419,6 +495,10 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             else _exported_parameters(exporter.exported),
             "base_num_parameters": base_params,
             "complete": exporter.complete,
+            "cpu_seconds": round(time.process_time(), 1),
+            "budget": None
+            if budget.minutes is None
+            else {"minutes": budget.minutes, "clock": budget.clock, "used_minutes": round(budget_cb.used / 60, 2)},
             "final": history.last,
             "checkpoint": str(exporter.exported) if exporter.exported else None,
         }

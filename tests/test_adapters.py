@@ -1,0 +1,140 @@
+"""Gated and plain LoRA adapters (mars.adapters): where they act, what they save, what they refuse."""
+
+import pytest
+import torch
+
+from mars.adapters import (
+    AdapterError,
+    AdapterSettings,
+    attach_adapter,
+    base_digest,
+    load_adapter,
+    merge_adapter,
+    save_adapter,
+)
+from mars.models import build_tiny_random
+
+MASK_ID = 16
+
+
+def tiny(seed: int = 0):
+    return build_tiny_random(vocab_size=97 + MASK_ID, hidden_size=32, num_layers=2, intermediate_size=64, seed=seed)
+
+
+def perturb(model, seed: int = 1):
+    """Give the freshly initialised (zero) LoRA B matrices and the mask delta values, as training would."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "mask_embedding_delta" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def ids_with_masks(n=2, length=12, masks_from=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(MASK_ID + 1, 97, (n, length), generator=g)
+    masked = ids.clone()
+    masked[:, masks_from:] = MASK_ID
+    return ids, masked
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_gated_adapter_leaves_every_real_column_bit_identical_and_changes_mask_columns():
+    base = tiny()
+    adapted = tiny()
+    attach_adapter(adapted, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    perturb(adapted)
+    ids, masked = ids_with_masks()
+    assert torch.equal(logits(adapted, ids), logits(base, ids))  # no mask token: exactly the base model
+    out, ref = logits(adapted, masked), logits(base, masked)
+    assert torch.equal(out[:, :8], ref[:, :8])  # real columns before the masks
+    assert (out[:, 8:] - ref[:, 8:]).abs().amax() > 1e-2  # the adapter acts at mask columns
+
+
+def test_plain_lora_acts_on_every_column_and_merges_into_a_plain_model():
+    base_params = sum(p.numel() for p in tiny().parameters())
+    adapted = tiny()
+    attach_adapter(adapted, AdapterSettings(kind="lora", rank=4), MASK_ID)
+    perturb(adapted)
+    ids, masked = ids_with_masks()
+    assert (logits(adapted, ids) - logits(tiny(), ids)).abs().amax() > 1e-2
+    before = logits(adapted, masked)
+    merged = merge_adapter(adapted)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert sum(p.numel() for p in merged.parameters()) == base_params
+    # tied embeddings: the merged mask-embedding delta also moves the mask token's own head row (a token
+    # decoding never emits); every other logit is the adapter model's
+    keep = torch.arange(before.shape[-1]) != MASK_ID
+    torch.testing.assert_close(logits(merged, masked)[..., keep], before[..., keep], atol=1e-4, rtol=1e-4)
+
+
+def test_gated_adapter_cannot_be_merged():
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2), MASK_ID)
+    with pytest.raises(AdapterError, match="cannot be merged"):
+        merge_adapter(model)
+
+
+def test_only_the_adapter_trains():
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2, top_layers=1, mask_embedding=False), MASK_ID)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "layers.1." in n for n in trainable)
+
+
+def save(model, folder, **meta):
+    return save_adapter(
+        model, folder, {"base_model": "tiny", "base_digest": base_digest(model), "block_size": 4, **meta}
+    )
+
+
+def test_saved_adapter_reloads_to_the_same_outputs(tmp_path):
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    perturb(model)
+    folder = save(model, tmp_path / "adapter", mask_token_id=MASK_ID)
+    files = {p.name for p in folder.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "mars_adapter.json"} <= files
+    fresh = tiny()
+    load_adapter(fresh, folder, MASK_ID, block_size=4)
+    _, masked = ids_with_masks()
+    assert torch.equal(logits(fresh, masked), logits(model, masked))
+
+
+def test_an_adapter_refuses_another_base_a_second_application_and_another_block_size(tmp_path):
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2), MASK_ID)
+    folder = save(model, tmp_path / "adapter")
+    with pytest.raises(AdapterError, match="another base model"):
+        load_adapter(tiny(seed=5), folder, MASK_ID)
+    with pytest.raises(AdapterError, match="already carries an adapter"):
+        load_adapter(model, folder, MASK_ID)
+    with pytest.raises(AdapterError, match="block size 4, not 8"):
+        load_adapter(tiny(), folder, MASK_ID, block_size=8)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"kind": "qlora"}, "adapter.kind"),
+        ({"kind": "gated_lora", "rank": 0}, "adapter.rank"),
+        ({"kind": "lora", "dropout": 1.0}, "adapter.dropout"),
+        ({"kind": "lora", "top_layers": 0}, "adapter.top_layers"),
+        ({"kind": "lora", "ranks": 4}, "unknown adapter settings"),
+    ],
+)
+def test_bad_adapter_settings_fail_naming_the_key(bad, match):
+    with pytest.raises(ValueError, match=match):
+        AdapterSettings.from_dict(bad)
+
+
+def test_a_forward_without_input_ids_is_refused_rather_than_silently_ungated():
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2), MASK_ID)
+    embeds = model.get_input_embeddings()(ids_with_masks()[0])
+    with pytest.raises(ValueError, match="needs input_ids"):
+        model(inputs_embeds=embeds)
