@@ -1,9 +1,10 @@
 """The code sandbox that runs model-written programs (eval/offline/humaneval/sandbox.py, bubblewrap).
 
 Each test is an escape that the Python-level guard alone let through (issue 10, item 14): the programs
-call ``posix``/``_socket`` directly, below the guard, so only the sandbox can stop them.  A test is
-skipped only where no sandbox can be made on this machine, with the reason shown; everywhere else a
-failure is a failure.
+call ``posix``/``_socket`` directly, below the guard, so only the sandbox can stop them; and each defect of
+issue 18 (an early exit read as a pass, memory bounded per process only, nested user namespaces, a
+self-inflicted SIGKILL read as a timeout). A test is skipped only where no sandbox can be made on this
+machine, with the reason shown; everywhere else a failure is a failure.
 """
 
 from __future__ import annotations
