@@ -4,6 +4,7 @@ reassembles to the non-streamed text, 400/429 paths, disconnects free rows, fail
 request, graceful shutdown, the adaptive tau, metrics, and ``python serve.py`` itself."""
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -425,30 +426,36 @@ def test_bad_server_configs_are_refused_before_loading(overrides, match):
         ServeConfig.from_cfg(compose_serve(BASE + overrides))
 
 
-@pytest.mark.slow
-def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
+def launch_serve_py(tmp_path, *overrides):
+    """``python serve.py`` on a free loopback port; (process, url) once ``/health`` answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "serve.py", "model=tiny-random", f"port={port}", "max_tokens=8", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "serve.py", "model=tiny-random", f"port={port}", f"hydra.run.dir={tmp_path}", *overrides],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    assert wait_for(up, timeout=90, every=0.2) and proc.poll() is None
+    return proc, url
+
+
+@pytest.mark.slow
+def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
+    proc, url = launch_serve_py(tmp_path, "max_tokens=8")
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        assert wait_for(up, timeout=90, every=0.2) and proc.poll() is None
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         r = c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
@@ -457,3 +464,38 @@ def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-2000:]
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_serve_py_drains_on_sigterm_as_documented(tmp_path):
+    """The real signal: the socket stays open (503, not "connection refused"), a stream that outlives the
+    grace ends with an error event and [DONE], and the process exits 0."""
+    # cache=none refeeds the whole text at every step: a long stream takes many seconds even on this model
+    proc, url = launch_serve_py(tmp_path, "shutdown_grace_s=1", "threads=1", "decoding.cache=none")
+    events, status = [], {}
+
+    def stream():
+        body = {"model": "tiny-random", "prompt": "long", "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            status["code"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert wait_for(lambda: len(events) >= 2, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 503, timeout=5)
+        late = httpx.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "late", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        reader.join(30)
+        assert status["code"] == 200 and events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-2][:300]
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-2000:]
