@@ -179,6 +179,18 @@ def test_the_event_loop_answers_while_a_prompt_is_tokenized(server, monkeypatch)
     assert result["r"].status_code == 200
 
 
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(server, monkeypatch):
+    spy = SlowTokenizer(server.state.tokenizer, "word", delay=0.0)
+    monkeypatch.setattr(server.state, "tokenizer", spy)
+    err = assert_openai_error(post(server, {"prompt": "word " * 20_000}), 400, "prompt", "context_length_exceeded")
+    assert "100000 characters" in err["message"] and "512 tokens" in err["message"]
+    chat = {"messages": [{"role": "user", "content": "word " * 20_000}]}
+    assert_openai_error(post(server, chat, path="/v1/chat/completions"), 400, "messages", "context_length_exceeded")
+    assert not spy.started.is_set()
+    assert post(server, {"prompt": "word " * 50, "max_tokens": 2}).status_code == 200  # short ones are tokenized
+    assert spy.started.is_set()
+
+
 # ------------------------------------------------------------------------------------------------------
 # 7. cross-site requests
 # ------------------------------------------------------------------------------------------------------

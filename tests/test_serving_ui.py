@@ -130,6 +130,39 @@ def served_tau(page: Page) -> str:
     return m.group(1)
 
 
+def test_the_page_markup_starts_with_the_slider_in_charge():
+    """Without a browser (Chromium may be missing): at load, before any script runs, the threshold sent is
+    the slider's and the label shows that value."""
+    from html.parser import HTMLParser
+
+    from mars.serving.ui import PAGE
+
+    inputs, labels = {}, {}
+
+    class Collect(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.in_label = None
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "input" and "id" in attrs:
+                inputs[attrs["id"]] = attrs
+            self.in_label = attrs.get("id") if tag == "b" else None
+
+        def handle_endtag(self, tag):
+            self.in_label = None
+
+        def handle_data(self, data):
+            if self.in_label:
+                labels[self.in_label] = data.strip()
+
+    Collect().feed(PAGE)
+    assert "checked" not in inputs["use-server"]  # the box was ticked: no threshold sent, 1.0 served
+    assert "disabled" not in inputs["threshold"]
+    assert labels["threshold-value"] == f"{float(inputs['threshold']['value']):.2f}"
+
+
 @needs_chromium
 def test_the_page_serves_the_threshold_it_shows(loaded, tmp_path):
     """The page showed 0.90 with "server tau" ticked by default and so sent no threshold: served 1.0."""

@@ -70,6 +70,7 @@ class ServingState:
     api_key: str | None = field(default=None, repr=False)
     info: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int | None = None  # see longest_token_chars: None when no bound holds
     in_flight: int = 0  # HTTP requests being answered (the drain on shutdown waits for them)
     _prepare_limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
@@ -265,7 +266,7 @@ def _prepare_chat(state: ServingState, raw: bytes) -> tuple[ChatCompletionReques
         text = state.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
     except Exception as err:
         raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
-    ids = [_check_ids(state, state.tokenizer(text, add_special_tokens=False)["input_ids"], "messages")]
+    ids = [_encode_text(state, text, "messages", add_special_tokens=False)]
     return body, _jobs(state, body, knobs, ids, body.budget, body.budget_field)
 
 
@@ -292,8 +293,31 @@ def _parse(state: ServingState, raw: bytes, schema: type[_Common]) -> _Common:
     return body
 
 
-def _encode_text(state: ServingState, text: str, param: str) -> list[int]:
-    return _check_ids(state, state.tokenizer(text)["input_ids"], param)
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token can cover, when the tokenizer guarantees a bound: a fast tokenizer
+    without a normalizer (byte-level BPE as in SmolLM2, GPT-2, Llama 3) splits the text itself into
+    tokens, each spanning at most its own string's length (bytes for byte-level, which are at least the
+    characters).  A normalizer (NFC, stripping, ...) could shrink the text first: then None (no bound)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(map(len, vocab), default=0) or None
+
+
+def _encode_text(state: ServingState, text: str, param: str, **kw) -> list[int]:
+    """Tokenize, unless the text's length alone shows it cannot fit: then refuse without the work (seconds
+    for a megabyte)."""
+    if state.max_token_chars and -(-len(text) // state.max_token_chars) >= state.context_length:
+        raise APIError(
+            400,
+            f"{param} has {len(text)} characters, so at least {-(-len(text) // state.max_token_chars)} tokens "
+            f"(a token spans at most {state.max_token_chars} characters), more than the model's context of "
+            f"{state.context_length} tokens",
+            param,
+            "context_length_exceeded",
+        )
+    return _check_ids(state, state.tokenizer(text, **kw)["input_ids"], param)
 
 
 def _check_ids(state: ServingState, ids: list[int], param: str) -> list[int]:

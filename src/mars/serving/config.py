@@ -192,7 +192,7 @@ def build_state(sc: ServeConfig, loaded=None):
     from mars.decoding.stopping import eos_token_ids
     from mars.hardware import resolve_device, resolve_dtype_name
 
-    from .app import ServingState
+    from .app import ServingState, longest_token_chars
     from .metrics import ServerMetrics
     from .scheduler import EngineLoop
 
@@ -263,5 +263,6 @@ def build_state(sc: ServeConfig, loaded=None):
         host=sc.host,
         allowed_hosts=sc.allowed_hosts,
         api_key=sc.api_key,
+        max_token_chars=longest_token_chars(tokenizer),
         info=info,
     )
