@@ -419,6 +419,9 @@ def test_metrics_are_exposed(server):
         (["+adaptive.speed=3", "tau_policy=adaptive"], "unknown adaptive"),
         (["port=70000"], "port"),
         (["max_batch=0"], "max_batch"),
+        (["max_body_bytes=100"], "max_body_bytes"),
+        (["allowed_hosts=evil.example"], "allowed_hosts"),
+        (["api_key=''"], "api_key"),
     ],
 )
 def test_bad_server_configs_are_refused_before_loading(overrides, match):

@@ -310,6 +310,28 @@ def test_sigterm_drains_new_requests_get_503_and_cut_requests_end_with_an_error(
         srv.stop(timeout=15)
 
 
+def test_a_second_signal_stops_the_wait(loaded, monkeypatch):
+    srv = start_server(loaded, "shutdown_grace_s=60")
+    slow_steps(monkeypatch, srv, 0.02)
+    got = {}
+    worker = threading.Thread(
+        target=lambda: got.setdefault("r", post(srv, {"prompt": "long", "max_tokens": 400}))  # ~8 s
+    )
+    worker.start()
+    try:
+        assert wait_for(lambda: stats(srv)["running"] == 1)
+        t0 = time.monotonic()
+        srv.server.handle_exit(signal.SIGTERM, None)
+        assert wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503, timeout=2)
+        srv.server.handle_exit(signal.SIGINT, None)  # Ctrl-C again: no more waiting
+        worker.join(10)
+        assert_openai_error(got["r"], 503, None, "unavailable")
+        srv.thread.join(10)
+        assert not srv.thread.is_alive() and time.monotonic() - t0 < 5
+    finally:
+        srv.stop(timeout=15)
+
+
 def test_an_idle_server_stops_at_once(loaded):
     srv = start_server(loaded, "shutdown_grace_s=30")
     t0 = time.monotonic()
