@@ -4,15 +4,15 @@ A POST is checked in the order of its cost: Host and API key (:mod:`~mars.servin
 (``application/json`` only: 415), the body's size (``max_body_bytes``: 413 from the declared length before
 reading, or as soon as the read passes it), then, in a worker thread so that the event loop keeps
 answering (``/health`` included) however large the prompt, the JSON, every field (strict types), the
-number of prompts, the tokenization and the context length.  Then handlers hand
+number of prompts, the context length and the tokenization.  Then handlers hand
 :class:`~mars.serving.scheduler.Job` objects to the engine loop thread and await their events on an
-asyncio queue (the loop posts them with ``call_soon_threadsafe``).  Streaming responses are server-sent events (sse-starlette); each event carries
-the text of one forward's accepted tokens for one choice, with ``mars.tokens`` (how many) and
-``mars.forward`` (which forward of that request), which is what the UI shades.  A client that goes away
-(stream closed, or a non-streaming client disconnecting) has its jobs cancelled: a waiting job is dropped,
-a running row leaves the batch at the next step.  A job that fails (or is cancelled by a shutdown) ends a
-non-streaming request with its OpenAI-shaped error and a stream with an error event followed by
-``[DONE]`` (as vLLM ends its streams).
+asyncio queue (the loop posts them with ``call_soon_threadsafe``).  Streaming responses are server-sent
+events (sse-starlette); each event carries the text of one forward's accepted tokens for one choice, with
+``mars.tokens`` (how many) and ``mars.forward`` (which forward of that request), which is what the UI
+shades.  A client that goes away (stream closed, or a non-streaming client disconnecting) has its jobs
+cancelled: a waiting job is dropped, a running row leaves the batch at the next step.  A job that fails
+(or is cancelled by a shutdown) ends a non-streaming request with its OpenAI-shaped error and a stream
+with an error event followed by ``[DONE]`` (as vLLM ends its streams).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON for the UI), ``GET /`` (the UI).
@@ -37,6 +37,7 @@ from sse_starlette import EventSourceResponse
 
 from mars.decoding.settings import DecodingSettings, validate_threshold
 
+from .config import DEFAULT_MAX_BODY_BYTES
 from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
 from .scheduler import EngineLoop, Job, JobEvent, QueueFull, Unavailable
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DISCONNECT_POLL_S = 0.2  # a non-streaming client that left is noticed within this (its row then frees)
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/stats", "/")
 
 
@@ -279,6 +279,8 @@ def _parse(state: ServingState, raw: bytes, schema: type[_Common]) -> _Common:
         data = json.loads(raw, parse_constant=_no_constant)  # NaN and Infinity are not JSON
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"malformed JSON body: {err}", "body") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", "body")
     try:

@@ -25,6 +25,7 @@ from .policy import POLICIES, build_policy
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MARS_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 def _plain(value: Any) -> Any:
@@ -68,7 +69,7 @@ class ServeConfig:
     warmup: bool = True
     log_level: str = "info"
     metrics_window_s: float = 10.0
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_hosts: list[str] | None = None
     api_key: str | None = field(default=None, repr=False)
     extra: dict = field(default_factory=dict)
@@ -163,7 +164,9 @@ class ServeConfig:
             warmup=bool(c.get("warmup", True)),
             log_level=str(c.get("log_level", "info")),
             metrics_window_s=float(c.get("metrics_window_s", 10.0)),
-            max_body_bytes=_int({"max_body_bytes": c.get("max_body_bytes", 4 * 2**20)}, "max_body_bytes", 1024),
+            max_body_bytes=_int(
+                {"max_body_bytes": c.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)}, "max_body_bytes", 1024
+            ),
             allowed_hosts=allowed_hosts,
             api_key=api_key,
         )

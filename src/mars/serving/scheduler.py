@@ -162,10 +162,6 @@ class EngineLoop:
     def accepting(self) -> bool:
         return self._accepting and self.alive
 
-    @property
-    def draining(self) -> bool:
-        return self._deadline is not None
-
     def drain(self, grace_s: float = 10.0) -> None:
         """Refuse new jobs from now on, let running and waiting ones finish for up to ``grace_s`` seconds,
         then cancel what is left (its clients get 503); the thread ends as soon as nothing is left.

@@ -10,9 +10,11 @@ Types are strict (pydantic strict mode), with the rules ``mars.decoding.generate
 not a threshold), an integer is a JSON integer (``true`` is not a budget), a flag is ``true``/``false``
 (``"yes"`` is not), token ids are integers (``["1", 2]`` is not a prompt), and no NaN or infinity.  The
 ``seed`` is range-checked against what the sampler's ``torch.Generator.manual_seed`` accepts, so a seed
-that would raise inside the batched step is a 400 here instead.  MARS extras: ``threshold`` (the request's own tau, honoured inside the server's bounds),
-``verify`` (lossless self-speculative decoding: exactly greedy output at more than one token per
-forward) and ``return_token_ids`` (the generated ids with each choice and each streamed chunk).
+that would raise inside the batched step is a 400 here instead.
+
+MARS extras: ``threshold`` (the request's own tau, honoured inside the server's bounds), ``verify``
+(lossless self-speculative decoding: exactly greedy output at more than one token per forward) and
+``return_token_ids`` (the generated ids with each choice and each streamed chunk).
 """
 
 from __future__ import annotations
