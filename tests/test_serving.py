@@ -4,6 +4,7 @@ reassembles to the non-streamed text, 400/429 paths, disconnects free rows, fail
 request, graceful shutdown, the adaptive tau, metrics, and ``python serve.py`` itself."""
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -11,115 +12,30 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
+from serving_fixtures import (  # noqa: F401  (fixtures)
+    BASE,
+    PROMPTS,
+    REPO,
+    aclient,
+    client,
+    compose_serve,
+    loaded,
+    metric,
+    metric_sum,
+    offline,
+    one_thread,
+    server,
+    start_server,
+    stats,
+    wait_for,
+)
 
 from mars.decoding import generate
-from mars.models import load_model
-from mars.serving.config import ServeConfig, build_state
-from mars.serving.server import BackgroundServer
-
-REPO = Path(__file__).resolve().parents[1]
-BASE = [
-    "model=tiny-random",
-    "max_tokens=24",
-    "max_batch=4",
-    "max_queue=8",
-    "max_model_len=512",
-    "shutdown_grace_s=2",
-    "warmup=false",
-]
-PROMPTS = [
-    "The sea is",
-    "Once upon a time",
-    "def add(a, b):",
-    "Paris is the capital of",
-    "1, 2, 3,",
-    "A haiku about autumn",
-    "Dear diary, today",
-]
-
-
-def compose_serve(overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="serve", overrides=list(overrides))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core machine two OpenMP threads per forward spin against each other
-    (the tiny model's steps get several times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    cfg = compose_serve(BASE)
-    return load_model("tiny-random", tiny=dict(cfg.model.tiny))
-
-
-def start_server(loaded, *overrides):
-    sc = ServeConfig.from_cfg(compose_serve(BASE + list(overrides)))
-    return BackgroundServer(build_state(sc, loaded)).start()
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
-    srv = start_server(loaded)
-    yield srv
-    srv.stop()
-
-
-def client(srv, **kw):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, **kw)
-
-
-def aclient(srv):
-    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-
-
-def offline(loaded, srv, prompt, max_tokens, chat=False, **kw):
-    """``generate`` with the server's decoding settings, for one prompt (outputs do not depend on the batch)."""
-    settings = srv.state.settings.replace(max_new_tokens=max_tokens, **kw)
-    out = generate(loaded.model, loaded.tokenizer, [prompt], settings=settings, chat_template=chat)
-    return out.texts[0], out.token_ids[0]
-
-
-def wait_for(predicate, timeout=10.0, every=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return False
-
-
-def stats(srv):
-    return httpx.get(srv.url + "/stats").json()
-
-
-def metric(srv, name):
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            if line.startswith(name + " ") or line.split(" ")[0] == name:
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def metric_sum(srv, prefix, must_contain=""):
-    total = 0.0
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(prefix) and must_contain in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from mars.serving.config import ServeConfig
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -503,6 +419,9 @@ def test_metrics_are_exposed(server):
         (["+adaptive.speed=3", "tau_policy=adaptive"], "unknown adaptive"),
         (["port=70000"], "port"),
         (["max_batch=0"], "max_batch"),
+        (["max_body_bytes=100"], "max_body_bytes"),
+        (["allowed_hosts=evil.example"], "allowed_hosts"),
+        (["api_key=''"], "api_key"),
     ],
 )
 def test_bad_server_configs_are_refused_before_loading(overrides, match):
@@ -510,30 +429,36 @@ def test_bad_server_configs_are_refused_before_loading(overrides, match):
         ServeConfig.from_cfg(compose_serve(BASE + overrides))
 
 
-@pytest.mark.slow
-def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
+def launch_serve_py(tmp_path, *overrides):
+    """``python serve.py`` on a free loopback port; (process, url) once ``/health`` answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "serve.py", "model=tiny-random", f"port={port}", "max_tokens=8", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "serve.py", "model=tiny-random", f"port={port}", f"hydra.run.dir={tmp_path}", *overrides],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    assert wait_for(up, timeout=90, every=0.2) and proc.poll() is None
+    return proc, url
+
+
+@pytest.mark.slow
+def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
+    proc, url = launch_serve_py(tmp_path, "max_tokens=8")
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        assert wait_for(up, timeout=90, every=0.2) and proc.poll() is None
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         r = c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
@@ -542,3 +467,38 @@ def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-2000:]
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_serve_py_drains_on_sigterm_as_documented(tmp_path):
+    """The real signal: the socket stays open (503, not "connection refused"), a stream that outlives the
+    grace ends with an error event and [DONE], and the process exits 0."""
+    # cache=none refeeds the whole text at every step: a long stream takes many seconds even on this model
+    proc, url = launch_serve_py(tmp_path, "shutdown_grace_s=1", "threads=1", "decoding.cache=none")
+    events, status = [], {}
+
+    def stream():
+        body = {"model": "tiny-random", "prompt": "long", "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            status["code"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert wait_for(lambda: len(events) >= 2, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 503, timeout=5)
+        late = httpx.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "late", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        reader.join(30)
+        assert status["code"] == 200 and events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-2][:300]
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-2000:]

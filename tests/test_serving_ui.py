@@ -1,6 +1,9 @@
-"""The page at ``/`` in headless Chromium (Debian's ``chromium``), driven over the Chrome DevTools Protocol:
-load it, submit a prompt below the server's tau, screenshot, check the streamed answer appeared with
-each forward's tokens in their own shaded span.  Slow: it serves the embedded SmolLM2-135M.
+"""The page at ``/`` in headless Chromium (Debian's ``chromium``), driven over the Chrome DevTools Protocol.
+
+On the tiny random model: the threshold the page shows is the one a request is served at (by default and
+with "server tau"), and with an API key the page asks for it and sends it.  Slow, on the embedded
+SmolLM2-135M: submit a prompt below the server's tau, screenshot, check the streamed answer appeared with
+each forward's tokens in their own shaded span.
 
 The screenshot goes to the test's tmp dir, or to ``$MARS_UI_SCREENSHOT`` when set.
 """
@@ -8,6 +11,7 @@ The screenshot goes to the test's tmp dir, or to ``$MARS_UI_SCREENSHOT`` when se
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -15,9 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving_fixtures import loaded, one_thread, start_server  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 
 
 class DevTools:
@@ -90,8 +96,109 @@ def launch(user_dir: Path) -> tuple[subprocess.Popen, str]:
     return proc, pages[0]["webSocketDebuggerUrl"]
 
 
+class Page:
+    """A headless Chromium with one tab on ``url``, loaded and polled once."""
+
+    def __init__(self, url: str, user_dir: Path):
+        self.proc, ws_url = launch(user_dir)
+        self.tab = DevTools(ws_url)
+        self.tab.call("Page.enable")
+        self.tab.call("Page.navigate", url=url)
+        self.tab.wait("document.readyState === 'complete' && document.getElementById('model').textContent", 30)
+
+    def close(self):
+        self.tab.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    def text(self, element_id: str) -> str:
+        return self.tab.js(f"document.getElementById('{element_id}').textContent")
+
+    def send(self, timeout: float = 60) -> str:
+        """Click Send; the finish reason (or the error shown)."""
+        self.tab.js("""(() => { const o = document.getElementById('output'); delete o.dataset.done;
+            document.getElementById('error').textContent = '';
+            document.getElementById('max-tokens').value = '6'; document.getElementById('send').click(); })()""")
+        return self.tab.wait(
+            "document.getElementById('output').dataset.done || document.getElementById('error').textContent", timeout
+        )
+
+
+def served_tau(page: Page) -> str:
+    m = re.search(r"served at tau (\S+)", page.text("req"))
+    assert m, page.text("req")
+    return m.group(1)
+
+
+def test_the_page_markup_starts_with_the_slider_in_charge():
+    """Without a browser (Chromium may be missing): at load, before any script runs, the threshold sent is
+    the slider's and the label shows that value."""
+    from html.parser import HTMLParser
+
+    from mars.serving.ui import PAGE
+
+    inputs, labels = {}, {}
+
+    class Collect(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.in_label = None
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "input" and "id" in attrs:
+                inputs[attrs["id"]] = attrs
+            self.in_label = attrs.get("id") if tag == "b" else None
+
+        def handle_endtag(self, tag):
+            self.in_label = None
+
+        def handle_data(self, data):
+            if self.in_label:
+                labels[self.in_label] = data.strip()
+
+    Collect().feed(PAGE)
+    assert "checked" not in inputs["use-server"]  # the box was ticked: no threshold sent, 1.0 served
+    assert "disabled" not in inputs["threshold"]
+    assert labels["threshold-value"] == f"{float(inputs['threshold']['value']):.2f}"
+
+
+@needs_chromium
+def test_the_page_serves_the_threshold_it_shows(loaded, tmp_path):
+    """The page showed 0.90 with "server tau" ticked by default and so sent no threshold: served 1.0."""
+    srv = start_server(loaded, "threshold=1.0", "tau_min=0.5")
+    page = Page(srv.url + "/", tmp_path / "profile")
+    try:
+        shown = page.text("threshold-value")
+        assert shown == "0.90"
+        assert page.send() in ("stop", "length")
+        assert served_tau(page) == f"{float(shown):.3f}"
+        page.tab.js("document.getElementById('use-server').click()")  # leave tau to the server
+        page.tab.wait("document.getElementById('threshold-value').textContent === '1.00'", 5)
+        assert page.send() in ("stop", "length")
+        assert served_tau(page) == "1.000"
+    finally:
+        page.close()
+        srv.stop()
+
+
+@needs_chromium
+def test_the_page_sends_the_api_key_the_server_asks_for(loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("MARS_API_KEY", "page-key")
+    srv = start_server(loaded)
+    page = Page(srv.url + "/", tmp_path / "profile")
+    try:
+        page.tab.wait("!document.getElementById('api-key-box').hidden", 5)
+        assert "401" in page.send()  # no key yet: the server's refusal is shown
+        page.tab.js("document.getElementById('api-key').value = 'page-key'")
+        assert page.send() in ("stop", "length")
+    finally:
+        page.close()
+        srv.stop()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+@needs_chromium
 def test_the_page_streams_an_answer_with_shaded_forwards(tmp_path):
     from hydra import compose, initialize_config_dir
 

@@ -1,12 +1,18 @@
 """The FastAPI application: OpenAI-compatible routes, health, metrics, live stats and the UI page.
 
-Handlers validate and tokenize on the event loop, then hand :class:`~mars.serving.scheduler.Job` objects to
-the engine loop thread and await their events on an asyncio queue (the loop posts them with
-``call_soon_threadsafe``).  Streaming responses are server-sent events (sse-starlette); each event carries
-the text of one forward's accepted tokens for one choice, with ``mars.tokens`` (how many) and
-``mars.forward`` (which forward of that request), which is what the UI shades.  A client that goes away
-(stream closed, or a non-streaming client disconnecting) has its jobs cancelled: a waiting job is dropped,
-a running row leaves the batch at the next step.
+A POST is checked in the order of its cost: Host and API key (:mod:`~mars.serving.guard`), the media type
+(``application/json`` only: 415), the body's size (``max_body_bytes``: 413 from the declared length before
+reading, or as soon as the read passes it), then, in a worker thread so that the event loop keeps
+answering (``/health`` included) however large the prompt, the JSON, every field (strict types), the
+number of prompts, the context length and the tokenization.  Then handlers hand
+:class:`~mars.serving.scheduler.Job` objects to the engine loop thread and await their events on an
+asyncio queue (the loop posts them with ``call_soon_threadsafe``).  Streaming responses are server-sent
+events (sse-starlette); each event carries the text of one forward's accepted tokens for one choice, with
+``mars.tokens`` (how many) and ``mars.forward`` (which forward of that request), which is what the UI
+shades.  A client that goes away (stream closed, or a non-streaming client disconnecting) has its jobs
+cancelled: a waiting job is dropped, a running row leaves the batch at the next step.  A job that fails
+(or is cancelled by a shutdown) ends a non-streaming request with its OpenAI-shaped error and a stream
+with an error event followed by ``[DONE]`` (as vLLM ends its streams).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON for the UI), ``GET /`` (the UI).
@@ -31,6 +37,8 @@ from sse_starlette import EventSourceResponse
 
 from mars.decoding.settings import DecodingSettings, validate_threshold
 
+from .config import DEFAULT_MAX_BODY_BYTES
+from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
 from .scheduler import EngineLoop, Job, JobEvent, QueueFull, Unavailable
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, _Common, from_validation_error
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DISCONNECT_POLL_S = 0.2  # a non-streaming client that left is noticed within this (its row then frees)
+PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/stats", "/")
 
 
@@ -55,8 +64,26 @@ class ServingState:
     vocab_size: int
     default_max_tokens: int
     shutdown_grace_s: float = 10.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    host: str = "127.0.0.1"
+    allowed_hosts: list[str] | None = None
+    api_key: str | None = field(default=None, repr=False)
     info: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int | None = None  # see longest_token_chars: None when no bound holds
+    in_flight: int = 0  # HTTP requests being answered (the drain on shutdown waits for them)
+    _prepare_limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
+
+    @property
+    def max_prompts(self) -> int:
+        """Prompts one request may carry: all of its jobs must fit in the rows and the queue at once."""
+        return self.loop.max_batch + self.loop.max_queue
+
+    @property
+    def prepare_limiter(self) -> anyio.CapacityLimiter:
+        if self._prepare_limiter is None:  # made on the event loop, on first use
+            self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+        return self._prepare_limiter
 
     @property
     def metrics(self):
@@ -68,8 +95,8 @@ class ServingState:
 
 
 class CountRequests:
-    """Counts answered requests by route and status (plain ASGI: it leaves disconnect detection and
-    streaming alone, which ``BaseHTTPMiddleware`` would wrap)."""
+    """Counts answered requests by route and status, and the requests being answered (plain ASGI: it leaves
+    disconnect detection and streaming alone, which ``BaseHTTPMiddleware`` would wrap)."""
 
     def __init__(self, app, state: ServingState):
         self.app, self.state = app, state
@@ -84,7 +111,11 @@ class CountRequests:
                 self.state.metrics.requests.labels(path if path in ROUTES else "other", str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted_send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.state.in_flight -= 1
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -100,12 +131,12 @@ def create_app(state: ServingState) -> FastAPI:
     app = FastAPI(title="MARS server", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.serving = state
 
-    app.add_middleware(CountRequests, state=state)
+    app.add_middleware(RequestGuard, hosts=HostRule(state.host, state.allowed_hosts), api_key=state.api_key)
+    app.add_middleware(CountRequests, state=state)  # outermost: counts the guard's refusals too
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
@@ -135,7 +166,8 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        return JSONResponse({"model": state.model_name, **state.info, **state.loop.snapshot()})
+        snap = state.loop.snapshot()
+        return JSONResponse({"model": state.model_name, **state.info, **snap, "api_key_required": bool(state.api_key)})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -154,35 +186,101 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
-        prompts = body.prompts()
-        ids = [
-            _encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt") for p in prompts
-        ]
-        jobs = _jobs(state, body, ids, body.max_tokens, "max_tokens", "prompt")
+        raw = await _read_body(request, state.max_body_bytes)
+        body, jobs = await _off_loop(state, _prepare_completion, state, raw)
         return await _serve(state, request, jobs, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
-        try:
-            text = state.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
-        except Exception as err:
-            raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
-        ids = [_check_ids(state, state.tokenizer(text, add_special_tokens=False)["input_ids"], "messages")]
-        jobs = _jobs(state, body, ids, body.budget, body.budget_field, "messages")
+        raw = await _read_body(request, state.max_body_bytes)
+        body, jobs = await _off_loop(state, _prepare_chat, state, raw)
         return await _serve(state, request, jobs, body, chat=True)
 
     return app
 
 
+# ---------------------------------------------------------------------------------------------- reading
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body of a JSON POST, at most ``limit`` bytes: 415 for another media type, 413 past the limit
+    (from the declared length before anything is read, else as soon as the read passes it)."""
+    declared_type = request.headers.get("content-type")
+    media = (declared_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as 'Content-Type: application/json', got {declared_type!r}",
+            None,
+            "unsupported_media_type",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    got = f"{size} bytes" if size is not None else "more"
+    return APIError(
+        413,
+        f"the request body has {got}, over this server's limit of {limit} bytes (max_body_bytes)",
+        None,
+        "request_too_large",
+    )
+
+
+async def _off_loop(state: ServingState, fn, *args):
+    """Run a request's parsing and tokenization in a worker thread: a large prompt takes seconds to
+    tokenize, and the event loop must keep answering meanwhile (the tokenizer releases the GIL)."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=state.prepare_limiter)
+
+
 # ---------------------------------------------------------------------------------------------- parsing
-async def _parse(request: Request, schema: type[_Common]) -> _Common:
-    raw = await request.body()
+def _prepare_completion(state: ServingState, raw: bytes) -> tuple[CompletionRequest, list[Job]]:
+    """Everything from the raw body to the jobs, cheapest checks first (runs in a worker thread)."""
+    body = _parse(state, raw, CompletionRequest)
+    prompts = body.prompts()
+    if len(prompts) > state.max_prompts:
+        raise APIError(
+            400,
+            f"prompt holds {len(prompts)} prompts, more than this server can ever take in one request: at most "
+            f"{state.max_prompts} (max_batch={state.loop.max_batch} rows + max_queue={state.loop.max_queue} "
+            "waiting); send them in several requests",
+            "prompt",
+            "too_many_prompts",
+        )
+    knobs = _knobs(state, body)
+    ids = [_encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt") for p in prompts]
+    return body, _jobs(state, body, knobs, ids, body.max_tokens, "max_tokens")
+
+
+def _prepare_chat(state: ServingState, raw: bytes) -> tuple[ChatCompletionRequest, list[Job]]:
+    body = _parse(state, raw, ChatCompletionRequest)
+    knobs = _knobs(state, body)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        text = state.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+    except Exception as err:
+        raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
+    ids = [_encode_text(state, text, "messages", add_special_tokens=False)]
+    return body, _jobs(state, body, knobs, ids, body.budget, body.budget_field)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _parse(state: ServingState, raw: bytes, schema: type[_Common]) -> _Common:
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)  # NaN and Infinity are not JSON
+    except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"malformed JSON body: {err}", "body") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", "body")
     try:
@@ -190,7 +288,6 @@ async def _parse(request: Request, schema: type[_Common]) -> _Common:
     except ValidationError as err:
         raise from_validation_error(err) from None
     body.unsupported()
-    state: ServingState = request.app.state.serving
     if body.model is not None and body.model != state.model_name:
         raise APIError(
             400, f"unknown model {body.model!r}; this server serves {state.model_name!r}", "model", "model_not_found"
@@ -198,31 +295,58 @@ async def _parse(request: Request, schema: type[_Common]) -> _Common:
     return body
 
 
-def _encode_text(state: ServingState, text: str, param: str) -> list[int]:
-    return _check_ids(state, state.tokenizer(text)["input_ids"], param)
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token can cover, when the tokenizer guarantees a bound: a fast tokenizer
+    without a normalizer (byte-level BPE as in SmolLM2, GPT-2, Llama 3) splits the text itself into
+    tokens, each spanning at most its own string's length (bytes for byte-level, which are at least the
+    characters).  A normalizer (NFC, stripping, ...) could shrink the text first: then None (no bound)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(map(len, vocab), default=0) or None
+
+
+def _encode_text(state: ServingState, text: str, param: str, **kw) -> list[int]:
+    """Tokenize, unless the text's length alone shows it cannot fit: then refuse without the work (seconds
+    for a megabyte)."""
+    if state.max_token_chars and -(-len(text) // state.max_token_chars) >= state.context_length:
+        raise APIError(
+            400,
+            f"{param} has {len(text)} characters, so at least {-(-len(text) // state.max_token_chars)} tokens "
+            f"(a token spans at most {state.max_token_chars} characters), more than the model's context of "
+            f"{state.context_length} tokens",
+            param,
+            "context_length_exceeded",
+        )
+    return _check_ids(state, state.tokenizer(text, **kw)["input_ids"], param)
 
 
 def _check_ids(state: ServingState, ids: list[int], param: str) -> list[int]:
+    if len(ids) >= state.context_length:  # before touching every id
+        raise _too_long(len(ids), state, param)
     ids = [int(t) for t in ids]
     if not ids:
         raise APIError(400, f"{param} is empty after tokenization", param)
     bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"{param} has token id {bad}, outside the model's vocabulary of {state.vocab_size}", param)
-    if len(ids) >= state.context_length:
-        raise APIError(
-            400,
-            f"{param} has {len(ids)} tokens, longer than the model's context of "
-            f"{state.context_length} tokens (at least one position must remain for generation)",
-            param,
-            "context_length_exceeded",
-        )
     return ids
 
 
-def _jobs(
-    state: ServingState, body: _Common, ids: list[list[int]], budget: int | None, budget_field: str, prompt_field: str
-) -> list[Job]:
+def _too_long(n: int, state: ServingState, param: str) -> APIError:
+    return APIError(
+        400,
+        f"{param} has {n} tokens, longer than the model's context of "
+        f"{state.context_length} tokens (at least one position must remain for generation)",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float]:
+    """The request's threshold and temperature under the server's decoding rules (checked before any
+    tokenization): ``validate_threshold`` for the metric, and what ``verify`` allows."""
     s = state.settings
     threshold = body.threshold
     if threshold is not None:
@@ -236,6 +360,18 @@ def _jobs(
         except ValueError as err:
             raise APIError(400, str(err), "threshold" if "threshold" in str(err) else "verify") from None
     temperature = s.temperature if body.temperature is None else float(body.temperature)
+    return threshold, temperature
+
+
+def _jobs(
+    state: ServingState,
+    body: _Common,
+    knobs: tuple[float | None, float],
+    ids: list[list[int]],
+    budget: int | None,
+    budget_field: str,
+) -> list[Job]:
+    threshold, temperature = knobs
     jobs = []
     for i, prompt in enumerate(ids):
         room = state.context_length - len(prompt)
@@ -288,9 +424,8 @@ async def _serve(state: ServingState, request: Request, jobs: list[Job], body: _
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(state, jobs, queue, rid, chat, include_usage, body.return_token_ids)
-        return EventSourceResponse(
-            events, ping=15, shutdown_event=anyio.Event(), shutdown_grace_period=state.shutdown_grace_s
-        )
+        # a shutdown ends streams through the engine loop (error event + [DONE]), not by cutting them
+        return EventSourceResponse(events, ping=15)
     done: dict[int, JobEvent] = {}
     try:
         while len(done) < len(jobs):
@@ -302,7 +437,7 @@ async def _serve(state: ServingState, request: Request, jobs: list[Job], body: _
                     return Response(status_code=499)
                 continue
             if event.error is not None:
-                raise APIError(event.status if event.status != 499 else 500, event.error, None)
+                raise _job_error(event)
             if event.done:
                 done[event.job.index] = event
     finally:
@@ -310,6 +445,12 @@ async def _serve(state: ServingState, request: Request, jobs: list[Job], body: _
             if job.index not in done:
                 state.loop.cancel(job.id)
     return JSONResponse(_response(state, jobs, done, rid, chat, body.return_token_ids))
+
+
+def _job_error(event: JobEvent) -> APIError:
+    status = event.status if event.status != 499 else 500
+    code = {400: "invalid_request", 503: "unavailable"}.get(status, "internal_error")
+    return APIError(status, event.error or "failed", None, code)
 
 
 def _finish(event: JobEvent) -> str:
@@ -405,9 +546,9 @@ async def _stream(
         while len(finished) < len(jobs):
             event: JobEvent = await queue.get()
             job = event.job
-            if event.error is not None:
-                status = event.status if event.status != 499 else 500
-                yield {"data": json.dumps(APIError(status, event.error).body())}
+            if event.error is not None:  # the stream ends with the error, then [DONE] (as vLLM's do)
+                yield {"data": json.dumps(_job_error(event).body())}
+                yield {"data": "[DONE]"}
                 return
             mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
             if token_ids:

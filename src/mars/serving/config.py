@@ -3,13 +3,15 @@
 Everything that can be wrong with the configuration fails here with a message naming the key: the
 tau policy and its bounds, the decoding settings (the server needs the step-wise engine: decoder
 ``mars`` or ``jacobi``, cache ``cursor`` or ``none``; ``block`` cannot take requests mid-run), the
-limits, the host and port.
+limits, the host and port, the allowed Host names and the API key (``api_key``, else the
+``MARS_API_KEY`` environment variable, which keeps the key out of the run folder's saved config).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,9 @@ from mars.decoding.settings import DecodingSettings
 from .policy import POLICIES, build_policy
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "MARS_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 def _plain(value: Any) -> Any:
@@ -64,6 +69,9 @@ class ServeConfig:
     warmup: bool = True
     log_level: str = "info"
     metrics_window_s: float = 10.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_hosts: list[str] | None = None
+    api_key: str | None = field(default=None, repr=False)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -72,13 +80,26 @@ class ServeConfig:
         host = c.get("host", "127.0.0.1")
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a host name or address, got {host!r}")
-        if host not in ("localhost",) and not _is_loopback(host):
+        port = _int(c, "port", 0, 65535)
+        api_key = c.get("api_key")
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV) or None
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ValueError(f"api_key must be a non-empty string or null, got a {type(api_key).__name__}")
+        if host not in ("localhost",) and not _is_loopback(host) and api_key is None:
             warnings.warn(
-                f"host={host} exposes the server beyond this machine; it has no authentication",
+                f"host={host} exposes the server beyond this machine without an API key (set {API_KEY_ENV} or api_key)",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        port = _int(c, "port", 0, 65535)
+        allowed_hosts = c.get("allowed_hosts")
+        if allowed_hosts is not None and (
+            not isinstance(allowed_hosts, list) or not all(isinstance(h, str) and h.strip() for h in allowed_hosts)
+        ):
+            raise ValueError(
+                f"allowed_hosts must be a list of host names ('*' for any, '*.example.org' for subdomains) "
+                f"or null, got {allowed_hosts!r}"
+            )
         checkpoint = c.get("checkpoint")
         meta = None
         decoding = dict(c.get("decoding") or {})
@@ -143,6 +164,11 @@ class ServeConfig:
             warmup=bool(c.get("warmup", True)),
             log_level=str(c.get("log_level", "info")),
             metrics_window_s=float(c.get("metrics_window_s", 10.0)),
+            max_body_bytes=_int(
+                {"max_body_bytes": c.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)}, "max_body_bytes", 1024
+            ),
+            allowed_hosts=allowed_hosts,
+            api_key=api_key,
         )
 
 
@@ -169,7 +195,7 @@ def build_state(sc: ServeConfig, loaded=None):
     from mars.decoding.stopping import eos_token_ids
     from mars.hardware import resolve_device, resolve_dtype_name
 
-    from .app import ServingState
+    from .app import ServingState, longest_token_chars
     from .metrics import ServerMetrics
     from .scheduler import EngineLoop
 
@@ -236,5 +262,10 @@ def build_state(sc: ServeConfig, loaded=None):
         vocab_size=runner.vocab_size,
         default_max_tokens=sc.max_tokens,
         shutdown_grace_s=sc.shutdown_grace_s,
+        max_body_bytes=sc.max_body_bytes,
+        host=sc.host,
+        allowed_hosts=sc.allowed_hosts,
+        api_key=sc.api_key,
+        max_token_chars=longest_token_chars(tokenizer),
         info=info,
     )

@@ -8,11 +8,17 @@ row's accepted tokens into a text delta and hand it to the job's sink (the handl
 update the policy and the metrics.  Bounded memory: at most ``max_batch`` rows and ``max_queue``
 waiting jobs beyond the free rows; :meth:`EngineLoop.submit` refuses more (the route answers 429).
 
-Failure isolation: work that belongs to one job (building its request, detokenizing, delivering to its
-client) runs inside a try block per job, and a failure there fails that job only (its row is cancelled
-and leaves at the next step).  A failure of the batched step itself cannot be pinned on one row: the
-rows of that step fail (500), the engine is rebuilt empty and the loop goes on with the queue.
-Cancellation (a client that disconnected) marks the row; the engine retires it at its next step.
+Failure isolation: work that belongs to one job runs inside a try block per job, and a failure there
+fails that job only (its row is cancelled and leaves at the next step).  That includes everything a row
+needs that can fail on its own before it joins the batch: its request (threshold, budget, stop strings)
+and its sampler, whose seed ``torch.Generator`` may refuse (the engine would build it inside the
+batched admission, where one bad seed failed every row); then detokenizing and delivering to its client.
+A failure of the batched forward itself cannot be pinned on one row: the rows of that step fail (500),
+the engine is rebuilt empty and the loop goes on with the queue.  Cancellation (a client that
+disconnected) marks the row; the engine retires it at its next step.
+
+Shutdown (:meth:`EngineLoop.drain`): new jobs are refused at once (503), running and waiting ones get the
+grace period, then what is left is cancelled with 503 and the thread ends.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from mars.decoding.engine import DecodeEngine
 
@@ -154,13 +162,19 @@ class EngineLoop:
     def accepting(self) -> bool:
         return self._accepting and self.alive
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Refuse new jobs, let running and waiting ones finish for up to ``grace_s`` seconds, then cancel
-        what is left (its clients get 503) and end the thread."""
+    def drain(self, grace_s: float = 10.0) -> None:
+        """Refuse new jobs from now on, let running and waiting ones finish for up to ``grace_s`` seconds,
+        then cancel what is left (its clients get 503); the thread ends as soon as nothing is left.
+        Returns at once; a second call can only bring the deadline closer."""
         with self._lock:
             self._accepting = False
-            self._deadline = time.monotonic() + max(0.0, grace_s)
+            deadline = time.monotonic() + max(0.0, grace_s)
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
         self._wake.set()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """:meth:`drain`, then wait for the thread to end."""
+        self.drain(grace_s)
         if self._thread is not None:
             self._thread.join()
 
@@ -277,6 +291,7 @@ class EngineLoop:
                     verify=job.verify,
                     id=job.id,
                 )
+                _check_sampler(req.seed, req.temperature)
                 job.stream = TextStream(self.tokenizer, self.eos_ids, req.stops, job.max_new_tokens)
             except Exception as err:  # this job only
                 log.exception("request %s could not be admitted", job.id)
@@ -408,3 +423,13 @@ class EngineLoop:
         for job in left + [j for j in self.live.values() if not j.failed]:
             self._fail(job, 503, "the server shut down before this request finished")
         self.live.clear()
+
+
+def _check_sampler(seed: int | None, temperature: float) -> None:
+    """Seed a sampler as the engine will for this row (``torch.Generator.manual_seed``), so that a seed it
+    refuses fails this job alone, here, and not the batched admission of every row."""
+    if temperature > 0 and seed is not None:
+        try:
+            torch.Generator().manual_seed(seed)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as err:
+            raise ValueError(f"seed {seed!r} cannot seed the sampler ({err})") from None

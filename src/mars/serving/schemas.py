@@ -3,16 +3,33 @@
 Unknown fields are refused (as the OpenAI API does) so that a misspelt knob (``treshold``) fails loudly
 instead of being ignored; fields the API defines but this server does not implement are accepted only
 at their neutral value (``n=1``, ``top_p=1``, no penalties, no logprobs) and refused otherwise, naming
-the field.  MARS extras: ``threshold`` (the request's own tau, honoured inside the server's bounds),
-``verify`` (lossless self-speculative decoding: exactly greedy output at more than one token per
-forward) and ``return_token_ids`` (the generated ids with each choice and each streamed chunk).
+the field.
+
+Types are strict (pydantic strict mode), with the rules ``mars.decoding.generate`` and
+:class:`~mars.decoding.settings.DecodingSettings` apply: a number is a JSON number (``true`` or ``"0.9"`` is
+not a threshold), an integer is a JSON integer (``true`` is not a budget), a flag is ``true``/``false``
+(``"yes"`` is not), token ids are integers (``["1", 2]`` is not a prompt), and no NaN or infinity.  The
+``seed`` is range-checked against what the sampler's ``torch.Generator.manual_seed`` accepts, so a seed
+that would raise inside the batched step is a 400 here instead.
+
+MARS extras: ``threshold`` (the request's own tau, honoured inside the server's bounds), ``verify``
+(lossless self-speculative decoding: exactly greedy output at more than one token per forward) and
+``return_token_ids`` (the generated ids with each choice and each streamed chunk).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64 - 1] (negative ones are mapped to
+# 2**64 + seed) and raises outside it; the sampler of a row is seeded with the request's seed.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOPS = 4
+# the strict, closed shape of every request object (fields are checked, never coerced)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class APIError(Exception):
@@ -20,15 +37,28 @@ class APIError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        401: "authentication_error",
         404: "not_found_error",
+        413: "invalid_request_error",
+        415: "invalid_request_error",
         429: "rate_limit_error",
         500: "server_error",
         503: "service_unavailable",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
+        if status in (429, 503):
+            self.headers.setdefault("Retry-After", "1")
 
     def body(self) -> dict:
         return {
@@ -51,20 +81,83 @@ def from_validation_error(err: ValidationError) -> APIError:
         message = f"unrecognized request argument supplied: {param}"
     elif kind == "missing":
         message = f"missing required field: {param}"
+    elif kind == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # our own validators' messages name the field and the value
     else:
         message = f"invalid value for {param}: {first.get('msg', 'invalid')}"
-        if "input" in first and not isinstance(first["input"], (dict, list)):
-            message += f" (got {first['input']!r})"
+        if "input" in first:
+            message += f" (got {_shown(first['input'])})"
     return APIError(400, message, param)
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value as the client wrote it (JSON), cut short: a message never echoes a megabyte back."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kind(value: Any) -> str:
+    return (
+        "null"
+        if value is None
+        else {bool: "boolean", int: "integer", float: "number", str: "string"}.get(
+            type(value), type(value).__name__.replace("dict", "object").replace("list", "array")
+        )
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A completion prompt: a string, a list of strings, a list of token ids or a list of such lists;
+    nothing is converted (``["1", 2]`` is refused, not read as token ids)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, str) for x in value):
+            return value
+        if all(_is_token_id(x) for x in value):
+            return value
+        if all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in value):
+            return value
+        kinds = sorted({_kind(x) if not isinstance(x, list) else "array" for x in value})
+        got = f"an array of {' and '.join(kinds)} values"
+    else:
+        got = f"{_kind(value)} {_shown(value)}"
+    raise ValueError(
+        "prompt must be a string, an array of strings, an array of token ids (integers) or an array of "
+        f"arrays of token ids; got {got}"
+    )
+
+
+def check_stop(value: Any) -> list[str] | None:
+    """``stop``: a string or up to 4 of them, each non-empty (the rule of ``generate``'s ``stop``)."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or an array of strings, got {_shown(value)}")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must be non-empty strings")
+    return stops
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -73,7 +166,7 @@ class _Common(BaseModel):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Any = None  # str | list[str], checked by check_stop (one clear message instead of a union's two)
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -87,13 +180,17 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else value
-        if stops is not None:
-            if len(stops) > 4:
-                raise ValueError("at most 4 stop sequences")
-            if any(not s for s in stops):
-                raise ValueError("stop sequences must be non-empty strings")
-        return stops
+        return check_stop(value)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        if value is not None and not SEED_MIN <= value <= SEED_MAX:
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (what the sampler's generator accepts), "
+                f"got {value}"
+            )
+        return value
 
     def unsupported(self) -> None:
         """Refuse API features this server does not implement, naming the field."""
@@ -109,11 +206,16 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by check_prompt
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        return check_prompt(value)
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -130,24 +232,37 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
+        if all(_is_token_id(x) for x in p):
             return [list(p)]
         return list(p)
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Any  # str | list[ContentPart], checked below
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str)
+            for p in value
+        ):
+            return [ContentPart(type="text", text=p["text"]) for p in value]
+        raise ValueError(
+            'content must be a string or an array of text parts ({"type": "text", "text": "..."}), '
+            f"got {_shown(value)}"
+        )
 
     def text(self) -> str:
         if isinstance(self.content, str):

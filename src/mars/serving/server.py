@@ -1,9 +1,14 @@
 """Running the app: ``serve.py``'s body (:func:`run`) and :class:`BackgroundServer` (uvicorn in a thread on
 a free loopback port, for tests, notebooks and the load test's in-process mode).
 
-Shutdown (Ctrl-C / SIGTERM, or ``BackgroundServer.stop``): uvicorn stops accepting connections and waits
-up to ``shutdown_grace_s`` for open requests (streams included) to finish; then the app's lifespan stops
-the engine loop, which cancels whatever is still running (those clients get 503) and ends its thread.
+Shutdown (Ctrl-C / SIGTERM, or ``BackgroundServer.stop``) drains first (:class:`DrainingServer`): the socket
+stays open, ``/health`` answers 503 ``draining`` (a load balancer's cue to send elsewhere) and new requests
+get 503 with ``Retry-After``, while in-flight requests (streams included) get ``shutdown_grace_s`` to
+finish; then the engine loop cancels what is left (a non-streaming request gets a JSON 503, a stream an
+error event and ``[DONE]``).  Once no request is open (or a few seconds past the grace), uvicorn closes
+the socket and the process exits 0.  A second signal stops waiting: what is left is cancelled at once.
+Plain uvicorn would instead close the socket at the first signal (new requests: connection refused) and
+cut whatever outlived its timeout (a plain-text 500, a stream without its end).
 """
 
 from __future__ import annotations
@@ -21,16 +26,65 @@ from .app import ServingState, create_app
 log = logging.getLogger(__name__)
 
 
-def uvicorn_config(app, *, host: str, port: int, grace_s: float, log_level: str = "info") -> uvicorn.Config:
+# after the drain: how long the responses to cancelled requests (503s, the streams' last events) may take
+CLOSE_MARGIN_S = 5.0
+
+
+def uvicorn_config(app, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=grace_s,
+        timeout_graceful_shutdown=CLOSE_MARGIN_S,  # the drain has already waited for the requests
         lifespan="on",
         access_log=False,
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains before it closes its socket (see the module docstring).
+
+    The signal handler only counts the request to exit (a handler must not take the engine loop's lock,
+    which the interrupted thread may hold); the drain runs on the event loop, in ``on_tick`` (every 0.1 s).
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServingState):
+        super().__init__(config)
+        self.state = state
+        self.exit_requests = 0
+        self._handled = 0
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # not uvicorn's handler (nor sse-starlette's patch of it, which would cut every stream at once):
+        # keep the signal for uvicorn to re-raise after the shutdown, as it does, and start the drain
+        self._captured_signals.append(sig)
+        self.request_exit()
+
+    def request_exit(self) -> None:
+        self.exit_requests += 1
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.exit_requests > self._handled:
+            first = self._handled == 0
+            self._handled = self.exit_requests
+            grace = self.state.shutdown_grace_s if first else 0.0
+            now = time.monotonic()
+            self.drain_deadline = now + grace if first else min(self.drain_deadline, now)
+            log.info(
+                "draining: new requests get 503, %d open request(s) get %.1f s to finish",
+                max(self.state.in_flight, 0),
+                grace,
+            )
+            self.state.loop.drain(grace)
+        if self.drain_deadline is not None and not self.should_exit:
+            late = time.monotonic() > self.drain_deadline + CLOSE_MARGIN_S
+            if self.state.in_flight <= 0 or late:
+                if late:
+                    log.warning("%d request(s) still open past the grace period; closing", self.state.in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def run(cfg) -> None:
@@ -51,10 +105,8 @@ def run(cfg) -> None:
         sc.max_queue,
         state.info,
     )
-    server = uvicorn.Server(
-        uvicorn_config(app, host=sc.host, port=sc.port, grace_s=sc.shutdown_grace_s, log_level=sc.log_level)
-    )
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; both end here
+    server = DrainingServer(uvicorn_config(app, host=sc.host, port=sc.port, log_level=sc.log_level), state)
+    # the server drains on SIGINT/SIGTERM and then re-raises the signal (as uvicorn does); both end here
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.run()
@@ -73,10 +125,8 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(
-            uvicorn_config(
-                self.app, host=self.host, port=self.port, grace_s=state.shutdown_grace_s, log_level=log_level
-            )
+        self.server = DrainingServer(
+            uvicorn_config(self.app, host=self.host, port=self.port, log_level=log_level), state
         )
         self.thread: threading.Thread | None = None
 
@@ -97,7 +147,8 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        self.server.should_exit = True
+        """Shut down as on SIGTERM (drain, then close) and wait for the thread."""
+        self.server.request_exit()
         if self.thread is not None:
             self.thread.join(timeout)
         self.sock.close()

@@ -5,6 +5,12 @@ figures (tau, queue, batch, tokens/s, tokens per forward) polled from ``/stats``
 One self-contained HTML document (no external assets: the server may run where nothing else is
 reachable).  It streams from ``/v1/chat/completions`` (or ``/v1/completions``) with ``fetch`` and reads the
 server-sent events itself, since ``EventSource`` cannot POST.
+
+The threshold shown is the one served: the slider's value is sent with the request (it starts at 0.90,
+clamped to the server's bounds once they are known, and the label follows the clamping); ticking
+"server tau" disables the slider and makes it show the server's live tau, which is what a request
+without a threshold gets.  When the server wants an API key (``/stats`` says so), a key box appears and
+the key is sent as ``Authorization: Bearer``.
 """
 
 PAGE = r"""<!doctype html>
@@ -54,12 +60,14 @@ PAGE = r"""<!doctype html>
   <div class="card">
     <textarea id="prompt" placeholder="Ask something...">Write a haiku about the sea.</textarea>
     <div class="row">
-      <label><input type="checkbox" id="use-server" checked> server tau</label>
-      <label>threshold <input type="range" id="threshold" min="0.5" max="1" step="0.01" value="0.9" disabled>
+      <label title="leave tau to the server's policy (the slider then shows the server's live tau)">
+        <input type="checkbox" id="use-server"> server tau</label>
+      <label>threshold <input type="range" id="threshold" min="0.5" max="1" step="0.01" value="0.9">
         <b id="threshold-value">0.90</b></label>
       <label>max tokens <input type="number" id="max-tokens" value="96" min="1"></label>
       <label><input type="checkbox" id="verify"> verify (lossless)</label>
       <label><select id="mode"><option value="chat">chat</option><option value="completion">completion</option></select></label>
+      <label id="api-key-box" hidden>API key <input type="password" id="api-key" size="14" autocomplete="off"></label>
       <button id="send">Send</button>
       <button id="stop" class="secondary" disabled>Stop</button>
     </div>
@@ -90,16 +98,31 @@ async function poll() {
     $("live-running").textContent = s.running + "/" + s.max_batch;
     $("live-tps").textContent = fmt(s.tokens_per_second, 1);
     $("live-tpf").textContent = fmt(s.tokens_per_forward, 2);
+    $("api-key-box").hidden = !s.api_key_required;
     const slider = $("threshold");
     if (!slider.dataset.bounded && s.tau_min !== undefined) {
-      slider.min = s.tau_min; slider.max = s.tau_max; slider.dataset.bounded = "1";
+      slider.min = s.tau_min; slider.max = s.tau_max; slider.dataset.bounded = "1";  // the browser clamps value
     }
+    serverTau = s.tau;
+    showThreshold();
   } catch (e) { /* server restarting: keep polling */ }
+}
+
+// What the label shows is what a request is served: the slider's value, or with "server tau" the live tau.
+// (verify is served at the exact reference threshold whatever the slider says).
+let serverTau = null;
+function showThreshold() {
+  const slider = $("threshold"), useServer = $("use-server").checked, verify = $("verify").checked;
+  const known = serverTau !== null && serverTau !== undefined;
+  slider.disabled = useServer || verify;
+  if (useServer && known) slider.value = serverTau;
+  $("threshold-value").textContent = verify ? "exact (verify)"
+    : useServer ? (known ? Number(serverTau).toFixed(2) : "server") : Number(slider.value).toFixed(2);
 }
 setInterval(poll, 1000); poll();
 
-$("use-server").addEventListener("change", () => { $("threshold").disabled = $("use-server").checked; });
-$("threshold").addEventListener("input", () => { $("threshold-value").textContent = Number($("threshold").value).toFixed(2); });
+for (const id of ["use-server", "verify"]) $(id).addEventListener("change", showThreshold);
+$("threshold").addEventListener("input", showThreshold);
 
 let pieces = 0;
 function addPiece(text, tokens, forward) {
@@ -133,10 +156,11 @@ async function send() {
   if ($("verify").checked) { body.verify = true; delete body.threshold; }
   controller = new AbortController();
   $("send").disabled = true; $("stop").disabled = false;
+  const headers = { "Content-Type": "application/json" };
+  if ($("api-key").value) headers["Authorization"] = "Bearer " + $("api-key").value;
   try {
     const r = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-      signal: controller.signal });
+      method: "POST", headers: headers, body: JSON.stringify(body), signal: controller.signal });
     if (!r.ok) { const e = await r.json(); throw new Error(r.status + ": " + e.error.message); }
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
