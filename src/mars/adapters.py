@@ -131,7 +131,8 @@ class MaskGate:
     def _dtype(self) -> torch.dtype:
         return self.delta.dtype if self.delta is not None else torch.float32
 
-    def after_lora_b(self, module, inputs, output):
+    def after_lora_a(self, module, inputs, output):
+        """Gate the rank-r activations: ``B(A(x) * g) = B(A(x)) * g`` at r/out_features of the cost."""
         if self.active is None:
             return output
         return output * self.active.reshape(*output.shape[:-1], 1).to(output.dtype)
@@ -218,8 +219,8 @@ def _install(model: nn.Module, gate: MaskGate, settings: AdapterSettings) -> Non
     gate.handles.append(_decoder(model).register_forward_pre_hook(gate.before_decoder, with_kwargs=True))
     if settings.gated:
         for layer in gate.lora_layers:
-            for module in layer.lora_B.values():
-                gate.handles.append(module.register_forward_hook(gate.after_lora_b))
+            for module in layer.lora_A.values():
+                gate.handles.append(module.register_forward_hook(gate.after_lora_a))
     if gate.delta is not None:
         gate.handles.append(model.get_input_embeddings().register_forward_hook(gate.after_embedding))
         # a registered parameter: optimizers, state dicts and .to() see it like any other
