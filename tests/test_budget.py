@@ -95,3 +95,29 @@ def test_a_budget_too_small_for_one_step_is_refused_before_the_model_loads(compo
 def test_bad_budgets_fail_naming_the_key(bad, match):
     with pytest.raises(ValueError, match=match):
         BudgetSettings(**bad)
+
+
+def test_snapshots_are_exported_at_their_share_of_the_budget_for_a_learning_curve(
+    compose_cfg, tiny_train_overrides, tmp_path
+):
+    over = tiny_train_overrides + [
+        "adapter=gated_lora",
+        "objective=mars_gated",
+        "adapter.rank=2",
+        "budget.minutes=0.04",
+        "budget.clock=wall",
+        "budget.snapshots=[0.01,0.02]",
+    ]
+    run(compose_cfg("train", over))
+    snaps = sorted((tmp_path / "run" / "snapshots").iterdir())
+    assert [p.name for p in snaps] == ["0.01min", "0.02min"]
+    metas = [json.loads((p / "mars_config.json").read_text()) for p in snaps]
+    assert [m["snapshot_minutes"] for m in metas] == [0.01, 0.02]
+    assert not any(m["complete"] for m in metas)
+    assert 0 < metas[0]["global_step"] <= metas[1]["global_step"]
+    assert load_model(str(snaps[0])).metadata["snapshot_minutes"] == 0.01
+
+
+def test_snapshots_outside_the_budget_are_refused():
+    with pytest.raises(ValueError, match="within budget.minutes"):
+        BudgetSettings(minutes=1, snapshots=(0.5, 2))

@@ -177,6 +177,19 @@ class HFExport(Callback):
         meta = dict(self.metadata, global_step=trainer.global_step, complete=self.complete)
         self.exported = export_from_trainer(trainer, pl_module.model, self.tokenizer, self.export_dir, meta)
 
+    def snapshot(self, trainer, pl_module, minutes: float) -> None:
+        """A learning-curve point: the model as it is after ``minutes`` of the compute budget, exported beside
+        the run (``snapshots/<minutes>min``; never ``complete``)."""
+        folder = self.export_dir.parent / "snapshots" / f"{minutes:g}min"
+        meta = dict(
+            self.metadata,
+            global_step=trainer.global_step,
+            complete=False,
+            snapshot_minutes=minutes,
+            tokens_seen=getattr(pl_module, "tokens_seen", None),
+        )
+        export_from_trainer(trainer, pl_module.model, self.tokenizer, folder, meta)
+
 
 # ------------------------------------------------------------------------------------------
 # Checks before anything loads
@@ -411,11 +424,6 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         seed=cfg.seed,
         adapter=adapter,
     )
-    extra_callbacks: list[Callback] = []
-    if budget.minutes is not None:
-        budget_cb = ComputeBudget(budget)
-        module.budget_progress = budget_cb.progress
-        extra_callbacks.append(budget_cb)
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     if budget.minutes is not None and trainer_cfg.get("max_steps", -1) == -1:
@@ -446,6 +454,11 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             base_num_parameters=base_params,
         ),
     )
+    extra_callbacks: list[Callback] = []
+    if budget.minutes is not None:
+        budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
+        module.budget_progress = budget_cb.progress
+        extra_callbacks.append(budget_cb)
     all_callbacks = [
         ModelCheckpoint(
             dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
