@@ -883,6 +883,30 @@ def test_mars_lm_eval_is_lm_evals_cli_with_the_model_registered(tiny_ckpt, tmp_p
     results = _lm_eval_results(tmp_path / "out")
     assert "exact_match,none" in results["results"]["mars_math"]
     assert results["config"]["threshold"] == 0.9 and results["config"]["block_size"] == 4  # from mars_config.json
+    # the headline figure, in lm-eval's results file and its printed table (1 <= x <= block size)
+    assert 1.0 <= results["results"]["mars_math"]["tokens_per_forward,none"] <= 4.0
+    assert results["higher_is_better"]["mars_math"]["tokens_per_forward"] is True
+    assert "|tokens_per_forward|" in proc.stdout.replace(" ", "")  # a row of lm-eval's printed table
+
+
+def test_lm_eval_results_get_tokens_per_forward_per_task_and_pooled_per_group():
+    from mars.evaluation.adapter import TaskStats, add_decoder_stats
+
+    results = {
+        "results": {"grp": {"alias": "grp"}, "a": {"acc,none": 0.5}, "b": {"acc,none": 1.0}, "ll": {"acc,none": 0.1}},
+        "groups": {"grp": {"alias": "grp"}},
+        "group_subtasks": {"grp": ["a", "b"], "a": [], "b": [], "ll": []},
+        "higher_is_better": {"a": {"acc": True}},
+    }
+    stats = {"a": TaskStats(generated_tokens=30, row_forwards=10), "b": TaskStats(generated_tokens=10, row_forwards=10)}
+    add_decoder_stats(results, stats)
+    assert results["results"]["a"]["tokens_per_forward,none"] == 3.0
+    assert results["results"]["b"]["tokens_per_forward,none"] == 1.0
+    # pooled over the group's requests (40 tokens / 20 forwards), not the mean of the task figures
+    assert results["groups"]["grp"]["tokens_per_forward,none"] == 2.0
+    assert results["results"]["grp"]["tokens_per_forward,none"] == 2.0
+    assert "tokens_per_forward,none" not in results["results"]["ll"]  # log-likelihood only: no decoder figure
+    assert results["higher_is_better"]["a"] == {"acc": True, "tokens_per_forward": True}
 
 
 @pytest.mark.slow
@@ -933,8 +957,9 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
 
     # each rank's progress bar: 2 of the 4 documents
     assert sorted(re.findall(r"generate tau=0\.5: 100%\|[^|]*\| (\d+/\d+)", log)) == ["2/2", "2/2"], log[-4000:]
+    lm = MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2)
     one = lm_eval.simple_evaluate(
-        model=MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2),
+        model=lm,
         tasks=["fx_qa"],
         task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
         apply_chat_template=True,
@@ -944,6 +969,9 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
     single = {s["doc_id"]: s["resps"][0][0] for s in one["samples"]["fx_qa"]}
     assert len(single) == len(QUESTIONS)
     assert _lm_eval_samples(tmp_path / "two", "fx_qa") == single
+    # tokens per forward over both ranks' requests, as one process counts it
+    reported = _lm_eval_results(tmp_path / "two")["results"]["fx_qa"]["tokens_per_forward,none"]
+    assert reported == pytest.approx(lm.task_stats["fx_qa"].tokens_per_forward)
 
 
 def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_task, tmp_path):
