@@ -26,6 +26,7 @@ from mars.checkpoint_meta import is_complete
 from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
 from mars.export import export_from_trainer
 from mars.loggers import build_logger
+from mars.logs import route_lightning_logs
 from mars.masking import MASK_SCHEDULES, mask_ratio
 from mars.models import check_model_source, load_model
 from mars.module import MarsModule
@@ -295,6 +296,7 @@ def launched_as_rank_zero() -> bool:
 def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
     unless ``overwrite``; ``callbacks`` are added to the trainer's."""
+    route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
     objective = validate(cfg)
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()

@@ -554,15 +554,19 @@ def _with_decoder_stats(simple_evaluate):
     For ``model="mars"`` the adapter is built here, as lm-eval would build it (its CLI's batch size and
     device included), so that its statistics outlive the run (lm-eval drops its own reference)."""
 
+    from mars.logs import folded_lm_eval_task_logs
+
     def wrapped(*args, model=None, model_args=None, **kwargs):
         if model != "mars":
-            return simple_evaluate(*args, model=model, model_args=model_args, **kwargs)
+            with folded_lm_eval_task_logs():
+                return simple_evaluate(*args, model=model, model_args=model_args, **kwargs)
         extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
         if isinstance(model_args, dict):
             lm = MarsLM.create_from_arg_obj(model_args, extra)
         else:
             lm = MarsLM.create_from_arg_string(model_args or "", extra)
-        results = simple_evaluate(*args, model=lm, model_args=model_args, **kwargs)
+        with folded_lm_eval_task_logs():  # one line per task, not four
+            results = simple_evaluate(*args, model=lm, model_args=model_args, **kwargs)
         stats = _gathered_stats(lm)  # every rank takes part; only rank 0 holds results
         if results is not None:
             results["config"]["model"] = "mars"  # lm-eval names a pre-built model by its class

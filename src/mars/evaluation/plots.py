@@ -21,12 +21,13 @@ from mars.evaluation.report import fmt_threshold
 from mars.evaluation.store import ResultsDir, atomic_write_bytes
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A file-name and metric-key form of a task label: "Math (ASDiv)" -> "math_asdiv"."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower() or "task"
 
 
 def plot_file_name(task: str) -> str:
-    return f"pareto_{_slug(task)}.png"
+    return f"pareto_{slug(task)}.png"
 
 
 def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
