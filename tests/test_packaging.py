@@ -52,6 +52,16 @@ def test_project_files_are_the_checkouts_own_folders():
     assert (paths.data_dir() / "offline_sft" / "train.jsonl").is_file()
 
 
+def test_python_m_mars_paths_prints_a_folder(capsys):
+    """``--include_path "$(python -m mars.paths eval)/offline"``: the shipped tasks for lm-eval's own CLI."""
+    from mars import paths
+
+    paths.main(["eval"])
+    assert capsys.readouterr().out.strip() == str(REPO / "eval")
+    with pytest.raises(SystemExit, match=r"usage: python -m mars.paths \[root\|conf\|eval\|data\], got 'evals'"):
+        paths.main(["evals"])
+
+
 def _suite_over(folder: Path, task: str):
     from mars.evaluation.tasks import Suite, TaskSpec, expand_suite, task_manager
 

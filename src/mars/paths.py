@@ -43,3 +43,18 @@ def eval_dir() -> Path:
 
 def data_dir() -> Path:
     return project_root() / "data"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m mars.paths [root|conf|eval|data]``: print that folder (e.g. for lm-eval's ``--include_path``)."""
+    import sys
+
+    folders = {"root": project_root, "conf": conf_dir, "eval": eval_dir, "data": data_dir}
+    which = (sys.argv[1:] if argv is None else argv) or ["root"]
+    if len(which) != 1 or which[0] not in folders:
+        raise SystemExit(f"usage: python -m mars.paths [{'|'.join(folders)}], got {' '.join(which)!r}")
+    print(folders[which[0]]())
+
+
+if __name__ == "__main__":
+    main()

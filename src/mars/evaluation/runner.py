@@ -265,6 +265,7 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     from mars.evaluation.aggregate import collect_points
     from mars.evaluation.plots import plot_pareto
     from mars.evaluation.report import write_reports
+    from mars.figures import plot_settings
 
     todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
     for thr, leaves in todo.items():
@@ -304,7 +305,7 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
     points = collect_points(plan, store)
     table = write_reports(plan, store, points)
-    plots = plot_pareto(plan, store, points) if plan.resolved.get("plots", True) else []
+    plots = plot_pareto(plan, store, points) if plot_settings(plan.resolved.get("plots")).enabled else []
     logger_cfg = dict(plan.resolved.get("logger") or {})
     if logger_cfg.get("name") == "wandb":
         from mars.evaluation.wandb_log import log_to_wandb

@@ -67,7 +67,8 @@ def log_to_wandb(
                     metrics[f"{slug(p['task'])}/{key}"] = p[key]
         run.log(metrics)
     run.log({"table": wandb.Html(f"<pre>{_escape(table_md)}</pre>")})
-    run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in plots})
+    images = [path for path in plots if path.suffix == ".png"]  # W&B shows images; pdf/svg stay in the folder
+    run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in images})
     for p in points:
         if p.get("task") == "Average":
             run.summary[f"average/accuracy@{fmt_threshold(p['threshold'])}"] = p["accuracy"]
