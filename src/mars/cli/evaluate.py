@@ -1,6 +1,7 @@
 """``mars-eval``: ``evaluate.py`` for an installed package (the same Hydra overrides; see
 conf/evaluate.yaml).  The configs and the benchmark tasks are the ones shipped with the package
-(:mod:`mars.paths`); ``--config-dir <folder>`` adds configs of your own."""
+(:mod:`mars.paths`); ``--config-dir <folder>`` adds configs under new names, ``--config-path <folder>``
+replaces them all."""
 
 import hydra
 from omegaconf import DictConfig

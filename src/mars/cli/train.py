@@ -1,7 +1,8 @@
 """``mars-train``: ``train.py`` for an installed package (the same Hydra overrides; see conf/train.yaml).
 
-The configs are the ones shipped with the package (:mod:`mars.paths`); add your own folder of configs
-with Hydra's ``--config-dir <folder>`` (its files win over the shipped ones of the same name).
+The configs are the ones shipped with the package (:mod:`mars.paths`): Hydra's ``--config-dir <folder>``
+adds configs under new names (``model/mine.yaml``), ``--config-path <folder>`` replaces them all (a copy of
+``python -m mars.paths conf``, edited).
 """
 
 import hydra
