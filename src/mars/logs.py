@@ -88,18 +88,20 @@ def folded_lm_eval_task_logs() -> Iterator[None]:
 
     lines = _TaskLines()
     logger = logging.getLogger(LM_EVAL_TASK_LOGGER)
-    bar = task_module.tqdm
+    bar = getattr(task_module, "tqdm", None)  # the context-building bar (lm-eval 0.4.x: the only one there)
 
     def no_bar(iterable: Any = None, total: int | None = None, **_: Any):
         lines.built(total if total is not None else _len(iterable))
         return iterable
 
     logger.addFilter(lines)
-    task_module.tqdm = no_bar
+    if bar is not None:
+        task_module.tqdm = no_bar
     try:
         yield
     finally:
-        task_module.tqdm = bar
+        if bar is not None:
+            task_module.tqdm = bar
         logger.removeFilter(lines)
         lines.built(None)
 
