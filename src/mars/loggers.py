@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import netrc
 import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def wandb_mode(requested: str = "auto") -> str:
@@ -24,6 +27,30 @@ def wandb_mode(requested: str = "auto") -> str:
     return "offline"
 
 
+def wandb_sync_hint(run) -> str | None:
+    """For a W&B run kept offline, the line that says how to upload it (W&B itself is silenced)."""
+    if run is None or not getattr(run, "offline", False):
+        return None
+    return f"W&B run saved offline; upload it with: wandb sync {Path(run.dir).parent}"
+
+
+def _offline_aware_wandb_logger():
+    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    class OfflineAwareWandbLogger(WandbLogger):
+        """Lightning's W&B logger that, when training ends, names the ``wandb sync`` command of an offline run."""
+
+        @rank_zero_only
+        def finalize(self, status: str) -> None:
+            super().finalize(status)
+            hint = wandb_sync_hint(self._experiment)
+            if hint:
+                log.info(hint)
+
+    return OfflineAwareWandbLogger
+
+
 def build_logger(cfg: dict[str, Any] | None, save_dir: str | os.PathLike, run_name: str, config: dict | None = None):
     """A Lightning logger, or False for ``none``."""
     cfg = dict(cfg or {"name": "none"})
@@ -36,11 +63,9 @@ def build_logger(cfg: dict[str, Any] | None, save_dir: str | os.PathLike, run_na
 
         return CSVLogger(save_dir, name="csv", version="")
     if name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
         mode = wandb_mode(cfg.get("mode", "auto"))
         os.environ.setdefault("WANDB_SILENT", "true")
-        return WandbLogger(
+        return _offline_aware_wandb_logger()(
             project=cfg.get("project", "mars"),
             entity=cfg.get("entity"),
             group=cfg.get("group"),

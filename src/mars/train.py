@@ -27,7 +27,10 @@ from mars.budget import BudgetSettings, ComputeBudget, minimum_step_seconds
 from mars.checkpoint_meta import is_complete
 from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
 from mars.export import export_from_trainer
+from mars.figures import PlotSettings, plot_settings
 from mars.loggers import build_logger
+from mars.logs import route_lightning_logs
+from mars.loss_plot import plot_losses
 from mars.masking import MASK_SCHEDULES, mask_ratio
 from mars.models import check_model_source, load_model
 from mars.module import MarsModule
@@ -45,14 +48,15 @@ LOSS_COLUMNS = ("step", "loss", "loss_mask", "loss_ar", "tokens_per_s")
 # ------------------------------------------------------------------------------------------
 class LossHistory(Callback):
     """Appends one row per optimizer step to ``losses.csv`` (the mean over its micro-batches) and redraws
-    ``loss_curve.png`` at every checkpoint and at the end, on global rank 0.
+    ``loss_curve.<plots.format>`` at every checkpoint and at the end, on global rank 0.
 
     A resumed run first drops the rows past the step it resumes from (those steps are trained again), so
     the file covers the whole run once; a killed run keeps every step it finished.
     """
 
-    def __init__(self, out_dir: Path):
-        self.path, self.png = out_dir / "losses.csv", out_dir / "loss_curve.png"
+    def __init__(self, out_dir: Path, plots: PlotSettings | None = None):
+        self.plots = plots or PlotSettings()
+        self.path, self.png = out_dir / "losses.csv", out_dir / self.plots.file_name("loss_curve")
         self.start_step = 0  # optimizer steps already done when this process started training
         self.last: dict[str, float] = {}
         self._sums: dict[str, float] = {}
@@ -84,12 +88,14 @@ class LossHistory(Callback):
                 handle.write(_csv_line(_cells(row)))
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        if trainer.is_global_zero:
-            plot_losses(read_losses(self.path), self.png)
+        self._draw(trainer)
 
     def on_train_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            plot_losses(read_losses(self.path), self.png)
+        self._draw(trainer)
+
+    def _draw(self, trainer) -> None:
+        if trainer.is_global_zero and self.plots.enabled:
+            plot_losses(read_losses(self.path), self.png, self.plots)
 
 
 def _csv_line(cells: Sequence[Any]) -> str:
@@ -118,31 +124,6 @@ def read_losses(path: Path) -> list[dict[str, float]]:
             row["step"] = int(row["step"])
             rows.append(row)
     return rows
-
-
-def plot_losses(rows: list[dict[str, float]], path: Path) -> None:
-    if not rows:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style in (("loss", "-"), ("loss_mask", "--"), ("loss_ar", ":")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -313,6 +294,7 @@ def validate(cfg: DictConfig) -> Objective:
         data_file(data["source"], data.get("path"), data.get("split", "train"))
     check_model_source(cfg.model.name_or_path)
     check_budget_fits_a_step(cfg, budget)
+    plot_settings(cfg.get("plots"))  # the loss curve's format and dpi
     return objective
 
 
@@ -371,6 +353,7 @@ def launched_as_rank_zero() -> bool:
 def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
     unless ``overwrite``; ``callbacks`` are added to the trainer's."""
+    route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
     objective = validate(cfg)
     _, adapter, budget = run_settings(cfg)
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
@@ -436,7 +419,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     if trainer_cfg.pop("use_distributed_sampler", False):
         log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
     strategy = build_strategy(trainer_cfg, loaded.model)
-    history = LossHistory(out_dir)
+    history = LossHistory(out_dir, plot_settings(cfg.get("plots")))
     exporter = HFExport(
         export_dir,
         loaded.tokenizer,

@@ -251,6 +251,9 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
     validate_dtype(resolved.get("dtype"))
+    from mars.figures import plot_settings
+
+    plot_settings(resolved.get("plots"))  # format and dpi of the Pareto plots
     if not isinstance(resolved.get("fidelity", True), bool):
         raise ValueError(f"fidelity must be true or false, got {resolved.get('fidelity')!r}")
     if decoding.get("verify") and thresholds != [reference_threshold(str(decoding.get("metric", "probability")))]:
