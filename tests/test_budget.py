@@ -83,7 +83,10 @@ def test_a_budget_too_small_for_one_step_is_refused_before_the_model_loads(compo
         f"output_dir={tmp_path / 'run'}",
         "budget.minutes=0.0001",
     ]
-    with pytest.raises(ValueError, match="too small for one training step"):
+    with pytest.raises(ValueError, match="budget.minutes .* too small for one training step"):
+        run(compose_cfg("train", over))
+    over[-1] = "+trainer.max_time=00:00:00:00.01"
+    with pytest.raises(ValueError, match="trainer.max_time .* too small for one training step"):
         run(compose_cfg("train", over))
     assert not (tmp_path / "run").exists()
 

@@ -291,7 +291,14 @@ def read_adapter_meta(folder: str | os.PathLike) -> dict[str, Any] | None:
     return meta
 
 
-def load_adapter(model: nn.Module, folder: str | os.PathLike, mask_token_id: int, *, block_size: int | None = None):
+def load_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    mask_token_id: int,
+    *,
+    block_size: int | None = None,
+    model_label: str = "the model",
+):
     """Apply the adapter in ``folder`` to ``model`` (its base), after checking that it belongs to it."""
     from safetensors.torch import load_file
 
@@ -308,8 +315,8 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, mask_token_id: int
     have = base_digest(model)
     if want and want != have:
         raise AdapterError(
-            f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); the model it "
-            f"is being applied to has digest {have}: another base model"
+            f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); "
+            f"{model_label} it is being applied to has digest {have}: another base model"
         )
     if block_size is not None and meta.get("block_size") not in (None, block_size):
         raise AdapterError(f"{folder} was trained with block size {meta.get('block_size')}, not {block_size}")

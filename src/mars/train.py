@@ -203,9 +203,12 @@ def run_settings(cfg: DictConfig) -> tuple[Objective, AdapterSettings, BudgetSet
 
 
 def check_budget_fits_a_step(cfg: DictConfig, budget: BudgetSettings) -> None:
-    """Refuse, before anything loads, a budget that cannot hold one optimizer step even at this CPU's peak
-    (skipped on accelerators and when the model's config cannot be read without loading weights)."""
-    if budget.seconds is None or str(cfg.trainer.get("accelerator", "cpu")) not in ("cpu", "auto"):
+    """Refuse, before anything loads, a compute budget (``budget.minutes`` or Lightning's ``trainer.max_time``)
+    that cannot hold one optimizer step even at this CPU's peak (skipped on accelerators and when the model's
+    config cannot be read without loading weights)."""
+    limits = {"budget.minutes": budget.seconds, "trainer.max_time": max_time_seconds(cfg.trainer.get("max_time"))}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    if not limits or str(cfg.trainer.get("accelerator", "cpu")) not in ("cpu", "auto"):
         return
     if str(cfg.trainer.get("accelerator")) == "auto" and torch.cuda.is_available():
         return
@@ -215,12 +218,26 @@ def check_budget_fits_a_step(cfg: DictConfig, budget: BudgetSettings) -> None:
     tokens = int(cfg.data.batch_size) * int(cfg.data.max_length)
     streams = 2 if cfg.objective.get("mask_weight", 1.0) > 0 else 1
     floor = minimum_step_seconds(params, tokens, streams, os.cpu_count() or 1)
-    if budget.seconds < floor:
-        raise ValueError(
-            f"budget.minutes={budget.minutes} is too small for one training step: a step of "
-            f"{cfg.data.batch_size} x {cfg.data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes "
-            f"at least {floor:.0f} s on this CPU ({os.cpu_count()} cores)"
-        )
+    for key, seconds in limits.items():
+        if seconds < floor:
+            raise ValueError(
+                f"{key} ({seconds:g} s) is too small for one training step: a step of {cfg.data.batch_size} x "
+                f"{cfg.data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes at least {floor:.0f} s "
+                f"on this CPU ({os.cpu_count()} cores)"
+            )
+
+
+def max_time_seconds(value) -> float | None:
+    """Lightning's ``max_time`` ("DD:HH:MM:SS" or {days, hours, minutes, seconds}) in seconds."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = [float(x) for x in value.split(":")]
+        if len(parts) != 4:
+            raise ValueError(f'trainer.max_time must be "DD:HH:MM:SS", got {value!r}')
+        return ((parts[0] * 24 + parts[1]) * 60 + parts[2]) * 60 + parts[3]
+    units = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+    return float(sum(units[k] * float(v) for k, v in dict(value).items()))
 
 
 def estimated_parameters(model_cfg) -> int | None:
