@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         stages.run(
             "base/eval",
-            eval_command(["model=smollm2-135m"], base_eval, spec, ["threshold=1.0", "reference=false"]),
+            eval_command([f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]),
             done=has_points(base_eval, [1.0]),
         )
         for variant in spec["variants"]:

@@ -42,8 +42,11 @@ def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)"
         )
-    if not (p / "config.json").is_file():
-        raise CheckpointError(f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder")
+    if not (p / "config.json").is_file() and not (p / "mars_adapter.json").is_file():
+        raise CheckpointError(
+            f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
+            "folder with mars_adapter.json)"
+        )
     meta_file = p / "mars_config.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     mask = meta.get("mask_token")
