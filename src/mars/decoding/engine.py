@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, tempered_log_probs
-from .attention import packed_gqa
+from .attention import gqa_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
@@ -234,7 +234,7 @@ class DecodeEngine:
 
     def _step_rows(self) -> list[StepEvent]:
         plan = self._plan()
-        with packed_gqa(self.runner.model):
+        with gqa_attention(self.runner.model):
             logits = self._forward(plan)
         self.forwards += 1
         self.rows.forwards_h += 1

@@ -13,10 +13,16 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from .fastpath import fast_linear
+
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel):
+    """``fast``: route the model's linear layers through :mod:`mars.decoding.fastpath` during each
+    forward (None: on unless ``MARS_FAST_PATH=0``)."""
+
+    def __init__(self, model: PreTrainedModel, fast: bool | None = None):
         self.model = model
+        self.fast = fast
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -49,9 +55,10 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        if self.base is not None:
-            hidden = self.base(**kwargs).last_hidden_state
-            picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            return self.head(picked)
-        logits = self.model(**kwargs).logits
+        with fast_linear(self.model, self.fast):
+            if self.base is not None:
+                hidden = self.base(**kwargs).last_hidden_state
+                picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                return self.head(picked)
+            logits = self.model(**kwargs).logits
         return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
