@@ -3,11 +3,21 @@ as the fastest AR decoder of the run, and exact decoders matching transformers' 
 
 import csv
 import json
+from collections import Counter
 
+from mars.evaluation import throughput
 from mars.evaluation.throughput import main
 
 
-def test_throughput_benchmark_end_to_end(tmp_path):
+def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
+    timed = Counter()
+    run_one = throughput.run_one
+
+    def counting_run_one(*args, **kwargs):
+        timed[args[5].name] += 1
+        return run_one(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "run_one", counting_run_one)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Say hi.", "Count to five.", "Name a dog."]))
     out = tmp_path / "out"
@@ -53,3 +63,6 @@ def test_throughput_benchmark_end_to_end(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] in ("float32", "bfloat16") and "cpu_native_bf16" in config["hardware"]
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
+    # 2 batch sizes x 1 repeat: the threshold-free decoders once each, MARS once per threshold (2)
+    assert timed == {"ar-hf": 2, "ar-hf-static": 2, "ar-cursor": 2, "mars-verify": 2, "mars-cursor": 4}
+    assert len(rows) == 2 * 2 * 5  # every decoder still listed under both thresholds
