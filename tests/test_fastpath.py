@@ -1,6 +1,7 @@
 """The decode fast path: the small-M GEMM kernel, its batch invariance, its cache key, the nn.Linear
 switch (on, off, fallback with one warning) and the thread setting."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ from decoding_fixtures import MASK_ID, build_model, hf_greedy, model, random_pro
 
 from mars import kernels, threads
 from mars.decoding import fastpath, generate
+from mars.decoding import forward as forward_module
 from mars.kernels import KernelUnavailable
 
 
@@ -157,3 +159,24 @@ def test_thread_setting_is_clamped_and_validated(monkeypatch):
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ValueError, match="positive integer"):
             threads.resolve_threads(bad)
+
+
+def test_padding_columns_of_a_mixed_batch_are_skipped_with_the_same_outputs(model, tokenizer, monkeypatch):  # noqa: F811
+    """A threshold-1.0 row beside rows with masks: its padding columns are not multiplied, outputs unchanged."""
+    op = kernel_or_skip()
+    columns = []
+
+    def counting(x, w, b):
+        columns.append(x.numel() // x.shape[-1])
+        return op(x, w, b)
+
+    monkeypatch.setattr(kernels, "small_linear_op", lambda: counting)
+    prompts = random_prompts((6, 9, 7), seed=11)
+    kwargs = dict(block_size=4, max_new_tokens=10, mask_token_id=MASK_ID, threshold=[1.0, 0.3, 1.0])
+    skipped = generate(model, tokenizer, prompts, **kwargs)
+    skipped_columns, columns[:] = sum(columns), []
+    monkeypatch.setattr(forward_module, "only_columns", lambda live: contextlib.nullcontext())
+    padded = generate(model, tokenizer, prompts, **kwargs)
+    assert skipped.token_ids == padded.token_ids
+    assert skipped.token_ids[0] == hf_greedy(model, tokenizer, prompts[:1], 10)[0]
+    assert skipped_columns < 0.8 * sum(columns)

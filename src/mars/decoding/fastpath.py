@@ -19,6 +19,7 @@ once, naming why, and runs the eager path with the same outputs.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import warnings
@@ -34,6 +35,10 @@ ENV = "MARS_FAST_PATH"
 # is as fast or faster (measured on the 2-core EPYC: crossover between 16 and 32 columns).
 MAX_COLUMNS = 16
 _warned: set[str] = set()
+# The input columns whose outputs the current step reads (see `only_columns`); None: all of them.
+_live: contextvars.ContextVar[tuple[tuple[int, ...], torch.Tensor] | None] = contextvars.ContextVar(
+    "mars_live_columns", default=None
+)
 
 
 def enabled_by_env() -> bool:
@@ -78,11 +83,42 @@ def _fast_forward(module: torch.nn.Linear, op):
     limit = MAX_COLUMNS * k
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= limit and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        if x.dtype != torch.float32 or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        live = _live.get()
+        if live is not None and tuple(x.shape[:-1]) == live[0]:
+            index = live[1]
+            if index.numel() <= MAX_COLUMNS:
+                y = x.new_zeros((*x.shape[:-1], weight.shape[0]))
+                y.view(-1, weight.shape[0]).index_copy_(
+                    0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias)
+                )
+                return y
+        if x.numel() <= limit:
             return op(x, weight, bias)
         return F.linear(x, weight, bias)
 
     return forward
+
+
+@contextmanager
+def only_columns(live: torch.Tensor | None):
+    """Inside this block the fast path computes the linear layers only at the input columns where
+    ``live`` (``[batch, columns]``, bool) is True, for inputs of exactly that shape; the others get zeros.
+
+    A batched decode step pads every row to the longest row's columns; a row at threshold 1.0 beside
+    rows with masks needs one prediction, and its padding columns feed nothing it reads (causal
+    attention: a column only sees earlier ones), so their matmuls are skipped.  Because the kernel's
+    result for a column does not depend on the other columns, the live columns' outputs are exactly
+    what they would be with the padding computed."""
+    if live is None or bool(live.all()):
+        yield
+        return
+    token = _live.set((tuple(live.shape), live.reshape(-1).nonzero().squeeze(1)))
+    try:
+        yield
+    finally:
+        _live.reset(token)
 
 
 @contextmanager

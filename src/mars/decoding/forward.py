@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .fastpath import fast_linear
+from .fastpath import fast_linear, only_columns
 
 
 class ModelRunner:
@@ -46,8 +46,14 @@ class ModelRunner:
         attention_mask: torch.Tensor,
         columns: torch.Tensor,
         cache: Cache | None = None,
+        live: torch.Tensor | None = None,
+        live_columns: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``)."""
+        """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``).
+
+        ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
+        columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
+        under the fast path the others are not computed (their logits are zeros)."""
         kwargs = dict(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -55,10 +61,15 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        with fast_linear(self.model, self.fast):
+        with fast_linear(self.model, self.fast) as fast:
+            if not fast:
+                live = live_columns = None
             if self.base is not None:
-                hidden = self.base(**kwargs).last_hidden_state
+                with only_columns(live):
+                    hidden = self.base(**kwargs).last_hidden_state
                 picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-                return self.head(picked)
-            logits = self.model(**kwargs).logits
+                with only_columns(live_columns):
+                    return self.head(picked)
+            with only_columns(live):
+                logits = self.model(**kwargs).logits
         return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
