@@ -180,3 +180,18 @@ def test_padding_columns_of_a_mixed_batch_are_skipped_with_the_same_outputs(mode
     assert skipped.token_ids == padded.token_ids
     assert skipped.token_ids[0] == hf_greedy(model, tokenizer, prompts[:1], 10)[0]
     assert skipped_columns < 0.8 * sum(columns)
+
+
+def test_wait_policy_is_set_before_torch_loads_and_an_explicit_one_wins(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    code = "from mars.threads import apply_process_defaults as a; import os; print(a(), os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert run(env).split() == ["True", "PASSIVE"]
+    assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}).split() == ["True", "ACTIVE"]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.apply_process_defaults() is False  # torch is loaded in this process: too late, left alone
+    assert "OMP_WAIT_POLICY" not in os.environ
