@@ -38,6 +38,8 @@ class ModelRunner:
         self.context_length = getattr(config, "max_position_embeddings", None)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
+        # SDPA models take the step's mask additive (same result; see logits_at)
+        self.additive_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
     def logits_at(
         self,
@@ -54,6 +56,11 @@ class ModelRunner:
         ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
         columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
         under the fast path the others are not computed (their logits are zeros)."""
+        if attention_mask.dtype == torch.bool and self.additive_mask:
+            # SDPA turns a boolean mask into an additive one in every layer (4 ops each); once per step here
+            dtype = self.model.dtype
+            additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+            attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
         kwargs = dict(
             input_ids=input_ids,
             position_ids=position_ids,
