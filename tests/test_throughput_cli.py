@@ -5,6 +5,7 @@ import csv
 import json
 from collections import Counter
 
+from mars.decoding import api, fastpath
 from mars.evaluation import throughput
 from mars.evaluation.throughput import main
 
@@ -18,6 +19,14 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
         return run_one(*args, **kwargs)
 
     monkeypatch.setattr(throughput, "run_one", counting_run_one)
+    fast_path_seen = set()
+    generate = api.generate
+
+    def spying_generate(*args, **kwargs):
+        fast_path_seen.add(fastpath.enabled_by_env())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(api, "generate", spying_generate)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Say hi.", "Count to five.", "Name a dog."]))
     out = tmp_path / "out"
@@ -40,6 +49,7 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
                 "cursor",
                 "--verify",
                 "--ar-static",
+                "--eager-baselines",
                 "--num-prompts",
                 "2",
                 "--prompts-file",
@@ -52,9 +62,11 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     )
     rows = list(csv.DictReader((out / "throughput.csv").open()))
     decoders = {r["decoder"] for r in rows}
-    assert decoders == {"ar-hf", "ar-hf-static", "ar-cursor", "mars-cursor", "mars-verify"}
+    ars = {"ar-hf", "ar-hf-static", "ar-cursor"}
+    ars |= {f"{name}-eager" for name in ars}
+    assert decoders == ars | {"mars-cursor", "mars-verify"}
     for r in rows:
-        assert r["ar_baseline"] in ("ar-hf", "ar-hf-static", "ar-cursor")
+        assert r["ar_baseline"] in ars
         if r["decoder"] == r["ar_baseline"]:
             assert float(r["speedup"]) == 1.0
         # AR decoders and verified decoding are exact at any sweep threshold
@@ -64,5 +76,6 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     assert config["dtype"] in ("float32", "bfloat16") and "cpu_native_bf16" in config["hardware"]
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
     # 2 batch sizes x 1 repeat: the threshold-free decoders once each, MARS once per threshold (2)
-    assert timed == {"ar-hf": 2, "ar-hf-static": 2, "ar-cursor": 2, "mars-verify": 2, "mars-cursor": 4}
-    assert len(rows) == 2 * 2 * 5  # every decoder still listed under both thresholds
+    assert timed == {**{name: 2 for name in ars}, "mars-verify": 2, "mars-cursor": 4}
+    assert len(rows) == 2 * 2 * 8  # every decoder still listed under both thresholds
+    assert fast_path_seen == {True, False} and fastpath.enabled_by_env()  # -eager rows ran without it

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ class Variant:
     kwargs: dict[str, Any]
     is_ar: bool = False  # an AR baseline candidate (exactly greedy AR, one token per forward)
     fixed_threshold: float | None = None  # decoders whose output is exact run at the reference threshold
+    eager: bool = False  # run with the decode fast path off (F.linear): the baseline as it was before it
 
 
 def build_preset(preset: str, dtype: torch.dtype, device: str):
@@ -129,6 +131,9 @@ def variants(args) -> list[Variant]:
         out.append(Variant("ar-hf-static", dict(decoder="ar", ar_cache="static"), is_ar=True, fixed_threshold=1.0))
     # the project's engine at threshold 1.0 is exactly greedy AR with a per-row KV cache (finished rows leave)
     out.append(Variant("ar-cursor", dict(decoder="mars", cache="cursor"), is_ar=True, fixed_threshold=1.0))
+    if args.eager_baselines:  # the AR decoders without the fast path, to show what it gives AR
+        for v in list(out):
+            out.append(Variant(f"{v.name}-eager", v.kwargs, is_ar=True, fixed_threshold=1.0, eager=True))
     for cache in args.caches:
         out.append(Variant(f"mars-{cache}", dict(decoder="mars", cache=cache)))
     if args.full_window:
@@ -160,9 +165,10 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
     drafts = [0, 0]
     for start in range(0, len(prompts), batch):
-        res = generate(
-            model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
-        )
+        with fast_path_off(variant.eager):
+            res = generate(
+                model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
+            )
         extra = res.stats.extra
         if extra.get("drafts_proposed"):
             drafts[0] += sum(extra["drafts_proposed"])
@@ -180,6 +186,23 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
         row_tpf=statistics.mean(row_rates),
         draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None,
     )
+
+
+@contextmanager
+def fast_path_off(off: bool):
+    """``MARS_FAST_PATH=0`` inside the block when ``off`` (the decoders read it at every call)."""
+    if not off:
+        yield
+        return
+    old = os.environ.get("MARS_FAST_PATH")
+    os.environ["MARS_FAST_PATH"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MARS_FAST_PATH", None)
+        else:
+            os.environ["MARS_FAST_PATH"] = old
 
 
 def fast_path_state(model) -> str:
@@ -253,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
+    )
+    p.add_argument(
+        "--eager-baselines",
+        action="store_true",
+        help="also time every AR decoder with the decode fast path off (`<name>-eager`: the pre-fast-path baseline)",
     )
     p.add_argument(
         "--no-fast-path",
@@ -432,7 +460,8 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
         "The AR baseline of each row is the fastest AR decoder measured in the same run (`ar-hf`: transformers "
         "`generate` with its dynamic KV cache; `ar-hf-static`: its static cache; `ar-cursor`: this project's engine "
-        "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave). "
+        "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave; `-eager`: the same "
+        "with the decode fast path off, i.e. F.linear matmuls). "
         "*same as AR*: rows whose tokens equal `ar-hf`'s (in bf16, differently shaped inputs can flip near-tied "
         "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction. "
         "Decoders whose output does not depend on the threshold (AR, verify) are timed once per batch size and "
