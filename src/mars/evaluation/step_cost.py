@@ -115,47 +115,60 @@ def run(args) -> list[dict]:
     weight_bytes = params * 4
     rows = []
     with torch.inference_mode():
-        bandwidth = measure_bandwidth(weight_bytes)
-        peak = measure_peak_gflops()
-        print(f"machine: read bandwidth {bandwidth:.1f} GB/s, fp32 GEMM peak {peak:.0f} GFLOP/s", flush=True)
+        bounds = {}
+        for t in args.threads:
+            torch.set_num_threads(t)
+            bounds[t] = dict(bandwidth=measure_bandwidth(weight_bytes), peak=measure_peak_gflops())
+            print(
+                f"machine, {t} threads: read bandwidth {bounds[t]['bandwidth']:.1f} GB/s, "
+                f"fp32 GEMM peak {bounds[t]['peak']:.0f} GFLOP/s",
+                flush=True,
+            )
         for batch in args.batch_sizes:
-            times: dict[tuple[str, int], list[float]] = {}
+            times: dict[tuple[int, str, int], list[float]] = {}
+            keys = [(t, p, c) for t in args.threads for p in args.paths for c in args.columns]
             benches = {
                 (p, c): StepBench(model, batch, c, args.context, p == "fast") for p in args.paths for c in args.columns
             }
-            for bench in benches.values():
-                for _ in range(args.warmup):
-                    bench()
-            for _ in range(args.repeats):
-                for key, bench in benches.items():
+            for t in args.threads:
+                torch.set_num_threads(t)
+                for bench in benches.values():
+                    for _ in range(args.warmup):
+                        bench()
+            for _ in range(args.repeats):  # every (threads, path, columns) once per round: drift hits all alike
+                for t, p, c in keys:
+                    torch.set_num_threads(t)
                     start = time.perf_counter()
-                    bench()
-                    times.setdefault(key, []).append(time.perf_counter() - start)
-            for path in args.paths:
-                base = statistics.median(times[(path, args.columns[0])])
-                for c in args.columns:
-                    t = statistics.median(times[(path, c)])
-                    rows.append(
-                        dict(
-                            path=path,
-                            batch=batch,
-                            columns=c,
-                            ms=t * 1e3,
-                            ms_min=min(times[(path, c)]) * 1e3,
-                            ratio=t / base,
-                            gb_s=weight_bytes / t / 1e9,
-                            gflop_s=2 * params * c * batch / t / 1e9,
-                            bandwidth_gb_s=bandwidth,
-                            peak_gflop_s=peak,
+                    benches[(p, c)]()
+                    times.setdefault((t, p, c), []).append(time.perf_counter() - start)
+            for t in args.threads:
+                for path in args.paths:
+                    base = statistics.median(times[(t, path, args.columns[0])])
+                    for c in args.columns:
+                        sample = times[(t, path, c)]
+                        ms = statistics.median(sample)
+                        rows.append(
+                            dict(
+                                threads=t,
+                                path=path,
+                                batch=batch,
+                                columns=c,
+                                ms=ms * 1e3,
+                                ms_min=min(sample) * 1e3,
+                                ratio=ms / base,
+                                gb_s=weight_bytes / ms / 1e9,
+                                gflop_s=2 * params * c * batch / ms / 1e9,
+                                bandwidth_gb_s=bounds[t]["bandwidth"],
+                                peak_gflop_s=bounds[t]["peak"],
+                            )
                         )
-                    )
-                    print(
-                        f"batch {batch} {path:5s} {c} columns: {t * 1e3:.1f} ms ({t / base:.2f}x), "
-                        f"{weight_bytes / t / 1e9:.1f} GB/s, {2 * params * c * batch / t / 1e9:.1f} GFLOP/s",
-                        flush=True,
-                    )
+                        print(
+                            f"batch {batch} threads {t} {path:5s} {c} columns: {ms * 1e3:.1f} ms ({ms / base:.2f}x), "
+                            f"{weight_bytes / ms / 1e9:.1f} GB/s, {2 * params * c * batch / ms / 1e9:.1f} GFLOP/s",
+                            flush=True,
+                        )
             del benches
-    return rows, dict(weight_bytes=weight_bytes, params=params, bandwidth_gb_s=bandwidth, peak_gflop_s=peak)
+    return rows, dict(weight_bytes=weight_bytes, params=params, bounds_by_threads=bounds)
 
 
 def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
@@ -164,23 +177,30 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "config.json").write_text(json.dumps({**config, **bounds}, indent=2) + "\n")
-    floor = bounds["weight_bytes"] / bounds["bandwidth_gb_s"] / 1e6
+    (out / "config.json").write_text(json.dumps({**config, **bounds}, indent=2, default=str) + "\n")
+    bound_lines = [
+        f"- {t} thread{'s' if t > 1 else ''}: read bandwidth **{b['bandwidth']:.1f} GB/s** (the weights, "
+        f"{bounds['weight_bytes'] / 1e6:.0f} MB, take **{bounds['weight_bytes'] / b['bandwidth'] / 1e6:.1f} ms** to "
+        f"read: no step is faster), fp32 GEMM peak **{b['peak']:.0f} GFLOP/s**"
+        for t, b in bounds["bounds_by_threads"].items()
+    ]
     lines = [
         "# Decode step cost\n",
-        f"model `{config['model']}`, fp32, {config['threads']} threads, OMP_WAIT_POLICY="
-        f"{config['omp_wait_policy']}, KV cache of {config['context']} tokens per row, median of "
-        f"{config['repeats']} steps ({config['cpu']}, torch {config['torch']}).\n",
-        f"Bounds measured here with the same threads: read bandwidth **{bounds['bandwidth_gb_s']:.1f} GB/s** "
-        f"(weights {bounds['weight_bytes'] / 1e6:.0f} MB: a step cannot beat **{floor:.1f} ms**), fp32 GEMM peak "
-        f"**{bounds['peak_gflop_s']:.0f} GFLOP/s**.  GB/s = weight bytes / step time; GFLOP/s = 2 x parameters x "
-        "columns x batch / step time (matmuls only).\n",
-        "| path | batch | columns | ms/step | x 1 column | GB/s | GFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        f"model `{config['model']}`, fp32, OMP_WAIT_POLICY={config['omp_wait_policy']}, KV cache of "
+        f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
+        f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
+        "(mars::small_linear for up to 16 columns); `eager`: F.linear (MKL).\n",
+        "Bounds measured in the same process (a sum over a tensor as large as the weights; a 1024^3 GEMM):\n",
+        *bound_lines,
+        "",
+        "GB/s = weight bytes / step time (each weight is read once per step); GFLOP/s = 2 x parameters x columns x "
+        "batch / step time (the matmuls; attention is small at this context).\n",
+        "| threads | path | batch | columns | ms/step | x 1 column | GB/s | GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['path']} | {r['batch']} | {r['columns']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
+            f"| {r['threads']} | {r['path']} | {r['batch']} | {r['columns']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
             f"{r['gb_s']:.1f} | {r['gflop_s']:.1f} |"
         )
     text = "\n".join(lines) + "\n"
@@ -197,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="fast,eager", help=f"comma-separated, from {list(PATHS)}")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: mars.threads' choice)")
+    p.add_argument(
+        "--threads", default="auto", help="torch threads, comma-separated to compare (auto: mars.threads' choice)"
+    )
     p.add_argument("--out", default="outputs/step_cost")
     args = p.parse_args(argv)
     args.columns = parse_ints(args.columns, "--columns")
@@ -208,13 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--paths: unknown {bad or args.paths}; choose from {list(PATHS)}")
     if args.repeats < 1 or args.context < 1:
         raise SystemExit(f"--repeats and --context must be >= 1, got {args.repeats} and {args.context}")
-    from mars.threads import configure_threads
+    from mars.threads import available_cpus, resolve_threads
 
-    configure_threads(args.threads)
+    try:
+        args.threads = [resolve_threads(t.strip()) for t in str(args.threads).split(",") if t.strip()]
+    except ValueError as err:
+        raise SystemExit(f"--threads: {err}") from err
     rows, bounds = run(args)
     config = dict(
         model=args.model,
-        threads=torch.get_num_threads(),
+        threads=args.threads,
+        cpus=available_cpus(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         context=args.context,
         repeats=args.repeats,
