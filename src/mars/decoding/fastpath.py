@@ -77,26 +77,29 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"decoding fast path off, eager matmuls instead: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def _fast_forward(module: torch.nn.Linear, op):
-    weight, bias = module.weight, module.bias
-    k = weight.shape[1]
-    limit = MAX_COLUMNS * k
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or torch.is_grad_enabled():
-            return F.linear(x, weight, bias)
-        live = _live.get()
-        if live is not None and tuple(x.shape[:-1]) == live[0]:
-            index = live[1]
-            if index.numel() <= MAX_COLUMNS:
-                y = x.new_zeros((*x.shape[:-1], weight.shape[0]))
-                y.view(-1, weight.shape[0]).index_copy_(
-                    0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias)
-                )
-                return y
-        if x.numel() <= limit:
-            return op(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through the kernel where it applies (fp32, no autograd, at most :data:`MAX_COLUMNS` columns,
+    or only the live columns of an :func:`only_columns` block); ``F.linear`` otherwise."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
+    from mars.kernels import small_linear_op
+
+    op = small_linear_op()
+    n, k = weight.shape
+    live = _live.get()
+    if live is not None and tuple(x.shape[:-1]) == live[0] and live[1].numel() <= MAX_COLUMNS:
+        index = live[1]
+        y = x.new_zeros((*x.shape[:-1], n))
+        y.view(-1, n).index_copy_(0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias))
+        return y
+    if x.numel() <= MAX_COLUMNS * k:
+        return op(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _fast_forward(module: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias)
 
     return forward
 
@@ -140,14 +143,11 @@ def fast_linear(model: torch.nn.Module, enabled: bool | None = None):
         _warn_once(reason)
         yield False
         return
-    from mars.kernels import small_linear_op
-
-    op = small_linear_op()
     patched = []
     for m in _linears(model):
         if "forward" in m.__dict__ or m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
             continue  # already patched by an outer block, or not for this kernel
-        m.forward = _fast_forward(m, op)
+        m.forward = _fast_forward(m)
         patched.append(m)
     try:
         yield True

@@ -14,6 +14,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .fastpath import fast_linear, only_columns
+from .kv import RaggedKVCache
+from .lean import lean_decoder
 
 
 class ModelRunner:
@@ -38,8 +40,14 @@ class ModelRunner:
         self.context_length = getattr(config, "max_position_embeddings", None)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
+        self._lean = None  # the lean forward (mars.decoding.lean), built at the first fast step; False: not possible
         # SDPA models take the step's mask additive (same result; see logits_at)
         self.additive_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+    def _lean_forward(self):
+        if self._lean is None:
+            self._lean = lean_decoder(self.model) or False
+        return self._lean or None
 
     def logits_at(
         self,
@@ -72,8 +80,12 @@ class ModelRunner:
             if not fast:
                 live = live_columns = None
             if self.base is not None:
+                lean = self._lean_forward() if fast and (cache is None or isinstance(cache, RaggedKVCache)) else None
                 with only_columns(live):
-                    hidden = self.base(**kwargs).last_hidden_state
+                    if lean is not None:
+                        hidden = lean(input_ids, position_ids, attention_mask, cache)
+                    else:
+                        hidden = self.base(**kwargs).last_hidden_state
                 picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
                 with only_columns(live_columns):
                     return self.head(picked)
