@@ -181,7 +181,7 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
     bound_lines = [
         f"- {t} thread{'s' if t > 1 else ''}: read bandwidth **{b['bandwidth']:.1f} GB/s** (the weights, "
         f"{bounds['weight_bytes'] / 1e6:.0f} MB, take **{bounds['weight_bytes'] / b['bandwidth'] / 1e6:.1f} ms** to "
-        f"read: no step is faster), fp32 GEMM peak **{b['peak']:.0f} GFLOP/s**"
+        f"read at that rate: the floor of a step), fp32 GEMM peak **{b['peak']:.0f} GFLOP/s**"
         for t, b in bounds["bounds_by_threads"].items()
     ]
     lines = [
@@ -190,7 +190,8 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
         "(mars::small_linear for up to 16 columns); `eager`: F.linear (MKL).\n",
-        "Bounds measured in the same process (a sum over a tensor as large as the weights; a 1024^3 GEMM):\n",
+        "Bounds measured in the same process just before the steps (a sum over a tensor as large as the weights; "
+        "a 1024^3 GEMM); on a shared machine they move with the load as the steps do:\n",
         *bound_lines,
         "",
         "GB/s = weight bytes / step time (each weight is read once per step); GFLOP/s = 2 x parameters x columns x "
