@@ -195,3 +195,20 @@ def test_wait_policy_is_set_before_torch_loads_and_an_explicit_one_wins(monkeypa
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert threads.apply_process_defaults() is False  # torch is loaded in this process: too late, left alone
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_half_finished_kernel_build_is_redone_and_a_finished_one_reused(tmp_path, monkeypatch):
+    builds = []
+
+    def fake_build(target, name):
+        builds.append(target)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / f"{name}.so").write_text("library")
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    target = tmp_path / "small_gemm-key"
+    target.mkdir()
+    (target / f"{kernels.NAME}.so").write_text("truncated by a killed build")  # no `complete` marker
+    library = kernels.ensure_built(target)
+    assert builds == [target] and library.read_text() == "library" and (target / "complete").is_file()
+    assert kernels.ensure_built(target) == library and len(builds) == 1  # finished: reused, no compiler run

@@ -9,7 +9,8 @@ source for the blocking and why the result does not depend on how many columns r
 The extension is built with ``torch.utils.cpp_extension`` (needs a C++ compiler and an x86-64 CPU
 with AVX2 and FMA) into ``<mars cache>/kernels/<name>-torch<version>-<hash>``: the hash covers the
 source, the flags and the Python/torch ABI, so a build for another torch or another source is never
-loaded, and later processes load the cached library directly (no compiler run).
+loaded, a build killed half-way is redone (see :func:`ensure_built`), and later processes load the cached
+library directly (no compiler run).
 """
 
 from __future__ import annotations
@@ -71,17 +72,16 @@ def check_cpu() -> None:
         raise KernelUnavailable(f"the small-M GEMM kernel needs CPU flags {missing}, absent here")
 
 
+NAME = "mars_small_gemm"
+
+
 @functools.cache
 def small_linear_op():
     """``torch.ops.mars.small_linear`` (built or loaded on first call); raises :class:`KernelUnavailable`."""
     import torch
 
     check_cpu()
-    target = build_dir()
-    name = "mars_small_gemm"
-    library = target / f"{name}.so"
-    if not library.is_file():
-        library = _build(target, name)
+    library = ensure_built(build_dir())
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
@@ -90,7 +90,29 @@ def small_linear_op():
     return torch.ops.mars.small_linear.default
 
 
-def _build(target: Path, name: str) -> Path:
+def ensure_built(target: Path) -> Path:
+    """The kernel library in ``target``, built there first unless a finished build is present.
+
+    A build is finished when its ``complete`` marker exists (written after the compiler succeeded); a folder
+    without it (a build killed half-way, a crashed compiler) is wiped and built again, never loaded.  A lock
+    file beside the folder keeps two processes from building into it at once."""
+    import fcntl
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    library, marker = target / f"{NAME}.so", target / "complete"
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (marker.is_file() and library.is_file()):
+            shutil.rmtree(target, ignore_errors=True)
+            _build(target, NAME)
+            if not library.is_file():
+                raise KernelUnavailable(f"building the small-M GEMM kernel left no {library}")
+            marker.write_text(build_key() + "\n")
+    return library
+
+
+def _build(target: Path, name: str) -> None:
     import shutil
 
     from torch.utils import cpp_extension
@@ -98,7 +120,7 @@ def _build(target: Path, name: str) -> Path:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable("no C++ compiler (c++ or $CXX) to build the small-M GEMM kernel")
     target.mkdir(parents=True, exist_ok=True)
-    print(f"mars: compiling the small-M GEMM kernel once into {target} (about a minute) ...", file=sys.stderr)
+    print(f"mars: compiling the small-M GEMM kernel once into {target} (under a minute) ...", file=sys.stderr)
     try:
         cpp_extension.load(
             name=name,
@@ -111,10 +133,6 @@ def _build(target: Path, name: str) -> Path:
         )
     except Exception as err:  # compiler errors, missing headers, ninja: all mean "not here"
         raise KernelUnavailable(f"building the small-M GEMM kernel failed: {str(err).strip()[:500]}") from err
-    library = target / f"{name}.so"
-    if not library.is_file():
-        raise KernelUnavailable(f"building the small-M GEMM kernel left no {library}")
-    return library
 
 
 def _register_fake() -> None:
