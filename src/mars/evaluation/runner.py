@@ -281,9 +281,9 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
     computed: list[tuple[float, str]] = []
     if plan.resolved.get("threads"):
-        import torch
+        from mars.threads import configure_threads
 
-        torch.set_num_threads(int(plan.resolved["threads"]))
+        configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
     if any(todo.values()):
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
