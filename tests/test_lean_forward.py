@@ -107,3 +107,40 @@ def test_lean_forward_is_used_by_decode_steps(monkeypatch):
         monkeypatch.setenv(fastpath.ENV, "0")  # fast path off: the model's own forward
         runner.logits_at(ids, pos, mask, pos)
     assert calls == [1]
+
+
+def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit():
+    """A gated LoRA (mars.adapters) under the lean forward: the same logits as the model's own forward with
+    its peft layers and gate hooks, with mask columns in some rows and none in others."""
+    from decoding_fixtures import MASK_ID
+
+    from mars.adapters import AdapterSettings, attach_adapter
+
+    try:
+        small_linear_op()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    model = build_model()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "mask_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert lean_reason(model) is None
+    ids, pos, mask, kv = step_inputs(2, 0, 9, model.config.vocab_size, seed=5)
+    outputs = {}
+    for masked in (False, True):
+        step = ids.clone()
+        if masked:
+            step[0, 6:] = MASK_ID  # row 0 ends in three masks, row 1 has none
+        with torch.inference_mode(), gqa_attention(model):
+            for name in ("lean", "hf"):
+                runner = ModelRunner(model)
+                if name == "hf":
+                    runner._lean = False
+                columns = torch.arange(6, 9).expand(2, -1)
+                outputs[name, masked] = runner.logits_at(step, pos, mask, columns, None)
+        assert torch.equal(outputs["lean", masked], outputs["hf", masked])
+    assert not torch.equal(outputs["lean", True][0, 1:], outputs["lean", False][0, 1:])  # the adapter acted
+    assert torch.equal(outputs["lean", True][1], outputs["lean", False][1])  # not on a row without masks

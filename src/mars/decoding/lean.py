@@ -10,8 +10,9 @@ own forward under the fast path (tested), so everything proven about that forwar
 on the 2-vCPU EPYC at batch 1 under load, one thread: 115 vs 154 ms per 1-column step, 146 vs 170 ms for
 4 columns.
 
-:func:`lean_decoder` returns None (and the caller runs the model's own forward) for anything it does not
-mirror exactly: other architectures, attention other than SDPA, q/k norms, hooks (accelerate offload),
+:func:`lean_decoder` also mirrors a gated adapter (:mod:`mars.adapters`): its gate from the input ids, the
+mask-embedding delta and each LoRA layer's ``B(A(h) * gate) * scaling``, op for op.  It returns None (and the
+caller runs the model's own forward) for anything it does not mirror exactly: other architectures, attention other than SDPA, q/k norms, hooks (accelerate offload),
 activations other than SiLU, tensor-parallel pretraining splits.
 """
 
@@ -47,17 +48,42 @@ def lean_reason(model) -> str | None:
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "rotary_emb") or type(getattr(model, "lm_head", None)) is not torch.nn.Linear:
         return "unexpected module layout"
+    gate = getattr(model, "mars_gate", None)
+    if gate is not None and not gate.gated:
+        return "an unmerged (ungated) LoRA adapter"
     for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        hooks = {**module._forward_hooks, **module._forward_pre_hooks}
+        if gate is not None:  # the gated adapter's own hooks are mirrored below
+            hooks = {k: h for k, h in hooks.items() if not _is_gate_hook(h, gate)}
+        if hooks or hasattr(module, "_hf_hook"):
             return f"a forward hook on {type(module).__name__}"
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(p) is not torch.nn.Linear for p in projections):
-            return "a projection that is not a plain nn.Linear (quantized or adapted)"
+        for p in projections:
+            reason = _projection_reason(p, gate)
+            if reason:
+                return reason
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return "q/k norms"
+    return None
+
+
+def _is_gate_hook(hook, gate) -> bool:
+    return getattr(hook, "__self__", None) is gate
+
+
+def _projection_reason(p, gate) -> str | None:
+    """None when ``p`` is a plain ``nn.Linear``, or a gated LoRA layer this forward mirrors exactly."""
+    if type(p) is torch.nn.Linear:
+        return None
+    if gate is None or p not in gate.lora_layers:
+        return "a projection that is not a plain nn.Linear (quantized or adapted)"
+    if type(p.get_base_layer()) is not torch.nn.Linear or list(p.lora_A) != ["default"]:
+        return "a LoRA layer with another base layer or several adapters"
+    if type(p.lora_dropout["default"]) is not torch.nn.Identity or p.use_dora.get("default"):
+        return "LoRA dropout or DoRA"
     return None
 
 
@@ -67,6 +93,8 @@ class LeanDecoder:
 
     def __init__(self, model):
         base = model.model
+        self.gate = getattr(model, "mars_gate", None)  # a gated adapter (mars.adapters), mirrored here
+        self.gate_columns: torch.Tensor | None = None  # [batch, columns, 1]: 1.0 at mask columns
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -93,8 +121,30 @@ class LeanDecoder:
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
+    def _project(self, h: torch.Tensor, module) -> torch.Tensor:
+        """A projection; a gated LoRA layer adds ``B(A(h) * gate) * scaling`` exactly as its peft forward does
+        with the adapter's gate hook (same ops, same shapes, so the same rounding)."""
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        y = linear(h, base.weight, base.bias)
+        if self.gate_columns is None or base is module:
+            return y
+        a = linear(h, module.lora_A["default"].weight) * self.gate_columns
+        return y + linear(a, module.lora_B["default"].weight) * module.scaling["default"]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # the embedding's weights directly: the module may carry the gated adapter's hook, mirrored here
+        x = F.embedding(input_ids, self.embed.weight)
+        self.gate_columns = None
+        if self.gate is not None:
+            where = input_ids == self.gate.mask_token_id
+            if bool(where.any()):  # as MaskGate.before_decoder: no mask token, no adapter at all
+                self.gate_columns = where.unsqueeze(-1).to(x.dtype)
+                if self.gate.delta is not None:
+                    x = x + self.gate_columns * self.gate.delta.to(x.dtype)
+        return x
+
     def __call__(self, input_ids, position_ids, attention_mask, cache=None) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         batch, columns = input_ids.shape
@@ -102,9 +152,9 @@ class LeanDecoder:
         rotate = self._rotate_half
         for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
             h = self._rms_norm(norm1, x)
-            q = linear(h, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-            k = linear(h, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-            v = linear(h, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+            q = self._project(h, attn.q_proj).view(shape).transpose(1, 2)
+            k = self._project(h, attn.k_proj).view(shape).transpose(1, 2)
+            v = self._project(h, attn.v_proj).view(shape).transpose(1, 2)
             q = (q * cos) + (rotate(q) * sin)
             k = (k * cos) + (rotate(k) * sin)
             if cache is not None:
@@ -113,11 +163,11 @@ class LeanDecoder:
                 q, k, v, attn_mask=attention_mask, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]
             )
             a = a.transpose(1, 2).contiguous().reshape(batch, columns, -1).contiguous()
-            x = x + linear(a, attn.o_proj.weight, attn.o_proj.bias)
+            x = x + self._project(a, attn.o_proj)
             h = self._rms_norm(norm2, x)
-            gate = linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate = self._project(h, mlp.gate_proj)
+            up = self._project(h, mlp.up_proj)
+            x = x + self._project(F.silu(gate) * up, mlp.down_proj)
         return self._rms_norm(self.norm, x)
 
 
