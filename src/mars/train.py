@@ -23,13 +23,21 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from omegaconf import DictConfig, OmegaConf
 
 from mars.checkpoint_meta import is_complete
+from mars.checkpointing import (
+    AtomicCheckpointIO,
+    GracefulStop,
+    exit_after_sigterm,
+    fit_until_sigterm,
+    verify_resume_checkpoint,
+)
 from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
-from mars.export import export_from_trainer
+from mars.export import export_from_trainer, export_lightning_checkpoint
 from mars.loggers import build_logger
 from mars.masking import MASK_SCHEDULES, mask_ratio
 from mars.models import check_model_source, load_model
 from mars.module import MarsModule
 from mars.objectives import Objective
+from mars.persistence import folder_lock
 from mars.precision import resolve_precision
 from mars.run_fingerprint import check_run_folder, record_fingerprint, run_fingerprint
 
@@ -173,6 +181,18 @@ class HFExport(Callback):
         meta = dict(self.metadata, global_step=trainer.global_step, complete=self.complete)
         self.exported = export_from_trainer(trainer, pl_module.model, self.tokenizer, self.export_dir, meta)
 
+    def finish_from_checkpoint(self, trainer, model, ckpt_path: str | None) -> bool:
+        """A run resumed from a checkpoint at its end: Lightning skips the fit loop (so ``on_train_end``
+        never runs) and the export that a kill or a full disk interrupted is written from the checkpoint
+        here.  Global rank 0 only, after ``fit``; True when it exported."""
+        if self.exported is not None or ckpt_path is None or not trainer.is_global_zero or not reached_end(trainer):
+            return False
+        log.info("%s ends the run: exporting it (the export did not finish last time)", ckpt_path)
+        meta = dict(self.metadata, global_step=trainer.global_step, complete=True)
+        self.exported = export_lightning_checkpoint(ckpt_path, model, self.tokenizer, self.export_dir, meta)
+        self.complete = True
+        return True
+
 
 # ------------------------------------------------------------------------------------------
 # Checks before anything loads
@@ -227,6 +247,7 @@ def validate(cfg: DictConfig) -> Objective:
         raise ValueError(f"trainer.max_steps must be -1 (no limit: max_epochs decides) or >= 1, got {max_steps!r}")
     if max_epochs is not None and (not _int(max_epochs) or max_epochs < -1):
         raise ValueError(f"trainer.max_epochs must be -1, null or >= 1, got {max_epochs!r}")
+    check_stop_grace(cfg)
     accumulate = trainer.get("accumulate_grad_batches", 1)
     if not _int(accumulate) or accumulate < 1:
         raise ValueError(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
@@ -238,6 +259,15 @@ def validate(cfg: DictConfig) -> Objective:
         data_file(data["source"], data.get("path"), data.get("split", "train"))
     check_model_source(cfg.model.name_or_path)
     return objective
+
+
+def check_stop_grace(cfg: DictConfig) -> float:
+    grace = cfg.get("stop_grace_seconds", 8)
+    if not _number(grace) or not grace > 0:
+        raise ValueError(
+            f"stop_grace_seconds must be a number > 0 (how long SIGTERM waits for the step in progress), got {grace!r}"
+        )
+    return float(grace)
 
 
 def preload_rows(data_cfg: dict[str, Any]):
@@ -294,8 +324,17 @@ def launched_as_rank_zero() -> bool:
 # ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
-    unless ``overwrite``; ``callbacks`` are added to the trainer's."""
+    unless ``overwrite``; ``callbacks`` are added to the trainer's.  One run per folder: a second one is
+    refused naming the first one's PID (rank 0 holds the lock for the job).  Ended by SIGTERM, it saves
+    the step in progress and exits with 128 + SIGTERM."""
     objective = validate(cfg)
+    if not launched_as_rank_zero():
+        return _run(cfg, objective, callbacks)
+    with folder_lock(cfg.output_dir, what="training run"):
+        return _run(cfg, objective, callbacks)
+
+
+def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -> Path:
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)
@@ -308,6 +347,9 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         )
         print(f"checkpoint (already trained): {export_dir}")
         return export_dir
+
+    resume_from = resolve_resume(cfg, out_dir)
+    verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
 
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.get("tiny") else None
@@ -373,6 +415,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             base_num_parameters=base_params,
         ),
     )
+    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", check_stop_grace(cfg))
     all_callbacks = [
         ModelCheckpoint(
             dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
@@ -380,6 +423,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         TQDMProgressBar(refresh_rate=1),
         history,
         exporter,
+        stopper,
         *callbacks,
     ]
     logger = build_logger(
@@ -394,13 +438,16 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         default_root_dir=out_dir,
         enable_checkpointing=True,
         use_distributed_sampler=False,
+        plugins=[AtomicCheckpointIO()],  # same-folder temp file + rename, with a checksum
         **trainer_cfg,
     )
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path=resolve_resume(cfg, out_dir))
+    finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
+    if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
+        history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
     seconds = time.perf_counter() - start
 
     if trainer.is_global_zero:
@@ -428,6 +475,8 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             print(f"checkpoint: {export_dir}")
         else:
             print(f"training stopped before its configured end; rerun the same command to resume ({out_dir})")
+    if not finished:
+        exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
     return export_dir
 
 
