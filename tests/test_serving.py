@@ -94,19 +94,23 @@ def test_threshold_one_equals_offline_generate_whatever_the_arrival_pattern(load
     assert served[0][2]["latency_seconds"] > plan[-1][1]
 
 
-def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(server):
-    c = client(server)
-    for prompt in PROMPTS[:4]:
-        kw = dict(model="tiny-random", prompt=prompt, max_tokens=24, extra_body={"threshold": 0.5})
-        full = c.completions.create(**kw)
-        pieces, _tokens, steps = [], [], []
-        for ch in c.completions.create(stream=True, **kw):
-            pieces.append(ch.choices[0].text)
-            steps.append(ch.model_extra["mars"]["tokens"])
-        assert "".join(pieces) == full.choices[0].text
-        assert sum(steps) == full.usage.completion_tokens
-        assert full.model_extra["mars"]["threshold"] == 0.5
-    assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
+def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(loaded):
+    server = start_server(loaded, "tau_min=0.3")  # the tiny random model's masks pass at 0.3, not at 0.5
+    try:
+        c = client(server)
+        for prompt in PROMPTS[:4]:
+            kw = dict(model="tiny-random", prompt=prompt, max_tokens=24, extra_body={"threshold": 0.3})
+            full = c.completions.create(**kw)
+            pieces, _tokens, steps = [], [], []
+            for ch in c.completions.create(stream=True, **kw):
+                pieces.append(ch.choices[0].text)
+                steps.append(ch.model_extra["mars"]["tokens"])
+            assert "".join(pieces) == full.choices[0].text
+            assert sum(steps) == full.usage.completion_tokens
+            assert full.model_extra["mars"]["threshold"] == 0.3
+        assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
+    finally:
+        server.stop()
 
 
 def test_several_prompts_in_one_completion_request(loaded, server):

@@ -342,7 +342,8 @@ class MarsLM(TemplateLM):
             # no token came from a mask (threshold 1.0, verified or AR decoding): every token is the greedy
             # AR choice made in the decoding forward itself, so the extra forward would only re-confirm it
             return [{"tokens": len(o), "ar_equal": len(o), "mask_tokens": 0, "mask_ar_equal": 0} for o in outputs]
-        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)))
+        never = [] if self.mask_token_id is None else [int(self.mask_token_id)]  # no decoder emits it
+        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)), suppress_ids=never)
         return token_fidelity(outputs, predictions, flags)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

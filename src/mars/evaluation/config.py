@@ -42,13 +42,21 @@ def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)"
         )
-    if not (p / "config.json").is_file() and not (p / "mars_adapter.json").is_file():
+    adapter = (p / "mars_adapter.json").is_file()  # a gated adapter run's folder: base model + adapter
+    if not (p / "config.json").is_file() and not adapter:
         raise CheckpointError(
             f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
             "folder with mars_adapter.json)"
         )
-    meta_file = p / "mars_config.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if not adapter:
+        _check_model_config(p / "config.json")
+    from mars.checkpoint_meta import MetadataError, read_metadata
+
+    try:
+        saved = read_metadata(p)  # validated: a field of the wrong type is named, not an int() error later
+    except MetadataError as err:
+        raise CheckpointError(f"checkpoint={path}: {err}") from None
+    meta = saved.to_dict() if saved is not None else {}
     mask = meta.get("mask_token")
     if not mask:
         tok_cfg = p / "tokenizer_config.json"
@@ -63,7 +71,22 @@ def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
             "(or `python -m mars.export`), or a base model with model=<config> instead."
         )
     meta["mask_token"] = mask
+    from mars.persistence import check_weight_files
+
+    try:
+        check_weight_files(p, required=False)  # a truncated copy fails now, before a results folder exists
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint={path}: {err}") from None
     return meta
+
+
+def _check_model_config(config_file: Path) -> None:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_file} is not valid JSON ({err}); the checkpoint cannot be loaded") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a Hugging Face model config (a JSON object); got {config!r:.80}")
 
 
 def _checkpoint_label(path: str) -> str:
@@ -168,13 +191,31 @@ def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
         ref = reference_threshold(metric)
         added = ref not in values
         values = sorted(set(values) | {ref}, reverse=(metric != "entropy"))
+        _refuse_near_duplicates(values)
         return values, added
     if cfg.get("threshold") is None:
         raise ThresholdError("set threshold=<value> or thresholds=[...]")
     value, ref = check_threshold(cfg.get("threshold"), metric), reference_threshold(metric)
     if value == ref or not cfg.get("reference", True):
         return [value], False
+    _refuse_near_duplicates([ref, value])
     return [ref, value], True  # a point without its reference has no delta and no agreement
+
+
+def _refuse_near_duplicates(values: list[float]) -> None:
+    """Two thresholds that differ but share a results folder name (rounded to 6 decimals) would run into
+    one samples folder and be reported twice (the reference 1.0 counts); the same number twice is merged."""
+    from mars.evaluation.store import threshold_key
+
+    seen: dict[str, float] = {}
+    for value in values:
+        other = seen.setdefault(threshold_key(value), value)
+        if other != value:
+            low, high = sorted((other, value))
+            raise ThresholdError(
+                f"thresholds {low!r} and {high!r} differ by less than 1e-6, the resolution of the results "
+                f"folder names (both are {threshold_key(value)}): keep one of them"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
