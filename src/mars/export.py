@@ -54,7 +54,7 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
     """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`), the tokenizer with
     its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base model), in one folder that
     :func:`mars.models.load_model` turns back into base + adapter.  Written atomically."""
-    from mars.adapters import adapter_state_dict, base_digest, save_adapter
+    from mars.adapters import adapter_state_dict, base_digest, write_adapter
 
     meta = MarsMetadata.from_dict(
         {**metadata, "adapter": "gated_lora", "num_parameters": metadata.get("base_num_parameters")},
@@ -70,17 +70,10 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
         "mask_token_id": meta.mask_token_id,
         "adapter_parameters": sum(t.numel() for t in adapter_state_dict(model).values()),
     }
-    save_adapter(model, out, adapter_meta)  # atomic: the folder appears complete or not at all
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for item in out.iterdir():
-            os.link(item, tmp / item.name)
+    with atomic_dir(out) as tmp:  # adapter, tokenizer and metadata appear together or not at all
+        write_adapter(model, Path(tmp), adapter_meta)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
-        shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported gated adapter to %s", out)
     return out
 
