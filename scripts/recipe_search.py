@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from mars.evaluation.store import atomic_write_text
+from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points
 
 REPO = Path(__file__).resolve().parents[1]

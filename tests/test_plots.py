@@ -109,7 +109,7 @@ def test_bad_plot_format_fails_before_training_or_evaluating(compose_cfg, tiny_t
 
 
 def test_loss_history_draws_in_the_configured_format(tmp_path):
-    from mars.train import LossHistory
+    from mars.loss_history import LossHistory
 
     history = LossHistory(tmp_path, PlotSettings(format="pdf", dpi=90))
     assert history.png == tmp_path / "loss_curve.pdf"

@@ -160,3 +160,30 @@ def test_shipped_answers_are_reused_only_for_the_same_fingerprint(tmp_path, sett
         progress=False,
     )
     assert len(answered) == 2
+
+
+def test_the_model_fingerprint_digests_every_byte_of_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    weights = bytearray(3 << 20)  # larger than the first and last MiB together
+    (folder / "model.safetensors").write_bytes(weights)
+    before = sd.model_fingerprint(str(folder))
+    weights[len(weights) // 2] = 1  # one edited byte in the middle of the file
+    (folder / "model.safetensors").write_bytes(weights)
+    assert sd.model_fingerprint(str(folder)) != before
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="holds no weight files"):
+        sd.model_fingerprint(str(folder))
+
+
+def test_the_shipped_answers_sit_under_the_key_the_embedded_model_computes():
+    from mars.models import embedded_gguf_path
+    from mars.persistence import sha256_of
+
+    settings = sd.DistillSettings(max_new_tokens=192, batch_size=16, dtype="float32")
+    fp = sd.fingerprint(sd.model_fingerprint("embedded:smollm2-135m"), settings, "float32")
+    assert fp["model"] == f"embedded:smollm2-135m:{sha256_of(embedded_gguf_path())}"
+    name = sd.cache_folder(fp, None).name
+    assert json.loads((sd.SHIPPED / name / "meta.json").read_text())["fingerprint"] == fp
+    assert len(sd._shipped_rows(name, fp)) == 2181

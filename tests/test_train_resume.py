@@ -8,7 +8,8 @@ from conftest import TINY_SFT
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from mars.train import read_losses, run
+from mars.loss_history import read_losses
+from mars.train import run
 
 
 class StopAfter(Callback):

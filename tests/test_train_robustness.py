@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from test_train_resume import StopAfter
 
 from mars.checkpoint_meta import read_metadata
+from mars.loss_history import read_losses
 from mars.run_fingerprint import RunMismatchError
-from mars.train import read_losses, run
+from mars.train import run
 
 
 def base(tiny_train_overrides):

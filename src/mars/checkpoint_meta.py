@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mars.persistence import atomic_write_json
 
 METADATA_FILE = "mars_config.json"
 INTRA_BLOCK = ("causal", "bidirectional")
@@ -130,16 +131,7 @@ def write_metadata(folder: str | os.PathLike, meta: MarsMetadata) -> Path:
     """Write ``mars_config.json`` atomically (a reader never sees half a file)."""
     meta.validate()
     path = metadata_path(folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(meta.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, meta.to_dict(), sort_keys=True)
     return path
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mars.persistence import atomic_write_bytes
+
 FORMATS = ("png", "pdf", "svg")
 
 
@@ -65,9 +67,5 @@ def figure_bytes(fig, settings: PlotSettings) -> bytes:
 def write_figure(fig, path: str | os.PathLike, settings: PlotSettings) -> Path:
     """Save ``fig`` to ``path`` (atomically: a temporary file in the same folder, renamed)."""
     path = Path(path)
-    data = figure_bytes(fig, settings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, figure_bytes(fig, settings))
     return path

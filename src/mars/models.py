@@ -11,8 +11,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from mars.adapters import ADAPTER_META
 from mars.checkpoint_meta import METADATA_FILE
-from mars.persistence import cache_root, check_weight_files, current_umask
+from mars.persistence import atomic_dir, cache_root, check_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +57,6 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _atomic_dir(target: Path):
-    """A temporary sibling directory that is renamed onto ``target`` only when complete."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; a shared cache must stay readable
-    return tmp
-
-
 def embedded_model_dir() -> Path:
     """Plain HF directory of the embedded SmolLM2-135M-Instruct, converted from GGUF once and cached.
 
@@ -87,13 +77,9 @@ def embedded_model_dir() -> Path:
     clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(loaded.state_dict())
     clean.generation_config = loaded.generation_config
-    tmp = _atomic_dir(target)
-    clean.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    with atomic_dir(target, replace=False) as tmp:  # another process may have won the race: keep its copy
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return target
 
 
@@ -107,12 +93,8 @@ def embedded_tokenizer() -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(full)
         gguf = embedded_gguf_path()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tmp = _atomic_dir(target)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        with atomic_dir(target, replace=False) as tmp:
+            tokenizer.save_pretrained(tmp)
     return AutoTokenizer.from_pretrained(target)
 
 

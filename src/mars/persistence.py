@@ -9,6 +9,11 @@ No torch, no Lightning, nothing of mars: every layer may import it.
   flushed and fsynced, then renamed over the target.  A reader sees the old file or the whole new one; a
   failure leaves the old one untouched and no temporary behind.  Files and folders get the permissions
   the umask gives any new file (``mkstemp`` / ``mkdtemp`` would leave 0600 / 0700).
+- **JSON lines** (:func:`atomic_write_jsonl`, :func:`read_jsonl`; :func:`append_jsonl`,
+  :func:`read_appended_jsonl`): a whole file is written atomically and read strictly (a bad line is an
+  error naming the file and line); an append-only file (a cache a killed process resumes from) gets each
+  batch in one flushed ``write`` and is read up to its last whole line: a line torn by a kill is skipped,
+  the next append starts on a fresh line, and ``repair`` rewrites the file without it.
 - **Digests** (:func:`file_sha256`): sha256 of every byte, never a sample (a digest of size + first and
   last MiB kept 10,000 edited embedding rows invisible).  Large files are read once: the digest is cached
   under the file's path, size, mtime, ctime and inode, and only for files not modified in the last
@@ -32,7 +37,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -107,18 +112,26 @@ def remove_tree(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
     """``with atomic_dir(out) as tmp: <write files into tmp>``: the folder appears as ``out`` only when
-    the block ends without an error, replacing an existing ``out``; its mode follows the umask."""
+    the block ends without an error, replacing an existing ``out`` (with ``replace=False`` an ``out`` that
+    exists by then -- another process built the same cache first -- is kept and this copy dropped); its
+    mode follows the umask."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: nobody else could read the export
         yield tmp
+        if target.exists() and not replace:
+            return
         if target.exists():
             remove_tree(target)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if replace or not target.exists():
+                raise  # (a folder renamed onto a non-empty one fails: the other process's copy is kept)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _fsync_dir(target.parent)
@@ -133,6 +146,89 @@ def remove_stale_temporaries(folder: str | os.PathLike, name: str) -> list[Path]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+# ------------------------------------------------------------------------------------------
+# JSON lines
+# ------------------------------------------------------------------------------------------
+def json_default(obj: Any) -> Any:
+    """``json.dumps(default=...)`` for results: numpy scalars as numbers, sets sorted, anything else as text."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    return str(obj)
+
+
+def jsonl_text(rows: Iterable[Any], **dumps: Any) -> str:
+    """One JSON document per line (``ensure_ascii=False`` unless given), each ending in a newline."""
+    dumps = {"ensure_ascii": False, **dumps}
+    return "".join(json.dumps(row, **dumps) + "\n" for row in rows)
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any], **dumps: Any) -> None:
+    atomic_write_text(path, jsonl_text(rows, **dumps))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """Every non-blank line of a whole JSONL file; a line that is not JSON raises ``ValueError`` naming
+    the file and the line (a whole file written atomically has none)."""
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}, column {err.colno})") from None
+    return rows
+
+
+def append_jsonl(path: str | os.PathLike, rows: Iterable[Any], **dumps: Any) -> None:
+    """Append ``rows`` to an append-only JSONL file in one flushed ``write`` (a killed process loses at
+    most this batch, torn); after a torn last line the batch starts on a fresh line."""
+    text = jsonl_text(rows, **dumps)
+    if not text:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab+") as handle:
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                text = "\n" + text  # end the torn line first, so it cannot swallow the next row
+        handle.write(text.encode("utf-8"))
+        handle.flush()
+
+
+def read_appended_jsonl(path: str | os.PathLike, *, repair: bool = False) -> list[dict[str, Any]]:
+    """The JSON objects of an append-only JSONL file (see :func:`append_jsonl`), one per whole line.
+
+    A line torn by a kill is skipped: the last line when it lacks its newline (every append ends in
+    one), and any line that is not a JSON object.  With ``repair`` (single writer only) the file is then
+    rewritten without them, atomically and keeping the whole lines byte for byte, so a file that is also
+    read as plain JSONL (a training split) holds rows only.  A missing file has no rows."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    *lines, tail = data.split(b"\n")
+    rows, kept = [], []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+            kept.append(line)
+    if repair and (tail or len(kept) != sum(1 for line in lines if line.strip())):
+        atomic_write_bytes(path, b"".join(line + b"\n" for line in kept))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -314,8 +410,9 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def fingerprint_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts)."""
-    a, b = flatten(json.loads(json.dumps(saved))), flatten(json.loads(json.dumps(current)))
+    """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts).  Both are
+    compared as JSON stores them (a tuple equals the list it is saved as, a numpy scalar its number)."""
+    a, b = (flatten(json.loads(json.dumps(d, default=json_default))) for d in (saved, current))
     missing = "<missing>"
     return [
         (k, a.get(k, missing), b.get(k, missing))
@@ -374,11 +471,14 @@ __all__ = [
     "ChecksumError",
     "FolderLockedError",
     "HashingWriter",
+    "WEIGHT_SUFFIXES",
     "atomic_dir",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_json",
+    "atomic_write_jsonl",
     "atomic_write_text",
+    "append_jsonl",
     "cache_root",
     "check_safetensors",
     "check_weight_files",
@@ -388,6 +488,10 @@ __all__ = [
     "fingerprint_differences",
     "flatten",
     "folder_lock",
+    "json_default",
+    "jsonl_text",
+    "read_appended_jsonl",
+    "read_jsonl",
     "recorded_checksums",
     "remove_stale_temporaries",
     "remove_tree",

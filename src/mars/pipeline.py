@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mars.evaluation.store import atomic_write_text
+from mars.persistence import atomic_write_text
 
 
 class Stages:

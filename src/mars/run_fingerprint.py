@@ -66,22 +66,16 @@ class RunMismatchError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------
-# Digests
+# Digests (every byte, never a sample: a digest of size + first and last MiB kept 10,000 edited embedding
+# rows, and an edit in the middle of a 300 MiB data file, invisible)
 # ------------------------------------------------------------------------------------------
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of every byte of ``path`` (:func:`mars.persistence.file_sha256`: read once, then cached by
-    path, size and timestamps).  Never a sample: a digest of size + first and last MiB kept 10,000 edited
-    embedding rows, and an edit in the middle of a 300 MiB data file, invisible."""
-    return file_sha256(path)
-
-
 def _model_folder_digest(folder: Path) -> str:
     files = sorted(
         p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
     )
     h = hashlib.sha256()
     for p in files:
-        h.update(f"{p.name}:{file_digest(p)};".encode())
+        h.update(f"{p.name}:{file_sha256(p)};".encode())
     return h.hexdigest()
 
 
@@ -112,15 +106,15 @@ def _data_fingerprint(data: dict[str, Any]) -> dict[str, Any]:
 
     out = {k: v for k, v in data.items() if k not in DATA_EXCLUDED and k != "distill"}
     if data.get("path"):
-        out["content"] = file_digest(Path(str(data["path"])).expanduser())
+        out["content"] = file_sha256(Path(str(data["path"])).expanduser())
     elif data.get("source") == "offline":
-        out["content"] = file_digest(OFFLINE_DATA / f"{data.get('split', 'train')}.jsonl")
+        out["content"] = file_sha256(OFFLINE_DATA / f"{data.get('split', 'train')}.jsonl")
     distill = data.get("distill")
     if distill:
         d = {k: v for k, v in distill.items() if k not in DISTILL_EXCLUDED}
         prompts = dict(d.get("prompts") or {})
         if prompts.get("source") == "jsonl" and prompts.get("path"):
-            prompts["content"] = file_digest(Path(str(prompts.pop("path"))).expanduser())
+            prompts["content"] = file_sha256(Path(str(prompts.pop("path"))).expanduser())
         d["prompts"] = prompts
         out["distill"] = d
     return out
@@ -155,11 +149,6 @@ def run_fingerprint(cfg) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Comparing and recording
 # ------------------------------------------------------------------------------------------
-def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts)."""
-    return fingerprint_differences(saved, current)
-
-
 def read_fingerprint(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(out_dir) / FINGERPRINT_FILE
     return json.loads(path.read_text()) if path.is_file() else None
@@ -207,7 +196,7 @@ def check_run_folder(
             "samples, which cannot vouch for their content). Retrain it with overwrite=true, or start a "
             f"separate run with run_name=<new name> (now {run_name!r})."
         )
-    diff = differences(saved, fingerprint)
+    diff = fingerprint_differences(saved, fingerprint)
     if diff:
         shown = "; ".join(f"{k}: folder has {a!r}, now {b!r}" for k, a, b in diff[:10])
         more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
@@ -243,8 +232,6 @@ __all__ = [
     "RunMismatchError",
     "check_run_folder",
     "clear_run_folder",
-    "differences",
-    "file_digest",
     "holds_results",
     "read_fingerprint",
     "record_fingerprint",

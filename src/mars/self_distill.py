@@ -37,6 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from mars.paths import conf_dir, data_dir
+from mars.persistence import (
+    WEIGHT_SUFFIXES,
+    append_jsonl,
+    atomic_write_json,
+    atomic_write_jsonl,
+    atomic_write_text,
+    cache_root,
+    file_sha256,
+    read_appended_jsonl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,32 +176,22 @@ def refuse_eval_overlap(rows: list[dict[str, Any]], where: str) -> None:
 # ------------------------------------------------------------------------------------------
 # Fingerprint and cache folder
 # ------------------------------------------------------------------------------------------
-def _file_digest(path: Path, chunk: int = 1 << 20) -> str:
-    """Size plus the first and last MiB: enough to tell weight files apart, cheap for GB-sized ones."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(chunk))
-        if path.stat().st_size > chunk:
-            f.seek(-chunk, os.SEEK_END)
-            h.update(f.read(chunk))
-    return h.hexdigest()[:16]
-
-
 def model_fingerprint(name_or_path: str, tiny: dict | None = None) -> str:
-    """What identifies the answering model's weights: the embedded GGUF's bytes, a local folder's weight
-    files, a hub id (with the revision if given as ``id@rev``), or the tiny-random config."""
+    """What identifies the answering model's weights: the sha256 of every byte of the embedded GGUF or of
+    a local folder's weight files (read once, then cached: :func:`mars.persistence.file_sha256`), a hub id
+    (with the revision if given as ``id@rev``), or the tiny-random config."""
     if name_or_path == "tiny-random":
         return "tiny-random:" + json.dumps(tiny or {}, sort_keys=True)
     if name_or_path.startswith("embedded:"):
         from mars.models import embedded_gguf_path
 
-        return f"{name_or_path}:{_file_digest(embedded_gguf_path())}"
+        return f"{name_or_path}:{file_sha256(embedded_gguf_path())}"
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+        weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
         if not weights:
-            raise ValueError(f"{path} holds no weight files (*.safetensors, *.bin, *.gguf)")
-        return f"dir:{path.resolve().name}:" + ",".join(_file_digest(p) for p in weights)
+            raise ValueError(f"{path} holds no weight files (any of {WEIGHT_SUFFIXES})")
+        return f"dir:{path.resolve().name}:" + ",".join(file_sha256(p) for p in weights)
     return f"hub:{name_or_path}"
 
 
@@ -234,8 +234,6 @@ def prompt_set_hash(prompts: list[dict[str, Any]]) -> str:
 
 
 def cache_folder(fp: dict[str, Any], root: str | None) -> Path:
-    from mars.models import cache_root
-
     base = Path(root).expanduser() if root else cache_root() / "self_distill"
     label = fp["model"].split(":")[1] if ":" in fp["model"] else fp["model"]
     label = "".join(c if c.isalnum() or c in "-_." else "-" for c in label)[:40]
@@ -257,27 +255,16 @@ def _key(row_id: str, prompt: str) -> tuple[str, str]:
     return row_id, prompt_hash(prompt)
 
 
-def _read_done(path: Path) -> dict[tuple[str, str], dict]:
-    """Answers already written, by (id, prompt hash); a torn last line (a killed write) is dropped and
-    the file rewritten."""
-    if not path.is_file():
-        return {}
-    rows, torn = {}, False
-    for line in path.read_text(encoding="utf-8").splitlines():
+def _read_done(path: Path, *, repair: bool = True) -> dict[tuple[str, str], dict]:
+    """Answers already written, by (id, prompt hash); a line torn by a killed write is skipped (and, with
+    ``repair``, removed from the file)."""
+    rows = {}
+    for row in read_appended_jsonl(path, repair=repair):
         try:
-            row = json.loads(line)
             rows[_key(row["id"], row["messages"][0]["content"])] = row
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-            torn = True
-    if torn:
-        _write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
+        except (KeyError, IndexError, TypeError):
+            continue
     return rows
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def summarise(rows: list[dict[str, Any]], seconds: float, generated: int) -> dict[str, Any]:
@@ -319,7 +306,7 @@ def build(
             )
     folder.mkdir(parents=True, exist_ok=True)
     if not meta_path.is_file():
-        _write_text(meta_path, json.dumps({"fingerprint": fp}, indent=2) + "\n")
+        atomic_write_json(meta_path, {"fingerprint": fp})
     set_hash = prompt_set_hash(prompts)[:16]
     set_rows, set_meta = folder / "sets" / f"{set_hash}.jsonl", folder / "sets" / f"{set_hash}.json"
     if set_meta.is_file() and json.loads(set_meta.read_text()).get("complete") and set_rows.is_file():
@@ -337,19 +324,10 @@ def build(
     complete = len(rows) == len(prompts)
     stats = summarise(rows, seconds, generated)
     set_rows.parent.mkdir(exist_ok=True)
-    _write_text(set_rows, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    _write_text(
+    atomic_write_jsonl(set_rows, rows)
+    atomic_write_json(
         set_meta,
-        json.dumps(
-            {
-                "prompts_sha256": prompt_set_hash(prompts),
-                "n_prompts": len(prompts),
-                "complete": complete,
-                "stats": stats,
-            },
-            indent=2,
-        )
-        + "\n",
+        {"prompts_sha256": prompt_set_hash(prompts), "n_prompts": len(prompts), "complete": complete, "stats": stats},
     )
     log.info("self-distilled data: %s", json.dumps(stats))
     return DistillResult(folder, set_rows, stats)
@@ -363,7 +341,7 @@ def _shipped_rows(name: str, fp: dict[str, Any]) -> dict[tuple[str, str], dict]:
     if json.loads((folder / "meta.json").read_text()).get("fingerprint") != fp:
         log.warning("%s does not match this model/decoding fingerprint; not used", folder)
         return {}
-    return _read_done(folder / "rows.jsonl")
+    return _read_done(folder / "rows.jsonl", repair=False)  # committed, read-only
 
 
 def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded) -> tuple[int, float]:
@@ -398,28 +376,23 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
             )
             seconds += time.perf_counter() - t0
             generated += out.stats.generated_tokens
-            lines = []
+            rows = []
             for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
                 finished = reason == "eos"
-                lines.append(
-                    json.dumps(
-                        {
-                            "id": p["id"],
-                            "prompt_sha": prompt_hash(p["prompt"]),
-                            **{k: p[k] for k in ("source", "category") if k in p},
-                            "messages": [
-                                {"role": "user", "content": p["prompt"]},
-                                {"role": "assistant", "content": text.strip()},
-                            ],
-                            "finished": finished,
-                            "response_tokens": len(ids) - int(finished),
-                        },
-                        ensure_ascii=False,
-                    )
-                    + "\n"
+                rows.append(
+                    {
+                        "id": p["id"],
+                        "prompt_sha": prompt_hash(p["prompt"]),
+                        **{k: p[k] for k in ("source", "category") if k in p},
+                        "messages": [
+                            {"role": "user", "content": p["prompt"]},
+                            {"role": "assistant", "content": text.strip()},
+                        ],
+                        "finished": finished,
+                        "response_tokens": len(ids) - int(finished),
+                    }
                 )
-            with open(rows_path, "a", encoding="utf-8") as f:
-                f.write("".join(lines))
+            append_jsonl(rows_path, rows)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{generated / max(seconds, 1e-9):.1f}")
     bar.close()
@@ -447,7 +420,7 @@ def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None =
         rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line).get("finished")]
         path = path.with_name(path.stem + ".finished.jsonl")
         if not path.is_file() or path.read_text(encoding="utf-8").count("\n") != len(rows):
-            _write_text(path, "".join(r + "\n" for r in rows))
+            atomic_write_text(path, "".join(r + "\n" for r in rows))
     data_cfg.update(source="jsonl", path=str(path))
     return data_cfg
 

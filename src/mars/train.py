@@ -34,104 +34,19 @@ from mars.checkpointing import (
 )
 from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
 from mars.export import export_from_trainer, export_lightning_checkpoint
-from mars.figures import PlotSettings, plot_settings
+from mars.figures import plot_settings
 from mars.loggers import build_logger
 from mars.logs import route_lightning_logs
-from mars.loss_plot import plot_losses
+from mars.loss_history import LossHistory
 from mars.masking import MASK_SCHEDULES, mask_ratio
 from mars.models import check_model_source, load_model
 from mars.module import MarsModule
 from mars.objectives import Objective
-from mars.persistence import folder_lock
+from mars.persistence import atomic_write_json, atomic_write_text, folder_lock
 from mars.precision import resolve_precision
 from mars.run_fingerprint import check_run_folder, record_fingerprint, run_fingerprint
 
 log = logging.getLogger(__name__)
-
-LOSS_COLUMNS = ("step", "loss", "loss_mask", "loss_ar", "tokens_per_s")
-
-
-# ------------------------------------------------------------------------------------------
-# Loss curve, written as the run goes
-# ------------------------------------------------------------------------------------------
-class LossHistory(Callback):
-    """Appends one row per optimizer step to ``losses.csv`` (the mean over its micro-batches) and redraws
-    ``loss_curve.<plots.format>`` at every checkpoint and at the end, on global rank 0.
-
-    A resumed run first drops the rows past the step it resumes from (those steps are trained again), so
-    the file covers the whole run once; a killed run keeps every step it finished.
-    """
-
-    def __init__(self, out_dir: Path, plots: PlotSettings | None = None):
-        self.plots = plots or PlotSettings()
-        self.path, self.png = out_dir / "losses.csv", out_dir / self.plots.file_name("loss_curve")
-        self.start_step = 0  # optimizer steps already done when this process started training
-        self.last: dict[str, float] = {}
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, int] = {}
-        self._written = 0
-
-    def on_train_start(self, trainer, pl_module):
-        self.start_step = self._written = trainer.global_step
-        if not trainer.is_global_zero:
-            return
-        kept = [r for r in read_losses(self.path) if r["step"] <= self.start_step]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(_csv_line(LOSS_COLUMNS) + "".join(_csv_line(_cells(r)) for r in kept))
-        os.replace(tmp, self.path)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        metrics = trainer.callback_metrics
-        for key in LOSS_COLUMNS[1:]:
-            if f"train/{key}" in metrics:
-                self._sums[key] = self._sums.get(key, 0.0) + float(metrics[f"train/{key}"])
-                self._counts[key] = self._counts.get(key, 0) + 1
-        if trainer.global_step <= self._written:
-            return  # accumulating gradients: the optimizer has not stepped yet
-        row = {"step": trainer.global_step, **{k: self._sums[k] / self._counts[k] for k in self._sums}}
-        self._sums, self._counts, self._written, self.last = {}, {}, trainer.global_step, row
-        if trainer.is_global_zero:
-            with open(self.path, "a") as handle:
-                handle.write(_csv_line(_cells(row)))
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self._draw(trainer)
-
-    def on_train_end(self, trainer, pl_module):
-        self._draw(trainer)
-
-    def _draw(self, trainer) -> None:
-        if trainer.is_global_zero and self.plots.enabled:
-            plot_losses(read_losses(self.path), self.png, self.plots)
-
-
-def _csv_line(cells: Sequence[Any]) -> str:
-    return ",".join(str(c) for c in cells) + "\n"
-
-
-def _cells(row: dict[str, Any]) -> list[Any]:
-    return [row.get(k, "") for k in LOSS_COLUMNS]
-
-
-def read_losses(path: Path) -> list[dict[str, float]]:
-    """The rows of a ``losses.csv`` (``step`` as int, other columns as float where present)."""
-    if not path.is_file():
-        return []
-    lines = path.read_text().splitlines()
-    if not lines:
-        return []
-    header = lines[0].split(",")
-    rows = []
-    for line in lines[1:]:
-        values = line.split(",")
-        if len(values) != len(header):
-            continue  # a line torn by a kill
-        row = {k: float(v) for k, v in zip(header, values) if v != ""}
-        if "step" in row:
-            row["step"] = int(row["step"])
-            rows.append(row)
-    return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -530,7 +445,7 @@ def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -
     )
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
     finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
     if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
@@ -562,7 +477,7 @@ def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -
             "final": history.last,
             "checkpoint": str(exporter.exported) if exporter.exported else None,
         }
-        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_json(out_dir / "train_summary.json", summary)
         print(json.dumps(summary, indent=2))
         if exporter.complete:
             print(f"checkpoint: {export_dir}")

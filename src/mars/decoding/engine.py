@@ -62,8 +62,6 @@ from .settings import DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept
 
-CACHES = ("none", "block", "cursor")
-
 
 @dataclass
 class StepEvent:

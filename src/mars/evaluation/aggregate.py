@@ -35,10 +35,11 @@ from typing import Any
 
 from mars.evaluation import agreement as stats
 from mars.evaluation.config import Plan, reference_threshold
-from mars.evaluation.store import ResultsDir, atomic_write_text, write_json
+from mars.evaluation.store import ResultsDir, write_json
+from mars.evaluation.tasks import score_kinds
+from mars.persistence import atomic_write_text
 
 AVERAGE = "Average"
-SCORE_KINDS = ("metric", "chrf", "token_f1", "exact")
 INTERVAL_KEYS = (
     "accuracy",
     "accuracy_delta",
@@ -122,21 +123,6 @@ def _num(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(f) else f
-
-
-def score_kinds(benchmarks: Mapping[str, Any] | None) -> dict[str, str]:
-    """Suite entry name -> what its accuracy cell shows (``score:`` in the suite, default ``metric``);
-    an unknown value is refused with the allowed ones."""
-    kinds = {}
-    for entry in (benchmarks or {}).get("tasks") or []:
-        if isinstance(entry, Mapping):
-            kind = str(entry.get("score") or "metric")
-            if kind not in SCORE_KINDS:
-                raise ValueError(
-                    f"benchmarks task {entry.get('name')!r}: score must be one of {list(SCORE_KINDS)}, got {kind!r}"
-                )
-            kinds[str(entry.get("name"))] = kind
-    return kinds
 
 
 class _Samples:

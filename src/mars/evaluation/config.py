@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mars.labels import checkpoint_label, model_label
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 4
@@ -89,12 +91,6 @@ def _check_model_config(config_file: Path) -> None:
         raise CheckpointError(f"{config_file} is not a Hugging Face model config (a JSON object); got {config!r:.80}")
 
 
-def _checkpoint_label(path: str) -> str:
-    p = Path(path).expanduser().resolve()
-    # train.py exports to outputs/train/<run>/hf: the run's name is the useful label
-    return p.parent.name if p.name in ("hf", "export", "final") else p.name
-
-
 def block_size_for(cfg: DictConfig | dict) -> int:
     """``decoding.block_size`` if given, else the checkpoint's training block size, else 4."""
     dec = cfg.get("decoding") or {}
@@ -122,17 +118,10 @@ def block_size_mismatch(trained: Any, used: int) -> str | None:
     )
 
 
-def model_label(cfg: DictConfig | dict) -> str:
-    if cfg.get("checkpoint"):
-        return _checkpoint_label(str(cfg["checkpoint"]))
-    model = cfg.get("model") or {}
-    return str(model.get("id") or Path(str(model.get("name_or_path", "model"))).name.replace(":", "-"))
-
-
 def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any, decoding: Any = "mars") -> str:
     """``<model or checkpoint>-b<block>-<suite>[-<decoding>]``: the default results folder name (a Hydra
     resolver); the decoding config's name is added when it is not the default ``mars``."""
-    label = _checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
+    label = checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
     if block_size is None and checkpoint:
         try:
             block_size = checkpoint_metadata(checkpoint).get("block_size")
@@ -308,7 +297,7 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
     if mismatch:
         log.warning(mismatch)
-    from mars.evaluation.aggregate import score_kinds
+    from mars.evaluation.tasks import score_kinds
 
     score_kinds(resolved.get("benchmarks"))  # a bad `score:` fails now, not after the model ran
     suite = suite_from_config(dict(resolved.get("benchmarks") or {}))

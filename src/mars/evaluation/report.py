@@ -10,7 +10,8 @@ from typing import Any
 
 from mars.evaluation.aggregate import AVERAGE
 from mars.evaluation.config import Plan, reference_threshold
-from mars.evaluation.store import ResultsDir, atomic_write_text
+from mars.evaluation.store import ResultsDir
+from mars.persistence import atomic_write_text
 
 
 def fmt_threshold(thr: float) -> str:

@@ -29,8 +29,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mars.evaluation.config import Plan, prepare, reference_threshold
-from mars.evaluation.store import ResultsDir, differing_keys, fingerprint_hash, threshold_key
+from mars.evaluation.store import ResultsDir, fingerprint_hash, threshold_key
 from mars.evaluation.tasks import code_sandbox, primary_metric, task_manager
+from mars.persistence import fingerprint_differences
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
     handler = None
     if rank == 0:
         saved = store.saved_fingerprint()
-        if saved is not None and differing_keys(saved, plan.fingerprint):
+        if saved is not None and fingerprint_differences(saved, plan.fingerprint):
             # prepare() let it through: no complete point, so nothing of the old config is kept
             log.info("%s held no complete point of its earlier config: starting it afresh", store.root)
             store.discard_partial()

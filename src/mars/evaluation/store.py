@@ -17,7 +17,7 @@ Layout (``outputs/eval/<run-name>/``)::
 
 Every file but the partial cache is written to a temporary sibling and renamed, so an interrupted run
 never leaves a half-written file that looks complete; the partial cache's lines are read up to the
-last whole one.
+last whole one (both through :mod:`mars.persistence`).
 """
 
 from __future__ import annotations
@@ -26,61 +26,33 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from mars.persistence import (
+    append_jsonl,
+    atomic_write_json,
+    atomic_write_jsonl,
+    atomic_write_text,
+    fingerprint_differences,
+    json_default,
+    read_appended_jsonl,
+    read_jsonl,
+)
+
 CONFIG_FILE = "config.yaml"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary sibling, then rename: readers see the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    """A results file: atomic, numpy scalars and sets made plain JSON."""
+    atomic_write_json(path, obj, default=json_default)
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, default=_json_default, ensure_ascii=False) + "\n" for r in rows))
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def _json_default(obj: Any) -> Any:
-    # numpy scalars, tuples of metrics, sets: make them plain JSON
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    return str(obj)
+    atomic_write_jsonl(path, rows, default=json_default)
 
 
 def threshold_key(threshold: float) -> str:
@@ -90,7 +62,7 @@ def threshold_key(threshold: float) -> str:
 
 def fingerprint_hash(fingerprint: dict) -> str:
     """A short stable hash of a config fingerprint (salts the partial cache's request keys)."""
-    text = json.dumps(fingerprint, sort_keys=True, default=_json_default)
+    text = json.dumps(fingerprint, sort_keys=True, default=json_default)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
@@ -106,52 +78,14 @@ class RequestCache:
         self.path = Path(path)
 
     def load(self) -> dict[str, dict]:
-        rows: dict[str, dict] = {}
-        if not self.path.is_file():
-            return rows
-        with open(self.path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if not line.endswith("\n"):
-                    break  # torn by a kill mid-write
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and "key" in row:
-                    rows[row["key"]] = row
-        return rows
+        return {row["key"]: row for row in read_appended_jsonl(self.path) if "key" in row}
 
     def append(self, rows: list[dict]) -> None:
-        if not rows:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps(r, default=_json_default, ensure_ascii=False) + "\n" for r in rows)
-        with open(self.path, "ab+") as handle:
-            if handle.tell() > 0:
-                handle.seek(-1, os.SEEK_END)
-                if handle.read(1) != b"\n":
-                    text = "\n" + text  # end a torn line first
-            handle.write(text.encode("utf-8"))
-            handle.flush()
+        append_jsonl(self.path, rows, default=json_default)
 
 
 class ResultsMismatchError(ValueError):
     """The results folder was written by a run whose result-relevant config differs."""
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for key, value in d.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def differing_keys(saved: dict, current: dict) -> list[str]:
-    """Dotted keys whose values differ between two nested dicts (missing counts as different)."""
-    a, b = _flatten(saved), _flatten(current)
-    return sorted(k for k in set(a) | set(b) if a.get(k, "<missing>") != b.get(k, "<missing>"))
 
 
 class ResultsDir:
@@ -249,12 +183,9 @@ class ResultsDir:
         saved_fp = self.saved_fingerprint()
         if saved_fp is None:
             return
-        diff = differing_keys(saved_fp, fingerprint)
+        diff = fingerprint_differences(saved_fp, fingerprint)
         if diff and self.complete_points():
-            details = "; ".join(
-                f"{k}: saved {_flatten(saved_fp).get(k, '<missing>')!r} vs now {_flatten(fingerprint).get(k, '<missing>')!r}"
-                for k in diff[:8]
-            )
+            details = "; ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, saved, now in diff[:8])
             raise ResultsMismatchError(
                 f"The results folder {self.root} holds results of a different configuration ({details}). "
                 "Mixing them would corrupt the table: pick another folder with run_name=... or output_dir=..., "
@@ -264,7 +195,7 @@ class ResultsDir:
     def write_config(self, resolved: dict, fingerprint: dict) -> None:
         """Save the resolved config (with the fingerprint used for resume checks)."""
         # a JSON round trip turns shared sub-objects into plain copies (no YAML anchors)
-        doc = json.loads(json.dumps({"fingerprint": fingerprint, "resolved": resolved}, default=_json_default))
+        doc = json.loads(json.dumps({"fingerprint": fingerprint, "resolved": resolved}, default=json_default))
         atomic_write_text(self.config_path, yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
 
     # -- points --------------------------------------------------------------------------------
@@ -275,7 +206,7 @@ class ResultsDir:
         try:
             expected = json.loads(summary.read_text()).get("n_samples")
             return expected is not None and len(read_jsonl(samples)) == expected
-        except (json.JSONDecodeError, OSError):
+        except (ValueError, OSError):  # a damaged file (JSONDecodeError is a ValueError) is not complete
             return False
 
     def write_point(self, threshold: float, task: str, samples: list[dict], summary: dict) -> None:

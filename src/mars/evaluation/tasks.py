@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ EVAL_ROOT = eval_dir()
 # by path, so it lives beside them and is loaded by path here too, as one module).
 SANDBOX_IN_EVAL = Path("offline") / "humaneval" / "sandbox.py"
 CODE_SANDBOX = EVAL_ROOT / SANDBOX_IN_EVAL
+# what a suite entry's accuracy cell shows (its `score:`): lm-eval's metric, or a score of the outputs
+SCORE_KINDS = ("metric", "chrf", "token_f1", "exact")
 
 
 class UnknownTaskError(ValueError):
@@ -231,6 +234,21 @@ def check_code_execution(suite: Suite, manager) -> str | None:
     how = sandbox.require_sandbox(f"the code written for {ours + others}")
     log.info("tasks %s execute model-written code: %s", ours + others, how)
     return how
+
+
+def score_kinds(benchmarks: Mapping[str, Any] | None) -> dict[str, str]:
+    """Suite entry name -> what its accuracy cell shows (``score:`` in the suite, default ``metric``);
+    an unknown value is refused with the allowed ones."""
+    kinds = {}
+    for entry in (benchmarks or {}).get("tasks") or []:
+        if isinstance(entry, Mapping):
+            kind = str(entry.get("score") or "metric")
+            if kind not in SCORE_KINDS:
+                raise ValueError(
+                    f"benchmarks task {entry.get('name')!r}: score must be one of {list(SCORE_KINDS)}, got {kind!r}"
+                )
+            kinds[str(entry.get("name"))] = kind
+    return kinds
 
 
 def primary_metric(task_results: dict[str, Any], metric: str | None, filt: str | None) -> tuple[str, float]:

@@ -37,11 +37,17 @@ from sse_starlette import EventSourceResponse
 
 from mars.decoding.settings import DecodingSettings, validate_threshold
 
-from .config import DEFAULT_MAX_BODY_BYTES
 from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
 from .scheduler import EngineLoop, Job, JobEvent, QueueFull, Unavailable
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, _Common, from_validation_error
+from .schemas import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Common,
+    from_validation_error,
+)
 from .ui import PAGE
 
 log = logging.getLogger(__name__)

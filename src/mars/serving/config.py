@@ -21,11 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from mars.decoding.settings import DecodingSettings
 
 from .policy import POLICIES, build_policy
+from .schemas import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MARS_API_KEY"
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 def _plain(value: Any) -> Any:
@@ -181,7 +181,7 @@ def _is_loopback(host: str) -> bool:
 
 def _default_name(model: dict, checkpoint: str | None) -> str:
     """The checkpoint's run name, else the model config's id (as evaluation labels them)."""
-    from mars.evaluation.config import model_label
+    from mars.labels import model_label
 
     return model_label({"checkpoint": checkpoint, "model": model})
 

@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # 2**64 + seed) and raises outside it; the sampler of a row is seeded with the request's seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOPS = 4
+# a request body larger than this is refused (413) before it is read (serve.yaml's max_body_bytes)
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 # the strict, closed shape of every request object (fields are checked, never coerced)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
