@@ -40,7 +40,9 @@ RANK_SCRIPT = textwrap.dedent(
         "to_1": lm.gather_object(f"rank {r}", dst=1),
     }
     lm.barrier()
-    print("RESULT " + json.dumps(result), flush=True)
+    # one file per rank: both ranks share torchrun's stdout, where their lines can interleave
+    with open(f"result_{r}.json", "w") as f:
+        json.dump(result, f)
     """
 )
 
@@ -59,8 +61,7 @@ def test_collectives_on_two_processes(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = sorted(
-        (json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line),
-        key=lambda r: r["rank"],
+        (json.loads(path.read_text()) for path in tmp_path.glob("result_*.json")), key=lambda r: r["rank"]
     )
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)], proc.stdout
     for r in results:
