@@ -149,7 +149,60 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return bool(meta and meta.complete)
 
 
+# ------------------------------------------------------------------------------------------
+# Reading a checkpoint to decode with (evaluation, serving, the benchmark commands)
+# ------------------------------------------------------------------------------------------
+class CheckpointError(ValueError):
+    """A ``checkpoint=`` folder that cannot be decoded with: missing, not a model folder, no mask token."""
+
+
+def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[str, Any]:
+    """The metadata of a checkpoint folder to decode with, before any weight is read: its validated
+    ``mars_config.json`` as a dict (empty without one), with the mask token (the metadata's, else the one
+    its tokenizer config names).  ``key`` names the setting in the messages."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{key}={path}: no such folder (expected a Hugging Face directory written by train.py)")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{key}={path}: no config.json, so it is not a Hugging Face model folder")
+    meta = read_metadata(folder)
+    info = meta.to_dict() if meta is not None else {}
+    mask = info.get("mask_token") or _tokenizer_mask_token(folder)
+    if not mask:
+        raise CheckpointError(
+            f"{key}={path} has no mask token: neither {METADATA_FILE} nor the tokenizer names one. "
+            "MARS decoding appends mask tokens after the context; use a checkpoint exported by train.py "
+            "(or `python -m mars.export`), or a base model with model=<config> instead."
+        )
+    info["mask_token"] = mask
+    return info
+
+
+def _tokenizer_mask_token(folder: Path) -> str | None:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    mask = json.loads(config.read_text(encoding="utf-8")).get("mask_token")
+    return mask.get("content") if isinstance(mask, dict) else mask  # an AddedToken is serialised as a dict
+
+
+def decoding_block_size(requested: int | None, meta: dict[str, Any] | MarsMetadata | None) -> int:
+    """The block size to decode with: ``requested`` when set, else the checkpoint's training block size,
+    else the decoding settings' default (one rule for evaluation, serving and the benchmark commands)."""
+    if requested is not None:
+        return int(requested)
+    trained = meta.block_size if isinstance(meta, MarsMetadata) else (meta or {}).get("block_size")
+    if trained:
+        return int(trained)
+    from mars.decoding.settings import DecodingSettings
+
+    return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "block_size")
+
+
 __all__ = [
+    "CheckpointError",
+    "read_checkpoint",
+    "decoding_block_size",
     "METADATA_FILE",
     "MarsMetadata",
     "MetadataError",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import annotated_types as at
-from pydantic import BaseModel, BeforeValidator, ConfigDict, InstanceOf, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, InstanceOf, ValidationError
 from pydantic.fields import FieldInfo
 
 M = TypeVar("M", bound="Section")
@@ -67,6 +67,15 @@ def built_by(cls: type, build: Callable[[Mapping[str, Any]], Any]) -> Any:
     return Annotated[InstanceOf[cls], BeforeValidator(make)]
 
 
+def _dtype_name(name: str) -> str:
+    from mars.hardware import validate_dtype
+
+    return validate_dtype(name)
+
+
+DtypeName = Annotated[str, AfterValidator(_dtype_name)]  # auto | float32 | bfloat16 | float16
+
+
 def known_keys(cls: type, mapping: Mapping[str, Any], section: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     """``mapping`` as keyword arguments of the dataclass ``cls``; an unknown key is refused naming the known."""
     fields = set(getattr(cls, "__dataclass_fields__", {}))
@@ -89,7 +98,8 @@ def render(err: ValidationError, schema: type[BaseModel], where: str = "") -> st
 def _message(error: dict[str, Any], schema: type[BaseModel], where: str) -> str:
     key, info = _locate(schema, error["loc"], extra=error["type"] == "extra_forbidden")
     key = ".".join(p for p in (where, key) if p)
-    got = f", got {error['input']!r}"
+    secret = info is not None and info.repr is False  # never echo it (an API key)
+    got = f", got a value of type {type(error['input']).__name__}" if secret else f", got {error['input']!r}"
     if error["type"] == "extra_forbidden":
         return f"{key} is not a known setting{_known(schema, error['loc'])}"
     if error["type"] == "missing":
@@ -109,6 +119,10 @@ def _locate(schema: type[BaseModel], loc: tuple, extra: bool = False) -> tuple[s
     parts: list[str] = []
     info, model = None, schema
     for part in loc:
+        if isinstance(part, int) and parts:
+            parts[-1] += f"[{part}]"  # a list item: the field's description is the list's
+            info, model = None, None
+            continue
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             break
         info = model.model_fields[part]
@@ -189,4 +203,4 @@ def _with_range(kind: str, metadata: list[Any]) -> str:
     return kind
 
 
-__all__ = ["ConfigError", "Section", "OpenSection", "validated", "built_by", "known_keys", "render"]
+__all__ = ["ConfigError", "Section", "OpenSection", "validated", "built_by", "known_keys", "render", "DtypeName"]

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from mars.config_schema import Section, validated
+from mars.config_schema import DtypeName, Section, validated
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +198,6 @@ def model_fingerprint(name_or_path: str, tiny: dict | None = None) -> str:
     return f"hub:{name_or_path}"
 
 
-def _dtype(name: str) -> str:
-    from mars.hardware import validate_dtype
-
-    validate_dtype(name)
-    return name
-
-
 class DistillSettings(Section):
     """How ``data.distill`` answers its prompts (the prompts themselves: :class:`PromptSpec`)."""
 
@@ -212,7 +205,7 @@ class DistillSettings(Section):
     section: ClassVar[str] = "data.distill"
     max_new_tokens: Annotated[int, Field(ge=1)]
     batch_size: Annotated[int, Field(ge=1)]
-    dtype: Annotated[str, AfterValidator(_dtype)]
+    dtype: DtypeName
     threads: Annotated[int, Field(ge=1)] | None = None  # torch CPU threads while building (None: leave as is)
     root: str | None = None  # cache folder (default <MARS_CACHE>/self_distill)
 

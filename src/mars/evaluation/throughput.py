@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from mars.checkpoint_meta import decoding_block_size
+
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
     "Write a short poem about the sea.",
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
 
     model, tokenizer, metadata = load(args, dtype)
-    block_size = args.block_size or int((metadata or {}).get("block_size") or 4)
+    block_size = decoding_block_size(args.block_size or None, metadata)
     common = dict(
         max_new_tokens=args.max_new_tokens,
         block_size=block_size,
