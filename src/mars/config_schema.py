@@ -108,7 +108,8 @@ def _message(error: dict[str, Any], schema: type[BaseModel], where: str) -> str:
         text = str(error.get("ctx", {}).get("error", error["msg"]))
         if text.startswith("must "):
             return f"{key} {text}{got}"
-        return text if key in text else f"{key}: {text}"
+        names_key = not key or text.startswith(key) or f"{key}=" in text or f"{key}." in text
+        return text if names_key else f"{key}: {text}"
     if info is None:
         return f"{key}: {error['msg'][:1].lower()}{error['msg'][1:]}{got}"
     return f"{key} must be {_allowed(info)}{got}"
@@ -152,7 +153,19 @@ def _known(schema: type[BaseModel], loc: tuple) -> str:
 
 def _allowed(info: FieldInfo) -> str:
     text = _describe(info.annotation, list(info.metadata))
-    return f"{text} ({info.description})" if info.description else text
+    description = info.description or _inner_description(info.annotation)
+    return f"{text} ({description})" if description else text
+
+
+def _inner_description(annotation: Any) -> str | None:
+    """The description of a field declared inside a union (``Annotated[int, Field(...)] | None``)."""
+    for arg in get_args(annotation):
+        if isinstance(arg, FieldInfo) and arg.description:
+            return arg.description
+        found = _inner_description(arg)
+        if found:
+            return found
+    return None
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}

@@ -38,7 +38,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import ConfigDict, Field
 
-from mars.config_schema import DtypeName, Section, validated
+from mars.config_schema import DtypeName, Section, known_keys, validated
 
 log = logging.getLogger(__name__)
 
@@ -426,14 +426,22 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
 # ------------------------------------------------------------------------------------------
 # From a training config
 # ------------------------------------------------------------------------------------------
+def distill_section(distill: dict[str, Any] | None) -> tuple[PromptSpec, DistillSettings, bool]:
+    """``data.distill`` checked (no file read): the prompts, the decoding settings, ``drop_unfinished``."""
+    distill = dict(distill or {})
+    prompts = distill.pop("prompts", None) or {}
+    spec = PromptSpec(**known_keys(PromptSpec, prompts, "data.distill.prompts"))
+    drop_unfinished = distill.pop("drop_unfinished", False)
+    if not isinstance(drop_unfinished, bool):
+        raise ValueError(f"data.distill.drop_unfinished must be true or false, got {drop_unfinished!r}")
+    return spec, validated(DistillSettings, distill), drop_unfinished
+
+
 def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None = None) -> dict[str, Any]:
     """Turn a ``data=self_distill`` config into a plain jsonl data config over the (built or reused)
     self-distilled rows.  Prompts are validated before any model loads; under DDP only rank 0 builds."""
     data_cfg = dict(data_cfg)
-    distill = dict(data_cfg.pop("distill", None) or {})
-    spec = PromptSpec(**dict(distill.pop("prompts", None) or {}))
-    drop_unfinished = bool(distill.pop("drop_unfinished", False))
-    settings = validated(DistillSettings, distill)
+    spec, settings, drop_unfinished = distill_section(data_cfg.pop("distill", None))
     prompts = load_prompts(spec)
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) > 0:
         result = _wait_for_build(model_name, prompts, settings, tiny)

@@ -131,6 +131,14 @@ class TrainConfig(OpenSection):
         return self
 
     @model_validator(mode="after")
+    def _distill_checked(self) -> TrainConfig:
+        if self.data.source == "self_distill":  # its rows are built before the model loads: check it now
+            from mars.self_distill import distill_section
+
+            distill_section((self.data.model_extra or {}).get("distill"))
+        return self
+
+    @model_validator(mode="after")
     def _budget_counts_steps(self) -> TrainConfig:
         if self.budget.minutes is not None and self.trainer.accumulate_grad_batches != 1:
             raise ValueError("budget.minutes counts optimizer steps' compute: use trainer.accumulate_grad_batches=1")

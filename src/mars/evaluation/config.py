@@ -163,9 +163,11 @@ class EvaluateConfig(OpenSection):
     device: str
     dtype: DtypeName
     fidelity: bool
+    plots: bool
     threads: Annotated[int, Field(ge=1)] | None
     compare: list[str]
-    logger: dict[str, Any]
+    logger: dict[str, Any]  # only logger.wandb is used (mars.evaluation.wandb_log)
+    run_name: str
     output_dir: str | None
 
 
