@@ -6,8 +6,12 @@ python serve.py tau_policy=adaptive tau_min=0.8       # lower tau under load, ra
 python serve.py model=tiny-random port=8001           # a tiny random model (smoke tests)
 """
 
-import hydra
-from omegaconf import DictConfig
+from mars.threads import apply_process_defaults
+
+apply_process_defaults()  # OMP_WAIT_POLICY=PASSIVE unless set: libgomp reads it when torch loads
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="serve")

@@ -3,6 +3,7 @@
 at threshold 1.0 without and with the masks kept (full_window), under torch.profiler.
 
     python scripts/profile_decode_step.py --threads 2 --tokens 32 > benchmarks/cpu_decode_step_profile.txt
+    python scripts/profile_decode_step.py --no-fast-path ...   # the eager matmuls (F.linear), for comparison
 
 Prints per decoder: ms per forward, the share of self CPU time in matrix multiplies (the model's own
 arithmetic at batch 1: reading the weights), in attention, and in everything else (dispatch, small ops,
@@ -10,15 +11,21 @@ cache bookkeeping, Python), aten calls per forward, and the top ops.
 """
 
 import argparse
+import os
 import time
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from mars.threads import apply_process_defaults
 
-from mars.decoding import generate
-from mars.models import load_model
+apply_process_defaults()  # OMP_WAIT_POLICY=PASSIVE unless set, before torch loads libgomp
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from mars.decoding import generate  # noqa: E402
+from mars.models import load_model  # noqa: E402
+from mars.threads import configure_threads  # noqa: E402
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "mars::small_linear")
 VARIANTS = {
     "ar": dict(decoder="ar"),
     "mars tau=1.0": dict(decoder="mars", threshold=1.0, cache="cursor"),
@@ -29,11 +36,18 @@ VARIANTS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded:smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", default="auto", help="torch threads (auto: mars.threads' choice, clamped)")
+    p.add_argument("--no-fast-path", action="store_true", help="profile the eager matmuls (MARS_FAST_PATH=0)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--top", type=int, default=8)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
+    if args.no_fast_path:
+        os.environ["MARS_FAST_PATH"] = "0"
+    print(
+        f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        f"fast path {'off' if args.no_fast_path else 'on'}"
+    )
     lm = load_model(args.model)
     model, tok = lm.model.eval(), lm.tokenizer
     prompt = ["Write a short note about the sea and the wind, in two sentences."]

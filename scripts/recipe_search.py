@@ -90,6 +90,8 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
         done=complete_checkpoint(hf),
     )
     thresholds = "[" + ",".join(str(t) for t in spec["thresholds"]) + "]"
+    if is_gated(variant) and not stages.dry_run:
+        reuse_base_reference(base_eval, work / name / "eval")
     stages.run(
         f"{name}/eval",
         eval_command(
@@ -107,6 +109,24 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
         ),
         done=has_points(work / name / "verify", [1.0]),
     )
+
+
+def is_gated(variant: dict) -> bool:
+    return "adapter=gated_lora" in variant["overrides"]
+
+
+def reuse_base_reference(base_eval: Path, out: Path) -> None:
+    """A gated adapter's tau = 1.0 output is the base model's, token for token (its real columns run the
+    frozen base weights, and a tau = 1.0 row accepts only the real column's prediction: tests/test_adapters.py,
+    tests/test_budget.py), so the base's tau = 1.0 samples serve as the variant's reference point instead of
+    decoding the same outputs again (a quarter of a variant's evaluation).  The reference run
+    (scripts/reproduce.py) decodes its tau = 1.0 point for real."""
+    from mars.evaluation.store import threshold_key
+
+    source = base_eval / "samples" / threshold_key(1.0)
+    target = out / "samples" / threshold_key(1.0)
+    if source.is_dir() and not target.exists():
+        shutil.copytree(source, target)
 
 
 # ------------------------------------------------------------------------------------------
@@ -298,7 +318,8 @@ def report(spec: dict, work: Path, bench: Path, stages: Stages, base_eval: Path)
         "`vs base` is the paired change of the 5-task average from the untouched base model at tau 1.0 "
         "(points, 95% paired bootstrap interval); tok/fwd per request with its bootstrap interval; *identical* "
         "= outputs identical to the same checkpoint's tau 1.0 output; *mask fidelity* = share of mask-accepted "
-        "tokens equal to the model's own greedy choice. Produced by `python scripts/recipe_search.py`; "
+        "tokens equal to the model's own greedy choice. Gated variants reuse the base's tau 1.0 samples as "
+        "their reference point (bit-identical by construction, tested). Produced by `python scripts/recipe_search.py`; "
         "commands in commands.md, stage times in stages.json.",
         "",
         table(rows, spec),
@@ -335,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         stages.run(
             "base/eval",
-            eval_command(["model=smollm2-135m"], base_eval, spec, ["threshold=1.0", "reference=false"]),
+            eval_command(
+                [f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]
+            ),
             done=has_points(base_eval, [1.0]),
         )
         for variant in spec["variants"]:

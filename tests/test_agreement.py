@@ -397,6 +397,28 @@ def test_table_shows_intervals_agreement_and_comparisons(handmade, tmp_path):
     assert "Free (chrf)" in table  # says which columns are scored against the tau=1.0 output
 
 
+def test_points_record_their_interval_method_and_the_plot_names_it(handmade):
+    """The figure says which interval it draws: Wilson for right/wrong scores, none for a score against
+    the tau = 1.0 output at tau = 1.0 itself, the tasks' intervals combined for the Average."""
+    from mars.evaluation.aggregate import collect_points
+    from mars.evaluation.plots import pareto_figure
+
+    store, tasks, *_ = handmade
+    points = collect_points(_plan(store.root, tasks), store)
+    by = {(p["task"], p["threshold"]): p for p in points}
+    assert by[("QA", 1.0)]["accuracy_interval"] == "Wilson"
+    assert by[("Free", 1.0)]["accuracy_interval"] == "none" and by[("Free", 0.9)]["accuracy_interval"] == "bootstrap"
+    assert by[("Average", 1.0)]["accuracy_interval"] == "combined"
+
+    def caption(task):
+        fig = pareto_figure(task, {"hand B=4": [p for p in points if p["task"] == task]})
+        return " ".join(t.get_text() for t in fig.texts)
+
+    assert "τ=1.0 bar and band: Wilson interval; other τ: paired bootstrap of the change" in caption("QA")
+    assert "τ=1.0 is the reference itself" in caption("Free")
+    assert "the tasks' intervals combined" in caption("Average")
+
+
 def test_pareto_draws_error_bars_and_the_ar_band(handmade):
     import matplotlib
 

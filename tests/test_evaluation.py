@@ -436,19 +436,44 @@ def test_paper_local_suite_runs_through_the_adapter(make_cfg, loads):
     assert cells["HumanEval"]["metric"] == "pass@1,create_test"
 
 
+def test_lm_eval_task_setup_logs_one_line_per_task(make_cfg, loads, capsys, caplog):
+    """lm-eval's two-line "Custom kwargs ... --metadata" warning, its "Building contexts" line and the
+    progress bar after it (four lines per task, most of a run's log) become one line per task."""
+    import re
+
+    benchmarks = suite(REPO / "eval" / "offline" / "math", "mars_math")  # a task with its own loader
+    with caplog.at_level("INFO"):
+        run_eval(make_cfg(benchmarks, ["limit=2", "threshold=1.0", "decoding.max_new_tokens=4"]))
+    err = capsys.readouterr().err
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("lm_eval")]
+    assert not [m for m in messages if "Custom kwargs" in m or m.startswith("Building contexts")], messages
+    assert messages.count("mars_math: contexts built for 2 documents (rank 0)") == 1, messages
+    assert not re.search(r"(?:^|\r)\s*\d+%\|", err, re.M), err[-2000:]  # no bar without a title
+    assert "generate tau=1" in err  # the decoder's own bar stays
+
+
 # ------------------------------------------------------------------------------------------------
 # W&B (offline)
 # ------------------------------------------------------------------------------------------------
-def test_wandb_offline_log(make_cfg, loads, fixture_task, tmp_path, monkeypatch):
+def test_wandb_offline_log(make_cfg, loads, fixture_task, tmp_path, monkeypatch, caplog):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    outcome = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["thresholds=[1.0,0.6]", "logger=wandb"]))
+    benchmarks = suite(fixture_task, "fx_qa")
+    benchmarks["tasks"][0]["label"] = "FX (Q&A) set"  # a label like "Math (ASDiv)"
+    with caplog.at_level("INFO", logger="mars.evaluation.wandb_log"):
+        outcome = run_eval(make_cfg(benchmarks, ["thresholds=[1.0,0.6]", "logger=wandb"]))
     runs = list((outcome.output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list(outcome.output_dir.rglob("*"))
     assert list(runs[0].glob("run-*.wandb"))
+    # the offline run says how to upload it (W&B itself is silenced)
+    assert f"wandb sync {runs[0]}" in caplog.text
+    # metric keys without spaces or brackets: the task label's slug (keys are plain strings in the run file)
+    logged = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"fx_q_a_set/accuracy" in logged and b"fx_q_a_set/tokens_per_forward" in logged
+    assert b"FX (Q&A) set/" not in logged
     media = [str(p.relative_to(runs[0])) for p in runs[0].rglob("*.png")]
-    assert any("pareto" in m and "fx_qa" in m for m in media), media
+    assert any("pareto" in m and "fx_q_a_set" in m for m in media), media
     assert any(p.name.endswith(".table.json") for p in runs[0].rglob("*.json"))
 
 
@@ -883,6 +908,33 @@ def test_mars_lm_eval_is_lm_evals_cli_with_the_model_registered(tiny_ckpt, tmp_p
     results = _lm_eval_results(tmp_path / "out")
     assert "exact_match,none" in results["results"]["mars_math"]
     assert results["config"]["threshold"] == 0.9 and results["config"]["block_size"] == 4  # from mars_config.json
+    # the headline figure, in lm-eval's results file and its printed table (1 <= x <= block size)
+    assert 1.0 <= results["results"]["mars_math"]["tokens_per_forward,none"] <= 4.0
+    assert results["higher_is_better"]["mars_math"]["tokens_per_forward"] is True
+    assert "|tokens_per_forward|" in proc.stdout.replace(" ", "")  # a row of lm-eval's printed table
+    # lm-eval's per-task setup noise folded into one line per task
+    assert "Custom kwargs" not in proc.stderr and "Building contexts" not in proc.stderr
+    assert "mars_math: contexts built for 1 documents (rank 0)" in proc.stderr
+
+
+def test_lm_eval_results_get_tokens_per_forward_per_task_and_pooled_per_group():
+    from mars.evaluation.adapter import TaskStats, add_decoder_stats
+
+    results = {
+        "results": {"grp": {"alias": "grp"}, "a": {"acc,none": 0.5}, "b": {"acc,none": 1.0}, "ll": {"acc,none": 0.1}},
+        "groups": {"grp": {"alias": "grp"}},
+        "group_subtasks": {"grp": ["a", "b"], "a": [], "b": [], "ll": []},
+        "higher_is_better": {"a": {"acc": True}},
+    }
+    stats = {"a": TaskStats(generated_tokens=30, row_forwards=10), "b": TaskStats(generated_tokens=10, row_forwards=10)}
+    add_decoder_stats(results, stats)
+    assert results["results"]["a"]["tokens_per_forward,none"] == 3.0
+    assert results["results"]["b"]["tokens_per_forward,none"] == 1.0
+    # pooled over the group's requests (40 tokens / 20 forwards), not the mean of the task figures
+    assert results["groups"]["grp"]["tokens_per_forward,none"] == 2.0
+    assert results["results"]["grp"]["tokens_per_forward,none"] == 2.0
+    assert "tokens_per_forward,none" not in results["results"]["ll"]  # log-likelihood only: no decoder figure
+    assert results["higher_is_better"]["a"] == {"acc": True, "tokens_per_forward": True}
 
 
 @pytest.mark.slow
@@ -933,8 +985,9 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
 
     # each rank's progress bar: 2 of the 4 documents
     assert sorted(re.findall(r"generate tau=0\.5: 100%\|[^|]*\| (\d+/\d+)", log)) == ["2/2", "2/2"], log[-4000:]
+    lm = MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2)
     one = lm_eval.simple_evaluate(
-        model=MarsLM(pretrained=str(tiny_ckpt), threshold=0.5, max_new_tokens=8, batch_size=2),
+        model=lm,
         tasks=["fx_qa"],
         task_manager=TaskManager(include_path=str(fixture_task), include_defaults=False),
         apply_chat_template=True,
@@ -944,6 +997,9 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
     single = {s["doc_id"]: s["resps"][0][0] for s in one["samples"]["fx_qa"]}
     assert len(single) == len(QUESTIONS)
     assert _lm_eval_samples(tmp_path / "two", "fx_qa") == single
+    # tokens per forward over both ranks' requests, as one process counts it
+    reported = _lm_eval_results(tmp_path / "two")["results"]["fx_qa"]["tokens_per_forward,none"]
+    assert reported == pytest.approx(lm.task_stats["fx_qa"].tokens_per_forward)
 
 
 def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_task, tmp_path):

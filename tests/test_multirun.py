@@ -92,8 +92,9 @@ def eval_overrides(workdir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(workdir) -> Path:
-    """``python train.py -m block=2,4`` on the tiny model: two jobs, two steps each."""
-    launch(
+    """``python train.py -m block=2,4`` on the tiny model: two jobs, two steps each (console output kept
+    in train_console.txt)."""
+    proc = launch(
         "train.py",
         "block=2,4",
         "model=tiny-random",
@@ -107,7 +108,17 @@ def trained(workdir) -> Path:
         "logger=none",
         cwd=workdir,
     )
+    (workdir / "train_console.txt").write_text(proc.stdout + proc.stderr)
     return workdir
+
+
+def test_train_console_shows_each_lightning_line_once_and_no_advert(trained):
+    """Lightning's own console handler and Hydra's root handler both printed every Lightning line; and
+    every fit advertised LitLogger."""
+    console = (trained / "train_console.txt").read_text()
+    assert console.count("Seed set to 0") == 2  # one per job
+    assert console.count("`Trainer.fit` stopped: `max_steps=2` reached.") == 2
+    assert "litlogger" not in console.lower()
 
 
 def test_train_multirun_runs_every_job(trained):

@@ -3,11 +3,30 @@ as the fastest AR decoder of the run, and exact decoders matching transformers' 
 
 import csv
 import json
+from collections import Counter
 
+from mars.decoding import api, fastpath
+from mars.evaluation import throughput
 from mars.evaluation.throughput import main
 
 
-def test_throughput_benchmark_end_to_end(tmp_path):
+def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
+    timed = Counter()
+    run_one = throughput.run_one
+
+    def counting_run_one(*args, **kwargs):
+        timed[args[5].name] += 1
+        return run_one(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "run_one", counting_run_one)
+    fast_path_seen = set()
+    generate = api.generate
+
+    def spying_generate(*args, **kwargs):
+        fast_path_seen.add(fastpath.enabled_by_env())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(api, "generate", spying_generate)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Say hi.", "Count to five.", "Name a dog."]))
     out = tmp_path / "out"
@@ -30,6 +49,7 @@ def test_throughput_benchmark_end_to_end(tmp_path):
                 "cursor",
                 "--verify",
                 "--ar-static",
+                "--eager-baselines",
                 "--num-prompts",
                 "2",
                 "--prompts-file",
@@ -42,9 +62,11 @@ def test_throughput_benchmark_end_to_end(tmp_path):
     )
     rows = list(csv.DictReader((out / "throughput.csv").open()))
     decoders = {r["decoder"] for r in rows}
-    assert decoders == {"ar-hf", "ar-hf-static", "ar-cursor", "mars-cursor", "mars-verify"}
+    ars = {"ar-hf", "ar-hf-static", "ar-cursor"}
+    ars |= {f"{name}-eager" for name in ars}
+    assert decoders == ars | {"mars-cursor", "mars-verify"}
     for r in rows:
-        assert r["ar_baseline"] in ("ar-hf", "ar-hf-static", "ar-cursor")
+        assert r["ar_baseline"] in ars
         if r["decoder"] == r["ar_baseline"]:
             assert float(r["speedup"]) == 1.0
         # AR decoders and verified decoding are exact at any sweep threshold
@@ -53,3 +75,7 @@ def test_throughput_benchmark_end_to_end(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] in ("float32", "bfloat16") and "cpu_native_bf16" in config["hardware"]
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
+    # 2 batch sizes x 1 repeat: the threshold-free decoders once each, MARS once per threshold (2)
+    assert timed == {**{name: 2 for name in ars}, "mars-verify": 2, "mars-cursor": 4}
+    assert len(rows) == 2 * 2 * 8  # every decoder still listed under both thresholds
+    assert fast_path_seen == {True, False} and fastpath.enabled_by_env()  # -eager rows ran without it

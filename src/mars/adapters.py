@@ -131,7 +131,8 @@ class MaskGate:
     def _dtype(self) -> torch.dtype:
         return self.delta.dtype if self.delta is not None else torch.float32
 
-    def after_lora_b(self, module, inputs, output):
+    def after_lora_a(self, module, inputs, output):
+        """Gate the rank-r activations: ``B(A(x) * g) = B(A(x)) * g`` at r/out_features of the cost."""
         if self.active is None:
             return output
         return output * self.active.reshape(*output.shape[:-1], 1).to(output.dtype)
@@ -218,8 +219,8 @@ def _install(model: nn.Module, gate: MaskGate, settings: AdapterSettings) -> Non
     gate.handles.append(_decoder(model).register_forward_pre_hook(gate.before_decoder, with_kwargs=True))
     if settings.gated:
         for layer in gate.lora_layers:
-            for module in layer.lora_B.values():
-                gate.handles.append(module.register_forward_hook(gate.after_lora_b))
+            for module in layer.lora_A.values():
+                gate.handles.append(module.register_forward_hook(gate.after_lora_a))
     if gate.delta is not None:
         gate.handles.append(model.get_input_embeddings().register_forward_hook(gate.after_embedding))
         # a registered parameter: optimizers, state dicts and .to() see it like any other
@@ -290,7 +291,14 @@ def read_adapter_meta(folder: str | os.PathLike) -> dict[str, Any] | None:
     return meta
 
 
-def load_adapter(model: nn.Module, folder: str | os.PathLike, mask_token_id: int, *, block_size: int | None = None):
+def load_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    mask_token_id: int,
+    *,
+    block_size: int | None = None,
+    model_label: str = "the model",
+):
     """Apply the adapter in ``folder`` to ``model`` (its base), after checking that it belongs to it."""
     from safetensors.torch import load_file
 
@@ -307,8 +315,8 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, mask_token_id: int
     have = base_digest(model)
     if want and want != have:
         raise AdapterError(
-            f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); the model it "
-            f"is being applied to has digest {have}: another base model"
+            f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); "
+            f"{model_label} it is being applied to has digest {have}: another base model"
         )
     if block_size is not None and meta.get("block_size") not in (None, block_size):
         raise AdapterError(f"{folder} was trained with block size {meta.get('block_size')}, not {block_size}")

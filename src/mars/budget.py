@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,18 @@ _PEAK_FLOPS_PER_CORE = 120e9
 class BudgetSettings:
     minutes: float | None = None  # null: no budget (trainer.max_steps / max_epochs decide)
     clock: str = "cpu"
+    # export a snapshot of the model when this much of the budget is used (minutes): a learning curve's points
+    snapshots: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "snapshots", tuple(self.snapshots or ()))
+        for m in self.snapshots:
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
+                raise ValueError(f"budget.snapshots must be minutes > 0, got {list(self.snapshots)!r}")
+            if self.minutes is None or m > self.minutes:
+                raise ValueError(
+                    f"budget.snapshots {list(self.snapshots)} must lie within budget.minutes={self.minutes}"
+                )
         if self.minutes is not None and (
             isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) or self.minutes <= 0
         ):
@@ -57,13 +68,17 @@ def minimum_step_seconds(num_parameters: int, tokens_per_step: int, streams: int
 
 
 class ComputeBudget(Callback):
-    """Stops training once ``settings.minutes`` of compute are used; ``progress()`` is the share used."""
+    """Stops training once ``settings.minutes`` of compute are used; ``progress()`` is the share used.
+    ``on_snapshot(trainer, pl_module, minutes)`` is called once per ``settings.snapshots`` entry, after the
+    first optimizer step that uses that much of the budget (also across resumes)."""
 
-    def __init__(self, settings: BudgetSettings):
+    def __init__(self, settings: BudgetSettings, on_snapshot: Callable[[Any, Any, float], None] | None = None):
         if settings.seconds is None:
             raise ValueError("ComputeBudget needs budget.minutes")
         self.settings = settings
+        self.on_snapshot = on_snapshot
         self.used = 0.0  # budget seconds consumed by finished steps, across resumes
+        self.snapshots_done: list[float] = []
         self.exhausted = False
         self._mark: float | None = None
 
@@ -89,7 +104,12 @@ class ComputeBudget(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = self._now()
         self.used += now - self._mark
-        self._mark = now
+        for minutes in self.settings.snapshots:
+            if minutes not in self.snapshots_done and self.used >= 60.0 * minutes:
+                if self.on_snapshot is not None:
+                    self.on_snapshot(trainer, pl_module, minutes)
+                self.snapshots_done.append(minutes)
+        self._mark = self._now()  # a snapshot's export is not training compute
         if self.used >= self.settings.seconds:
             if not self.exhausted:
                 log.info(
@@ -99,7 +119,13 @@ class ComputeBudget(Callback):
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"used": self.used, "minutes": self.settings.minutes, "clock": self.settings.clock}
+        return {
+            "used": self.used,
+            "minutes": self.settings.minutes,
+            "clock": self.settings.clock,
+            "snapshots_done": list(self.snapshots_done),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.used = float(state.get("used", 0.0))
+        self.snapshots_done = [float(m) for m in state.get("snapshots_done", [])]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 METADATA_FILE = "mars_config.json"
+ADAPTER_FILE = "mars_adapter.json"  # a gated adapter's folder (mars.adapters.ADAPTER_META)
 INTRA_BLOCK = ("causal", "bidirectional")
 
 
@@ -163,8 +164,11 @@ def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[st
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{key}={path}: no such folder (expected a Hugging Face directory written by train.py)")
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{key}={path}: no config.json, so it is not a Hugging Face model folder")
+    if not (folder / "config.json").is_file() and not (folder / ADAPTER_FILE).is_file():
+        raise CheckpointError(
+            f"{key}={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
+            f"folder with {ADAPTER_FILE})"
+        )
     meta = read_metadata(folder)
     info = meta.to_dict() if meta is not None else {}
     mask = info.get("mask_token") or _tokenizer_mask_token(folder)

@@ -31,11 +31,11 @@ from pydantic import AfterValidator, Field
 from torch.utils.data import Dataset, Sampler
 
 from mars.config_schema import OpenSection, validated
+from mars.paths import data_dir
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-OFFLINE_DATA = REPO_ROOT / "data" / "offline_sft"
+OFFLINE_DATA = data_dir() / "offline_sft"  # the checkout's data/, or the installed package's copy
 SOURCES = ("offline", "jsonl", "hub")
 ROW_FORMS = "{'messages': [{'role': ..., 'content': ...}, ...]} or {'prompt': ..., 'response': ...}"
 

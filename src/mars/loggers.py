@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import netrc
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # callbacks that Lightning refuses in a run without a logger; they are left out there
 NEEDS_A_LOGGER = ("LearningRateMonitor", "DeviceStatsMonitor")
@@ -39,13 +42,35 @@ def wandb_mode(requested: str = "auto") -> str:
     return "offline"
 
 
+def wandb_sync_hint(run) -> str | None:
+    """For a W&B run kept offline, the line that says how to upload it (W&B itself is silenced)."""
+    if run is None or not getattr(run, "offline", False):
+        return None
+    return f"W&B run saved offline; upload it with: wandb sync {Path(run.dir).parent}"
+
+
+def _offline_aware_wandb_logger():
+    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    class OfflineAwareWandbLogger(WandbLogger):
+        """Lightning's W&B logger that, when training ends, names the ``wandb sync`` command of an offline run."""
+
+        @rank_zero_only
+        def finalize(self, status: str) -> None:
+            super().finalize(status)
+            hint = wandb_sync_hint(self._experiment)
+            if hint:
+                log.info(hint)
+
+    return OfflineAwareWandbLogger
+
+
 def wandb_logger(*, save_dir: str, mode: str = "auto", tags: list[str] | None = None, **kwargs: Any):
     """Lightning's W&B logger (``conf/logger/wandb.yaml``'s target), offline unless credentials exist."""
-    from lightning.pytorch.loggers import WandbLogger
-
     os.environ.setdefault("WANDB_SILENT", "true")
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return WandbLogger(save_dir=str(save_dir), mode=wandb_mode(mode), tags=list(tags or []), **kwargs)
+    return _offline_aware_wandb_logger()(save_dir=str(save_dir), mode=wandb_mode(mode), tags=list(tags or []), **kwargs)
 
 
 def _entries(section: Mapping[str, Any] | None, group: str) -> dict[str, Mapping[str, Any]]:
@@ -120,4 +145,4 @@ def build_callbacks(section: Mapping[str, Any] | None, with_logger: bool) -> lis
     return [cb for cb in built if with_logger or type(cb).__name__ not in NEEDS_A_LOGGER]
 
 
-__all__ = ["wandb_mode", "wandb_logger", "check_targets", "build_loggers", "build_callbacks"]
+__all__ = ["wandb_mode", "wandb_sync_hint", "wandb_logger", "check_targets", "build_loggers", "build_callbacks"]

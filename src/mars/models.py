@@ -256,7 +256,9 @@ def load_with_adapter(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     _prepare_tokenizer(tokenizer)
     mask = ensure_mask_token(loaded.model, tokenizer, mask_token=(metadata or {}).get("mask_token"))
-    load_adapter(loaded.model, folder, mask.id, block_size=(metadata or {}).get("block_size"))
+    load_adapter(
+        loaded.model, folder, mask.id, block_size=(metadata or {}).get("block_size"), model_label=repr(str(base_name))
+    )
     return LoadedModel(loaded.model.to(dtype).to(device).eval(), tokenizer, mask, str(folder), metadata)
 
 

@@ -15,7 +15,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from mars.paths import project_root
+
+ROOT = project_root()  # holds eval/: the checkout, or the installed package's copy
 SHINGLE = 12
 
 

@@ -39,14 +39,14 @@ from typing import Annotated, Any, ClassVar
 from pydantic import ConfigDict, Field
 
 from mars.config_schema import DtypeName, Section, known_keys, validated
+from mars.paths import conf_dir, data_dir
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-OFFLINE_PROMPTS = REPO_ROOT / "data" / "prompts"
+OFFLINE_PROMPTS = data_dir() / "prompts"  # the checkout's data/, or the installed package's copy
 # Answers committed with the repository (read-only), in folders named like the cache's: a fresh machine
 # reuses them when model weights and decoding settings match, instead of spending an hour decoding.
-SHIPPED = REPO_ROOT / "data" / "self_distill"
+SHIPPED = data_dir() / "self_distill"
 FORMAT_VERSION = 1
 
 
@@ -507,7 +507,7 @@ def _from_train_config(overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))
     data = OmegaConf.to_container(cfg.data, resolve=True)
     if data.get("source") != "self_distill":

@@ -26,7 +26,10 @@ from mars.budget import ComputeBudget
 from mars.checkpoint_meta import is_complete
 from mars.data import InstructionDataModule, check_rows, load_rows
 from mars.export import export_from_trainer
+from mars.figures import PlotSettings
 from mars.loggers import build_callbacks, build_loggers
+from mars.logs import route_lightning_logs
+from mars.loss_plot import plot_losses
 from mars.models import load_model
 from mars.module import MarsModule
 from mars.precision import resolve_precision
@@ -43,14 +46,15 @@ LOSS_COLUMNS = ("step", "loss", "loss_mask", "loss_ar", "tokens_per_s")
 # ------------------------------------------------------------------------------------------
 class LossHistory(Callback):
     """Appends one row per optimizer step to ``losses.csv`` (the mean over its micro-batches) and redraws
-    ``loss_curve.png`` at every checkpoint and at the end, on global rank 0.
+    ``loss_curve.<plots.format>`` at every checkpoint and at the end, on global rank 0.
 
     A resumed run first drops the rows past the step it resumes from (those steps are trained again), so
     the file covers the whole run once; a killed run keeps every step it finished.
     """
 
-    def __init__(self, out_dir: Path):
-        self.path, self.png = out_dir / "losses.csv", out_dir / "loss_curve.png"
+    def __init__(self, out_dir: Path, plots: PlotSettings | None = None):
+        self.plots = plots or PlotSettings()
+        self.path, self.png = out_dir / "losses.csv", out_dir / self.plots.file_name("loss_curve")
         self.start_step = 0  # optimizer steps already done when this process started training
         self.last: dict[str, float] = {}
         self._sums: dict[str, float] = {}
@@ -82,12 +86,14 @@ class LossHistory(Callback):
                 handle.write(_csv_line(_cells(row)))
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        if trainer.is_global_zero:
-            plot_losses(read_losses(self.path), self.png)
+        self._draw(trainer)
 
     def on_train_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            plot_losses(read_losses(self.path), self.png)
+        self._draw(trainer)
+
+    def _draw(self, trainer) -> None:
+        if trainer.is_global_zero and self.plots.enabled:
+            plot_losses(read_losses(self.path), self.png, self.plots)
 
 
 def _csv_line(cells: Sequence[Any]) -> str:
@@ -116,31 +122,6 @@ def read_losses(path: Path) -> list[dict[str, float]]:
             row["step"] = int(row["step"])
             rows.append(row)
     return rows
-
-
-def plot_losses(rows: list[dict[str, float]], path: Path) -> None:
-    if not rows:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style in (("loss", "-"), ("loss_mask", "--"), ("loss_ar", ":")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -174,6 +155,19 @@ class HFExport(Callback):
             return
         meta = dict(self.metadata, global_step=trainer.global_step, complete=self.complete)
         self.exported = export_from_trainer(trainer, pl_module.model, self.tokenizer, self.export_dir, meta)
+
+    def snapshot(self, trainer, pl_module, minutes: float) -> None:
+        """A learning-curve point: the model as it is after ``minutes`` of the compute budget, exported beside
+        the run (``snapshots/<minutes>min``; never ``complete``)."""
+        folder = self.export_dir.parent / "snapshots" / f"{minutes:g}min"
+        meta = dict(
+            self.metadata,
+            global_step=trainer.global_step,
+            complete=False,
+            snapshot_minutes=minutes,
+            tokens_seen=getattr(pl_module, "tokens_seen", None),
+        )
+        export_from_trainer(trainer, pl_module.model, self.tokenizer, folder, meta)
 
 
 # ------------------------------------------------------------------------------------------
@@ -234,6 +228,7 @@ def launched_as_rank_zero() -> bool:
 def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
     unless ``overwrite``; ``callbacks`` are added to the trainer's."""
+    route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
     settings = validate(cfg)
     objective, adapter, budget = settings.objective, settings.adapter, settings.budget
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
@@ -287,11 +282,6 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         seed=cfg.seed,
         adapter=adapter,
     )
-    extra_callbacks: list[Callback] = []
-    if budget.minutes is not None:
-        budget_cb = ComputeBudget(budget)
-        module.budget_progress = budget_cb.progress
-        extra_callbacks.append(budget_cb)
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     if budget.minutes is not None and trainer_cfg.get("max_steps", -1) == -1:
@@ -304,7 +294,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     if trainer_cfg.pop("use_distributed_sampler", False):
         log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
     strategy = build_strategy(trainer_cfg, loaded.model)
-    history = LossHistory(out_dir)
+    history = LossHistory(out_dir, settings.plots)
     exporter = HFExport(
         export_dir,
         loaded.tokenizer,
@@ -322,6 +312,11 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             base_num_parameters=base_params,
         ),
     )
+    extra_callbacks: list[Callback] = []
+    if budget.minutes is not None:
+        budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
+        module.budget_progress = budget_cb.progress
+        extra_callbacks.append(budget_cb)
     loggers = build_loggers(cfg.logger, hyperparameters=OmegaConf.to_container(cfg, resolve=True))
     all_callbacks = [
         ModelCheckpoint(

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf, model_validator
 
 from mars.adapters import AdapterSettings
 from mars.budget import BudgetSettings, minimum_step_seconds
 from mars.config_schema import OpenSection, Section, built_by, known_keys, validated
 from mars.data import DataSettings, data_file
+from mars.figures import PlotSettings, plot_settings
 from mars.loggers import check_targets
 from mars.masking import MASK_SCHEDULES, mask_ratio
 from mars.objectives import Objective
@@ -49,6 +50,7 @@ def _mask_schedule(schedule: dict[str, Any]) -> dict[str, Any]:
 BudgetSection = built_by(BudgetSettings, lambda m: BudgetSettings(**known_keys(BudgetSettings, m, "budget")))
 AdapterSection = built_by(AdapterSettings, AdapterSettings.from_dict)
 ObjectiveSection = built_by(Objective, lambda m: Objective(**known_keys(Objective, m, "objective")))
+PlotsSection = Annotated[InstanceOf[PlotSettings], BeforeValidator(plot_settings)]  # true/false or a mapping
 LoggerSection = Annotated[dict[str, Any], AfterValidator(lambda s: check_targets(s, "logger"))]
 CallbackSection = Annotated[dict[str, Any], AfterValidator(lambda s: check_targets(s, "callbacks"))]
 
@@ -69,6 +71,11 @@ class Trainer(OpenSection):
     accumulate_grad_batches: Annotated[int, Field(ge=1)]
     strategy: str
     accelerator: str
+    max_time: str | dict[str, float] | None = None  # Lightning's "DD:HH:MM:SS" or {days, hours, minutes, seconds}
+
+    @property
+    def max_time_seconds(self) -> float | None:
+        return max_time_seconds(self.max_time)
 
 
 class Model(OpenSection):
@@ -104,6 +111,12 @@ class TrainConfig(OpenSection):
     resume: Literal["auto", "never"]
     ckpt_path: str | None
     overwrite: bool
+    plots: PlotsSection  # the loss curve's format and dpi
+
+    @model_validator(mode="after")
+    def _max_time_reads(self) -> TrainConfig:
+        self.trainer.max_time_seconds  # noqa: B018 -- a malformed max_time fails here, naming the key
+        return self
 
     @model_validator(mode="after")
     def _trains_something(self) -> TrainConfig:
@@ -171,28 +184,48 @@ def validate(cfg: DictConfig) -> TrainConfig:
 
 
 def check_budget_fits_a_step(settings: TrainConfig) -> None:
-    """Refuse, before anything loads, a budget that cannot hold one optimizer step even at this CPU's peak
-    (skipped on accelerators and when the model's config cannot be read without loading weights)."""
+    """Refuse, before anything loads, a compute budget (``budget.minutes`` or Lightning's ``trainer.max_time``)
+    that cannot hold one optimizer step even at this CPU's peak (skipped on accelerators and when the model's
+    config cannot be read without loading weights)."""
     import torch
 
-    budget, accelerator = settings.budget, settings.trainer.accelerator
-    if budget.seconds is None or accelerator not in ("cpu", "auto"):
-        return
-    if accelerator == "auto" and torch.cuda.is_available():
+    limits = {"budget.minutes": settings.budget.seconds, "trainer.max_time": settings.trainer.max_time_seconds}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    accelerator = settings.trainer.accelerator
+    if not limits or accelerator not in ("cpu", "auto") or (accelerator == "auto" and torch.cuda.is_available()):
         return
     params = estimated_parameters(settings.model.name_or_path)
     if params is None:
         return
     data = settings.data
-    tokens = data.batch_size * data.max_length
     streams = 2 if settings.objective.mask_weight > 0 else 1
-    floor = minimum_step_seconds(params, tokens, streams, os.cpu_count() or 1)
-    if budget.seconds < floor:
-        raise ValueError(
-            f"budget.minutes={budget.minutes} is too small for one training step: a step of "
-            f"{data.batch_size} x {data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes "
-            f"at least {floor:.0f} s on this CPU ({os.cpu_count()} cores)"
-        )
+    floor = minimum_step_seconds(params, data.batch_size * data.max_length, streams, os.cpu_count() or 1)
+    for key, seconds in limits.items():
+        if seconds < floor:
+            raise ValueError(
+                f"{key} ({seconds:g} s) is too small for one training step: a step of {data.batch_size} x "
+                f"{data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes at least {floor:.0f} s "
+                f"on this CPU ({os.cpu_count()} cores)"
+            )
+
+
+def max_time_seconds(value: str | dict[str, float] | None) -> float | None:
+    """Lightning's ``max_time`` ("DD:HH:MM:SS" or {days, hours, minutes, seconds}) in seconds."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            parts = [float(x) for x in value.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) != 4:
+            raise ValueError(f'trainer.max_time must be "DD:HH:MM:SS", got {value!r}')
+        return ((parts[0] * 24 + parts[1]) * 60 + parts[2]) * 60 + parts[3]
+    units = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+    unknown = sorted(set(value) - set(units))
+    if unknown:
+        raise ValueError(f"trainer.max_time takes {sorted(units)}, got {unknown}")
+    return float(sum(units[k] * float(v) for k, v in value.items()))
 
 
 def estimated_parameters(name_or_path: str) -> int | None:
@@ -213,4 +246,4 @@ def estimated_parameters(name_or_path: str) -> int | None:
     return vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
 
 
-__all__ = ["TrainConfig", "validate", "check_budget_fits_a_step", "estimated_parameters"]
+__all__ = ["TrainConfig", "validate", "check_budget_fits_a_step", "estimated_parameters", "max_time_seconds"]

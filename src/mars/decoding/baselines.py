@@ -7,6 +7,8 @@ import time
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from .attention import gqa_attention
+from .fastpath import fast_linear
 from .stats import DecodeStats
 from .stopping import StopStrings
 
@@ -48,7 +50,8 @@ def generate_ar(
         stop_strings=list(stops.strings) or None,
     )
     start = time.perf_counter()
-    with torch.inference_mode():
+    # the same fast path and attention as the MARS engine, so that the baseline gets every speed-up
+    with torch.inference_mode(), fast_linear(model), gqa_attention(model):
         out = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, tempered_log_probs
-from .attention import packed_gqa
+from .attention import gqa_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
@@ -234,7 +234,7 @@ class DecodeEngine:
 
     def _step_rows(self) -> list[StepEvent]:
         plan = self._plan()
-        with packed_gqa(self.runner.model):
+        with gqa_attention(self.runner.model):
             logits = self._forward(plan)
         self.forwards += 1
         self.rows.forwards_h += 1
@@ -319,13 +319,20 @@ class DecodeEngine:
             after = self._proposals(off)
         ids = torch.where(off < 0, ids, after)
         pred_cols = ((u - 1).unsqueeze(1) + torch.arange(P, device=dev)).clamp_max(Q - 1)
+        # Columns a row reads: its real tokens and the inputs of its own P_h predictions; the rest pads it
+        # to the batch's widest row (a threshold-1.0 row beside rows with masks), skipped by the fast path.
+        P_b = torch.as_tensor(plan["P_h"], device=dev).unsqueeze(1)
+        live = cols.unsqueeze(0) < u.unsqueeze(1) + P_b - 1
+        live_preds = torch.arange(P, device=dev).unsqueeze(0) < P_b
         if self.cache is None:
             attn = (cols.unsqueeze(0) <= cols.unsqueeze(1)).expand(len(rows), 1, Q, Q)
-            return self.runner.logits_at(ids, wpos, attn, pred_cols)
+            return self.runner.logits_at(ids, wpos, attn, pred_cols, live=live, live_columns=live_preds)
         kv_len = int(rows.start_h.max()) + Q
         attn = torch.arange(kv_len, device=dev).view(1, 1, -1) <= wpos.unsqueeze(2)
         self.cache.prepare_step(wpos, kv_len)
-        return self.runner.logits_at(ids, wpos, attn.unsqueeze(1), pred_cols, self.cache)
+        return self.runner.logits_at(
+            ids, wpos, attn.unsqueeze(1), pred_cols, self.cache, live=live, live_columns=live_preds
+        )
 
     def _proposals(self, offset: torch.Tensor) -> torch.Tensor:
         """Token ``offset`` places after the last real token (or draft): the mask token for MARS, the

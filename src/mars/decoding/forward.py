@@ -13,10 +13,18 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from .fastpath import fast_linear, only_columns
+from .kv import RaggedKVCache
+from .lean import lean_decoder
+
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel):
+    """``fast``: route the model's linear layers through :mod:`mars.decoding.fastpath` during each
+    forward (None: on unless ``MARS_FAST_PATH=0``)."""
+
+    def __init__(self, model: PreTrainedModel, fast: bool | None = None):
         self.model = model
+        self.fast = fast
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -32,6 +40,14 @@ class ModelRunner:
         self.context_length = getattr(config, "max_position_embeddings", None)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
+        self._lean = None  # the lean forward (mars.decoding.lean), built at the first fast step; False: not possible
+        # SDPA models take the step's mask additive (same result; see logits_at)
+        self.additive_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+    def _lean_forward(self):
+        if self._lean is None:
+            self._lean = lean_decoder(self.model) or False
+        return self._lean or None
 
     def logits_at(
         self,
@@ -40,8 +56,19 @@ class ModelRunner:
         attention_mask: torch.Tensor,
         columns: torch.Tensor,
         cache: Cache | None = None,
+        live: torch.Tensor | None = None,
+        live_columns: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``)."""
+        """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``).
+
+        ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
+        columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
+        under the fast path the others are not computed (their logits are zeros)."""
+        if attention_mask.dtype == torch.bool and self.additive_mask:
+            # SDPA turns a boolean mask into an additive one in every layer (4 ops each); once per step here
+            dtype = self.model.dtype
+            additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+            attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
         kwargs = dict(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -49,9 +76,19 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        if self.base is not None:
-            hidden = self.base(**kwargs).last_hidden_state
-            picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            return self.head(picked)
-        logits = self.model(**kwargs).logits
+        with fast_linear(self.model, self.fast) as fast:
+            if not fast:
+                live = live_columns = None
+            if self.base is not None:
+                lean = self._lean_forward() if fast and (cache is None or isinstance(cache, RaggedKVCache)) else None
+                with only_columns(live):
+                    if lean is not None:
+                        hidden = lean(input_ids, position_ids, attention_mask, cache)
+                    else:
+                        hidden = self.base(**kwargs).last_hidden_state
+                picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                with only_columns(live_columns):
+                    return self.head(picked)
+            with only_columns(live):
+                logits = self.model(**kwargs).logits
         return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))

@@ -42,9 +42,15 @@ class RaggedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.keys.shape[2] < self.owner.capacity:
             self._pad_positions(self.owner.capacity)
-        pos = self.owner.write_positions  # [batch, q]
-        self.keys.scatter_(2, pos[:, None, :, None].expand_as(key_states), key_states)
-        self.values.scatter_(2, pos[:, None, :, None].expand_as(value_states), value_states)
+        start = self.owner.single_row_start
+        if start is not None and self.keys.shape[0] == 1:  # one row writing one run of positions: a copy
+            q = key_states.shape[2]
+            self.keys[:, :, start : start + q].copy_(key_states)
+            self.values[:, :, start : start + q].copy_(value_states)
+        else:
+            pos = self.owner.write_positions  # [batch, q]
+            self.keys.scatter_(2, pos[:, None, :, None].expand_as(key_states), key_states)
+            self.values.scatter_(2, pos[:, None, :, None].expand_as(value_states), value_states)
         n = self.owner.kv_length
         return self.keys[:, :, :n], self.values[:, :, :n]
 
@@ -95,6 +101,7 @@ class RaggedKVCache(Cache):
     def __init__(self, num_layers: int, capacity: int = 64):
         self.capacity = int(capacity)
         self.write_positions: torch.Tensor | None = None
+        self.single_row_start: int | None = None
         self.kv_length = 0
         super().__init__(layers=[RaggedKVLayer(self) for _ in range(num_layers)])
 
@@ -105,6 +112,14 @@ class RaggedKVCache(Cache):
             self.capacity = max(int(kv_length), int(self.capacity * 1.5))
         self.write_positions = write_positions
         self.kv_length = int(kv_length)
+        # A single CPU row writing consecutive positions (every decode step at batch 1): each layer copies
+        # a slice instead of scattering (a scatter with an expanded index costs ~10x a copy here).
+        self.single_row_start = None
+        if write_positions.shape[0] == 1 and write_positions.device.type == "cpu":
+            row = write_positions[0]
+            start = int(row[0])
+            if bool((row == torch.arange(start, start + row.numel())).all()):
+                self.single_row_start = start
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (drop finished ones from the batch)."""

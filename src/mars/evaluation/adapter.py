@@ -21,7 +21,8 @@ document and gathers the per-sample metrics on rank 0 through ``all_gather``/``g
 
 Command line: lm-eval 0.4.13 has no plugin mechanism, so its own ``lm_eval`` only knows models that are
 imported before it parses; ``mars-lm-eval`` (:func:`lm_eval_main`, a console script) is lm-eval's CLI
-with this model registered, taking all of its flags::
+with this model registered, taking all of its flags.  It adds the decoder's headline figure to lm-eval's
+results (file and printed table): ``tokens_per_forward`` per task, and pooled over the tasks of each group::
 
     mars-lm-eval --model mars --model_args pretrained=<dir>,threshold=0.9 --tasks mars_math \\
         --include_path eval/offline --apply_chat_template
@@ -512,13 +513,80 @@ def _cut(text: str, until: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
+TOKENS_PER_FORWARD = "tokens_per_forward,none"  # lm-eval's "<metric>,<filter>" key
+
+
+def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
+    children = group_subtasks.get(name)
+    if not children:
+        return [name]
+    return [leaf for child in children for leaf in _leaves(child, group_subtasks)]
+
+
+def add_decoder_stats(results: dict[str, Any], stats: dict[str, TaskStats]) -> None:
+    """Put tokens per forward beside lm-eval's metrics in its ``results`` (and ``groups``): per task, and
+    for a group the pooled figure of its tasks (their generated tokens over their forwards, the figure
+    evaluate.py reports).  Tasks without generations (log-likelihood only) get none."""
+    for section in ("results", "groups"):
+        for name, metrics in (results.get(section) or {}).items():
+            parts = [stats[leaf] for leaf in _leaves(name, results.get("group_subtasks") or {}) if leaf in stats]
+            forwards = sum(s.row_forwards for s in parts)
+            if not forwards:
+                continue
+            metrics[TOKENS_PER_FORWARD] = sum(s.generated_tokens for s in parts) / forwards
+            results.setdefault("higher_is_better", {}).setdefault(name, {})["tokens_per_forward"] = True
+
+
+def _gathered_stats(lm: MarsLM) -> dict[str, TaskStats]:
+    """Every rank's task statistics summed (data parallel); this process's alone otherwise."""
+    parts = lm.gather_object({task: s.__dict__ for task, s in lm.task_stats.items()}, dst=0)
+    total: dict[str, TaskStats] = defaultdict(TaskStats)
+    for part in parts or []:
+        for task, values in part.items():
+            for key, value in values.items():
+                setattr(total[task], key, getattr(total[task], key) + value)
+    return total
+
+
+def _with_decoder_stats(simple_evaluate):
+    """lm-eval's ``simple_evaluate``, with the adapter's tokens per forward added to what it returns.
+
+    For ``model="mars"`` the adapter is built here, as lm-eval would build it (its CLI's batch size and
+    device included), so that its statistics outlive the run (lm-eval drops its own reference)."""
+
+    from mars.logs import folded_lm_eval_task_logs
+
+    def wrapped(*args, model=None, model_args=None, **kwargs):
+        if model != "mars":
+            with folded_lm_eval_task_logs():
+                return simple_evaluate(*args, model=model, model_args=model_args, **kwargs)
+        extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
+        if isinstance(model_args, dict):
+            lm = MarsLM.create_from_arg_obj(model_args, extra)
+        else:
+            lm = MarsLM.create_from_arg_string(model_args or "", extra)
+        with folded_lm_eval_task_logs():  # one line per task, not four
+            results = simple_evaluate(*args, model=lm, model_args=model_args, **kwargs)
+        stats = _gathered_stats(lm)  # every rank takes part; only rank 0 holds results
+        if results is not None:
+            results["config"]["model"] = "mars"  # lm-eval names a pre-built model by its class
+            add_decoder_stats(results, stats)
+        return results
+
+    return wrapped
+
+
 def lm_eval_main(argv: list[str] | None = None) -> None:
     """``mars-lm-eval``: lm-eval's own command line with the ``mars`` model registered (every lm-eval
-    flag works; ``--model mars --model_args pretrained=<dir>,threshold=0.9,...``)."""
+    flag works; ``--model mars --model_args pretrained=<dir>,threshold=0.9,...``), reporting tokens per
+    forward per task in its results."""
     import sys
 
+    import lm_eval
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    # lm-eval's CLI looks simple_evaluate up on the package when it runs: wrap it there, for this command only
+    lm_eval.simple_evaluate = _with_decoder_stats(lm_eval.simple_evaluate)
     cli_evaluate()

@@ -64,6 +64,7 @@ FIELDS = (
     "accuracy",
     "accuracy_lo",
     "accuracy_hi",
+    "accuracy_interval",
     "accuracy_delta",
     "accuracy_delta_lo",
     "accuracy_delta_hi",
@@ -224,10 +225,10 @@ def _entry_point(
     ref_scores = samples.scores(reference, spec.leaves, kind, reference)
     acc = stats.mean_interval((scores or {}).values(), binary=None if kind in ("metric", "exact") else False)
     if kind != "metric" and threshold == reference:  # the reference against itself: 1.0 by definition
-        acc = stats.Estimate(acc.value, acc.value, acc.value, acc.n)
+        acc = stats.Estimate(acc.value, acc.value, acc.value, acc.n, "none")
     if kind == "metric":  # lm-eval's own aggregate (equal to the sample mean for mean-aggregated metrics)
         value = sum(s["accuracy"] * s["n_samples"] for s in summaries) / n if n else float("nan")
-        acc = stats.Estimate(value, acc.lo, acc.hi, acc.n)
+        acc = stats.Estimate(value, acc.lo, acc.hi, acc.n, acc.method)
     delta = _paired(scores, ref_scores) if threshold != reference else stats.Estimate(0.0, 0.0, 0.0, len(rows))
     counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
     tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
@@ -247,6 +248,7 @@ def _entry_point(
         "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
         "score": kind,
         **acc.fields("accuracy"),
+        "accuracy_interval": acc.method,  # Wilson | bootstrap | none (the reference against itself)
         "accuracy_delta": None,
         "accuracy_delta_lo": delta.lo,
         "accuracy_delta_hi": delta.hi,
@@ -346,6 +348,7 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         "accuracy": _nanmean([row[i]["accuracy"] for i in metric]),
         "accuracy_lo": acc.lo,
         "accuracy_hi": acc.hi,
+        "accuracy_interval": acc.method,  # combined: the tasks' own intervals added in quadrature
         "accuracy_delta": None,
         "accuracy_delta_lo": delta.lo,
         "accuracy_delta_hi": delta.hi,

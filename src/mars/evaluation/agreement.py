@@ -29,7 +29,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,8 @@ class Estimate:
     lo: float | None = None
     hi: float | None = None
     n: int = 0
+    # how the interval was made (Wilson | bootstrap | combined), for figures' captions; not part of equality
+    method: str | None = field(default=None, compare=False)
 
     def fields(self, name: str) -> dict[str, Any]:
         """``{name: value, name_lo: lo, name_hi: hi}`` for a points row."""
@@ -205,9 +207,11 @@ def mean_interval(
     mean = float(v.mean())
     if _is_binary(v) if binary is None else binary:
         lo, hi = wilson_interval(float(v.sum()), int(v.size), confidence)
+        method = "Wilson"
     else:
         lo, hi = _percentiles(_mean_replicates(v, iterations, seed), confidence)
-    return Estimate(mean, min(lo, mean), max(hi, mean), int(v.size))
+        method = "bootstrap"
+    return Estimate(mean, min(lo, mean), max(hi, mean), int(v.size), method)
 
 
 def ratio_interval(
@@ -265,7 +269,7 @@ def combine_intervals(estimates: Sequence[Estimate], bounds: tuple[float, float]
     hi = value + math.sqrt(sum((e.hi - e.value) ** 2 for e in given)) / k
     if bounds is not None:
         lo, hi = max(bounds[0], lo), min(bounds[1], hi)
-    return Estimate(value, min(lo, value), max(hi, value), sum(e.n for e in given))
+    return Estimate(value, min(lo, value), max(hi, value), sum(e.n for e in given), "combined")
 
 
 def mean_of_paired_differences(

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from omegaconf import DictConfig, OmegaConf
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
 from mars.checkpoint_meta import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
 from mars.config_schema import DtypeName, OpenSection, validated
+from mars.figures import PlotSettings, plot_settings
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class EvaluateConfig(OpenSection):
     device: str
     dtype: DtypeName
     fidelity: bool
-    plots: bool
+    plots: Annotated[InstanceOf[PlotSettings], BeforeValidator(plot_settings)]  # true/false or a mapping
     threads: Annotated[int, Field(ge=1)] | None
     compare: list[str]
     logger: dict[str, Any]  # only logger.wandb is used (mars.evaluation.wandb_log)

@@ -1,16 +1,19 @@
-"""Pareto plots: accuracy against tokens per forward, one PNG per task plus the average.
+"""Pareto plots: accuracy against tokens per forward, one figure per task plus the average.
 
 One curve per model/block label (this run, plus the runs named in ``compare``), each point labelled
 with its threshold and drawn with 95% intervals on both axes: tokens per forward, bootstrap over requests;
 accuracy, for the tau = 1.0 point its own interval (Wilson or bootstrap) and for the other points the
 paired interval of their change from tau = 1.0 placed around them.  Each curve's tau = 1.0 (AR) accuracy
 is a dashed line inside a shaded band (that point's own interval): a bar that stays clear of the dashed
-line is a change beyond noise on the same documents.
+line is a change beyond noise on the same documents.  The figure says which intervals it draws (a caption
+under the axes), has one legend entry per drawn curve plus one for the reference lines, and keeps every
+threshold label inside the axes.  Format and resolution: ``plots`` in conf/evaluate.yaml (mars.figures).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -18,56 +21,92 @@ from typing import Any
 from mars.evaluation.aggregate import AVERAGE
 from mars.evaluation.config import Plan
 from mars.evaluation.report import fmt_threshold
-from mars.evaluation.store import ResultsDir, atomic_write_bytes
+from mars.evaluation.store import ResultsDir
+from mars.figures import PlotSettings, figure_bytes, plot_settings, write_figure
+
+MARKERS = ("o", "s", "D", "^", "v")
+INTERVAL_NAMES = {
+    "Wilson": "Wilson interval",
+    "bootstrap": "bootstrap over documents",
+    "combined": "the tasks' intervals combined",
+}
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A file-name and metric-key form of a task label: "Math (ASDiv)" -> "math_asdiv"."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower() or "task"
 
 
-def plot_file_name(task: str) -> str:
-    return f"pareto_{_slug(task)}.png"
+def plot_file_name(task: str, settings: PlotSettings | None = None) -> str:
+    return (settings or PlotSettings()).file_name(f"pareto_{slug(task)}")
 
 
-def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
-    """PNG bytes of one task's plot; ``curves`` maps a curve label to its points."""
-    import io
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+def interval_caption(curves: dict[str, list[dict[str, Any]]]) -> str:
+    """What the bars and bands are, from the points' own record of how their intervals were made
+    (``accuracy_interval``; points.json files written before it existed say nothing)."""
+    found = {p.get("accuracy_interval") for pts in curves.values() for p in pts if p.get("is_reference")}
+    if found == {"none"}:  # a score against the tau = 1.0 output: the reference is 100% by definition
+        reference = "τ=1.0 is the reference itself (100%, no interval)"
+    else:
+        names = [INTERVAL_NAMES.get(m, m) for m in sorted(m for m in found if m not in (None, "none"))]
+        reference = f"τ=1.0 bar and band: {' / '.join(names) or 'Wilson or bootstrap'}"
+    return (
+        f"95% intervals. {reference}; other τ: paired bootstrap of the change from τ=1.0 on the same "
+        "documents, drawn around the point; tokens per forward: bootstrap over requests."
+    )
+
+
+def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
+    """The matplotlib figure of one task; ``curves`` maps a curve label to its points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labelled = []  # (color, xs, ys, thresholds) per curve, annotated once the axes are final
     ylabel = "accuracy (%)"
+    drawn: dict[str, list[dict[str, Any]]] = {}
+    has_reference = False
     for i, (label, pts) in enumerate(sorted(curves.items())):
-        pts = [p for p in pts if p.get("tokens_per_forward") is not None and p.get("accuracy") is not None]
+        # a point without a finite value would draw nothing yet still get a legend entry
+        pts = [p for p in pts if _finite(p.get("tokens_per_forward")) and _finite(p.get("accuracy"))]
         if not pts:
             continue
+        drawn[label] = pts
         color = colors[i % len(colors)]
         pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
         xs = [p["tokens_per_forward"] for p in pts]
         ys = [100 * p["accuracy"] for p in pts]
         xerr = _errors(pts, "tokens_per_forward", 1.0)
         yerr = _errors(pts, "accuracy", 100.0, paired=True)
-        ax.errorbar(
-            xs, ys, xerr=xerr, yerr=yerr, fmt="-o", color=color, label=label, markersize=5, elinewidth=1, capsize=2
+        ax.errorbar(  # hollow markers of different shapes: curves that share a point (tau 1.0) stay visible
+            xs,
+            ys,
+            xerr=xerr,
+            yerr=yerr,
+            fmt="-" + MARKERS[i % len(MARKERS)],
+            color=color,
+            label=label,
+            markersize=6 + 2 * (i % len(MARKERS)),
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            elinewidth=1,
+            capsize=2,
         )
         labelled.append((color, xs, ys, [p["threshold"] for p in pts]))
         ref = [p for p in pts if p.get("is_reference")]
         if ref:
             r = ref[0]
-            ax.axhline(
-                100 * r["accuracy"],
-                color=color,
-                linestyle="--",
-                linewidth=1,
-                alpha=0.7,
-                label=f"{label}: AR (τ={fmt_threshold(r['threshold'])})",
-            )
-            if r.get("accuracy_lo") is not None and r.get("accuracy_hi") is not None:
+            has_reference = True
+            ax.axhline(100 * r["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7)
+            if _finite(r.get("accuracy_lo")) and _finite(r.get("accuracy_hi")):
                 ax.axhspan(100 * r["accuracy_lo"], 100 * r["accuracy_hi"], color=color, alpha=0.12, linewidth=0)
         if any(p.get("score") not in (None, "metric") for p in pts):
             ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
@@ -81,22 +120,29 @@ def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]]) -> bytes:
     )
     ax.grid(True, alpha=0.3)
     lo, hi = ax.get_xlim()
-    lo, hi = min(lo, 0.95), max(hi, 1.05)
-    ax.set_xlim(lo, hi + 0.1 * (hi - lo))  # room for the threshold labels of the rightmost points
+    ax.set_xlim(min(lo, 0.95), max(hi, 1.05))
     lo, hi = ax.get_ylim()
     if hi - lo < 2:  # a flat curve (e.g. a random model at 0%) still gets a readable axis
         mid = (hi + lo) / 2
         ax.set_ylim(max(-1, mid - 5), mid + 5)
     lo, hi = ax.get_ylim()
     ax.set_ylim(max(lo, -1.0), min(hi, 101.0))  # percentages: no empty room past 0 and 100
-    for color, xs, ys, thresholds in labelled:
-        _annotate_thresholds(ax, xs, ys, thresholds, color)
-    ax.legend(fontsize=7, loc="best", title="bars: 95% CI; below τ=1.0 paired vs τ=1.0", title_fontsize=6)
+    texts = [t for color, xs, ys, thresholds in labelled for t in _annotate_thresholds(ax, xs, ys, thresholds, color)]
+    _fit_inside(ax, texts)
+    handles, labels = ax.get_legend_handles_labels()
+    if has_reference:  # one entry for every curve's dashed line and band (their colours say whose)
+        handles.append(Line2D([], [], color="0.4", linestyle="--", linewidth=1))
+        labels.append("τ=1.0 (AR) accuracy and its interval")
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="best")
+    fig.text(0.01, 0.0, interval_caption(drawn), fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
+
+
+def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]], settings: PlotSettings | None = None) -> bytes:
+    """The bytes of one task's plot (PNG unless ``settings`` says pdf or svg)."""
+    return figure_bytes(pareto_figure(task, curves), settings or PlotSettings())
 
 
 def _errors(pts: list[dict[str, Any]], key: str, scale: float, paired: bool = False):
@@ -119,9 +165,9 @@ def _errors(pts: list[dict[str, Any]], key: str, scale: float, paired: bool = Fa
     return [low, high]
 
 
-def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.0, label_height: float = 12.0) -> None:
+def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.0, label_height: float = 12.0) -> list:
     """Label each point with its threshold; points whose labels would print over each other (e.g. tau 1.0,
-    0.95 and 0.9 of a barely trained model) share one label.  Sizes are in pixels."""
+    0.95 and 0.9 of a barely trained model) share one label.  Sizes are in pixels.  Returns the labels."""
     screen = ax.transData.transform(list(zip(xs, ys)))
     groups: list[list[int]] = []
     for i, (px, py) in enumerate(screen):
@@ -130,11 +176,33 @@ def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.
             groups[-1].append(i)
         else:
             groups.append([i])
+    texts = []
     for group in groups:
         text = "τ=" + ", ".join(fmt_threshold(t) for t in sorted((thresholds[i] for i in group), reverse=True))
-        ax.annotate(
-            text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
+        texts.append(
+            ax.annotate(
+                text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
+            )
         )
+    return texts
+
+
+def _fit_inside(ax, texts: list, pad_px: float = 4.0) -> None:
+    """Widen the axes' limits until every threshold label lies inside them (a label at 100% or at the
+    rightmost point would otherwise run over the frame, the title or the figure's edge)."""
+    fig = ax.figure
+    for _ in range(3):  # new limits move the labels: settle in a few rounds
+        fig.canvas.draw()
+        box = ax.get_window_extent()
+        over_right = max((t.get_window_extent().x1 - box.x1 + pad_px for t in texts), default=0.0)
+        over_top = max((t.get_window_extent().y1 - box.y1 + pad_px for t in texts), default=0.0)
+        if over_right <= 0 and over_top <= 0:
+            return
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        if over_right > 0:
+            ax.set_xlim(x0, x1 + over_right * (x1 - x0) / max(box.width - over_right, 1.0))
+        if over_top > 0:
+            ax.set_ylim(y0, y1 + over_top * (y1 - y0) / max(box.height - over_top, 1.0))
 
 
 def _curves(plan: Plan, points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -149,7 +217,8 @@ def _curves(plan: Plan, points: list[dict[str, Any]]) -> dict[str, list[dict[str
 
 
 def plot_pareto(plan: Plan, store: ResultsDir, points: list[dict[str, Any]]) -> list[Path]:
-    """Write ``pareto_<task>.png`` for each task and the average; returns the paths."""
+    """Write ``pareto_<task>.<format>`` for each task and the average; returns the paths."""
+    settings = plot_settings(plan.resolved.get("plots"))
     curves = _curves(plan, points)
     tasks = [spec.label for spec in plan.suite.tasks] + ([AVERAGE] if len(plan.suite.tasks) > 1 else [])
     paths = []
@@ -157,7 +226,7 @@ def plot_pareto(plan: Plan, store: ResultsDir, points: list[dict[str, Any]]) -> 
         per_curve = {label: [p for p in pts if p["task"] == task] for label, pts in curves.items()}
         if not any(per_curve.values()):
             continue
-        path = store.root / plot_file_name(task)
-        atomic_write_bytes(path, render_pareto(task, per_curve))
-        paths.append(path)
+        paths.append(
+            write_figure(pareto_figure(task, per_curve), store.root / plot_file_name(task, settings), settings)
+        )
     return paths

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mars.checkpoint_meta import decoding_block_size
+from mars.paths import data_dir
 
 
 def load(checkpoint: str, base: str | None, dtype: str):
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mars.evaluation.probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="an exported HF folder or a Lightning .ckpt")
     p.add_argument("--base", help="base model of a .ckpt (default: from the run's config.yaml)")
-    p.add_argument("--prompts", default="data/prompts/heldout.jsonl")
+    p.add_argument("--prompts", default=str(data_dir() / "prompts" / "heldout.jsonl"))
     p.add_argument("--n", type=int, default=48)
     p.add_argument("--thresholds", default="1.0,0.9,0.8")
     p.add_argument("--max-new-tokens", type=int, default=96)

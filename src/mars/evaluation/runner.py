@@ -113,13 +113,16 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
     """One lm-eval pass over ``leaves`` at the adapter's current threshold."""
     from lm_eval.evaluator import evaluate
 
+    from mars.logs import folded_lm_eval_task_logs
+
     suite = plan.suite
     seed = int(plan.resolved.get("seed") or 0)
     _seed_everything(seed)  # before loading: some tasks shuffle choices while loading (GPQA)
     if suite.confirm_run_unsafe_code and code_sandbox().unsandboxed_allowed():
         # only with the explicit opt-in: lm-eval's built-in code tasks (evaluate's code_eval) run unsandboxed
         os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
-    loaded = (plan.task_manager or task_manager(suite)).load(leaves)
+    with folded_lm_eval_task_logs():  # one line per task, not four
+        loaded = (plan.task_manager or task_manager(suite)).load(leaves)
     for name, task in loaded["tasks"].items():
         override = suite.spec_of_leaf(name).num_fewshot
         if override is not None:
@@ -128,17 +131,18 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seed)
     lm.reset_records()
-    return evaluate(
-        lm=lm,
-        task_dict=loaded,
-        limit=plan.resolved.get("limit"),
-        bootstrap_iters=0,
-        log_samples=True,
-        system_instruction=suite.system_instruction,
-        apply_chat_template=suite.apply_chat_template,
-        fewshot_as_multiturn=suite.fewshot_as_multiturn,
-        confirm_run_unsafe_code=suite.confirm_run_unsafe_code,
-    )
+    with folded_lm_eval_task_logs():
+        return evaluate(
+            lm=lm,
+            task_dict=loaded,
+            limit=plan.resolved.get("limit"),
+            bootstrap_iters=0,
+            log_samples=True,
+            system_instruction=suite.system_instruction,
+            apply_chat_template=suite.apply_chat_template,
+            fewshot_as_multiturn=suite.fewshot_as_multiturn,
+            confirm_run_unsafe_code=suite.confirm_run_unsafe_code,
+        )
 
 
 def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: str | None) -> list[dict]:
@@ -261,6 +265,7 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     from mars.evaluation.aggregate import collect_points
     from mars.evaluation.plots import plot_pareto
     from mars.evaluation.report import write_reports
+    from mars.figures import plot_settings
 
     todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
     for thr, leaves in todo.items():
@@ -276,9 +281,9 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
     computed: list[tuple[float, str]] = []
     if plan.resolved.get("threads"):
-        import torch
+        from mars.threads import configure_threads
 
-        torch.set_num_threads(int(plan.resolved["threads"]))
+        configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
     if any(todo.values()):
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
@@ -300,7 +305,7 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
     points = collect_points(plan, store)
     table = write_reports(plan, store, points)
-    plots = plot_pareto(plan, store, points) if plan.resolved.get("plots", True) else []
+    plots = plot_pareto(plan, store, points) if plot_settings(plan.resolved.get("plots")).enabled else []
     wandb_cfg = (plan.resolved.get("logger") or {}).get("wandb")  # logger=wandb (conf/logger/wandb.yaml)
     if wandb_cfg:
         from mars.evaluation.wandb_log import log_to_wandb

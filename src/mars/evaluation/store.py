@@ -13,7 +13,7 @@ Layout (``outputs/eval/<run-name>/``)::
                                      missing; removed once the point is complete
     points.json / points.csv         every point of the folder, aggregated
     table.md                         paper-style table (Tables 4/8)
-    pareto_<task>.png                accuracy vs tokens per forward
+    pareto_<task>.<png|pdf|svg>      accuracy vs tokens per forward (plots.format)
 
 Every file but the partial cache is written to a temporary sibling and renamed, so an interrupted run
 never leaves a half-written file that looks complete; the partial cache's lines are read up to the

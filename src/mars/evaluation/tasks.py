@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mars.paths import eval_dir, project_root
+
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-EVAL_ROOT = REPO_ROOT / "eval"
+REPO_ROOT = project_root()  # holds conf/, eval/, data/: the checkout, or the installed package's copy
+EVAL_ROOT = eval_dir()
 # The sandbox every task of eval/ runs model-written code in (a plain file: lm-eval loads task helpers
 # by path, so it lives beside them and is loaded by path here too, as one module).
-CODE_SANDBOX = EVAL_ROOT / "offline" / "humaneval" / "sandbox.py"
+SANDBOX_IN_EVAL = Path("offline") / "humaneval" / "sandbox.py"
+CODE_SANDBOX = EVAL_ROOT / SANDBOX_IN_EVAL
 
 
 class UnknownTaskError(ValueError):
@@ -60,7 +63,8 @@ class Suite:
 
 
 def resolve_path(path: str | os.PathLike) -> Path:
-    """A path from a config: absolute, else relative to the working directory, else to the repo."""
+    """A path from a config: absolute, else relative to the working directory, else to the project root
+    (the checkout, or the installed package's copy of conf/, eval/ and data/)."""
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
@@ -181,17 +185,24 @@ def code_sandbox():
     return sys.modules[name]
 
 
+def in_mars_eval_tree(task_yaml: str | os.PathLike) -> bool:
+    """True for a task of a mars ``eval/`` folder, whose helpers run code in that folder's sandbox: this
+    package's own, or a copy of it (another checkout that uses this checkout's environment, a user's
+    edited copy).  Recognised by the sandbox file that the helpers load by path
+    (``<eval>/offline/humaneval/sandbox.py``), which lm-eval's own task folders do not have."""
+    path = Path(task_yaml).resolve()
+    return any((folder / SANDBOX_IN_EVAL).is_file() for folder in path.parents)
+
+
 def code_tasks(suite: Suite, manager) -> tuple[list[str], list[str]]:
-    """Leaves that execute model-written code (``unsafe_code: true``): (ours, run in the sandbox of
-    eval/; others, e.g. lm-eval's built-in humaneval/mbpp, which run code uncontained)."""
+    """Leaves that execute model-written code (``unsafe_code: true``): (ours, run in the sandbox of a
+    mars eval/ folder; others, e.g. lm-eval's built-in humaneval/mbpp, which run code uncontained)."""
     ours, others = [], []
-    root = EVAL_ROOT.resolve()
     for leaf in suite.leaves:
         entry = manager.task_index.get(leaf)
         if entry is None or not (entry.cfg or {}).get("unsafe_code"):
             continue
-        path = Path(entry.yaml_path).resolve() if entry.yaml_path else None
-        (ours if path is not None and path.is_relative_to(root) else others).append(leaf)
+        (ours if entry.yaml_path and in_mars_eval_tree(entry.yaml_path) else others).append(leaf)
     return ours, others
 
 

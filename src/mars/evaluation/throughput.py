@@ -26,13 +26,17 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mars.checkpoint_meta import decoding_block_size
+from mars.threads import apply_process_defaults
+
+apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp (mars.threads says why)
+
+import torch  # noqa: E402
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
@@ -82,6 +86,7 @@ class Variant:
     kwargs: dict[str, Any]
     is_ar: bool = False  # an AR baseline candidate (exactly greedy AR, one token per forward)
     fixed_threshold: float | None = None  # decoders whose output is exact run at the reference threshold
+    eager: bool = False  # run with the decode fast path off (F.linear): the baseline as it was before it
 
 
 def build_preset(preset: str, dtype: torch.dtype, device: str):
@@ -127,6 +132,9 @@ def variants(args) -> list[Variant]:
         out.append(Variant("ar-hf-static", dict(decoder="ar", ar_cache="static"), is_ar=True, fixed_threshold=1.0))
     # the project's engine at threshold 1.0 is exactly greedy AR with a per-row KV cache (finished rows leave)
     out.append(Variant("ar-cursor", dict(decoder="mars", cache="cursor"), is_ar=True, fixed_threshold=1.0))
+    if args.eager_baselines:  # the AR decoders without the fast path, to show what it gives AR
+        for v in list(out):
+            out.append(Variant(f"{v.name}-eager", v.kwargs, is_ar=True, fixed_threshold=1.0, eager=True))
     for cache in args.caches:
         out.append(Variant(f"mars-{cache}", dict(decoder="mars", cache=cache)))
     if args.full_window:
@@ -158,9 +166,10 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
     drafts = [0, 0]
     for start in range(0, len(prompts), batch):
-        res = generate(
-            model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
-        )
+        with fast_path_off(variant.eager):
+            res = generate(
+                model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
+            )
         extra = res.stats.extra
         if extra.get("drafts_proposed"):
             drafts[0] += sum(extra["drafts_proposed"])
@@ -178,6 +187,35 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
         row_tpf=statistics.mean(row_rates),
         draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None,
     )
+
+
+@contextmanager
+def fast_path_off(off: bool):
+    """``MARS_FAST_PATH=0`` inside the block when ``off`` (the decoders read it at every call)."""
+    if not off:
+        yield
+        return
+    old = os.environ.get("MARS_FAST_PATH")
+    os.environ["MARS_FAST_PATH"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MARS_FAST_PATH", None)
+        else:
+            os.environ["MARS_FAST_PATH"] = old
+
+
+def fast_path_state(model) -> str:
+    """``on``, or ``off (why)``: what the decode fast path did for this run (recorded with the figures)."""
+    from mars.decoding import fastpath
+
+    if not fastpath.enabled_by_env():
+        return f"off ({fastpath.ENV}=0)"
+    if next(model.parameters()).device.type != "cpu":
+        return "off (not a CPU model)"
+    reason = fastpath.unavailable_reason(model)
+    return "on" if reason is None else f"off ({reason})"
 
 
 def fmt(x: float, nd: int = 2) -> str:
@@ -237,7 +275,19 @@ def main(argv: list[str] | None = None) -> int:
         help="JSONL with a 'prompt' field (e.g. data/prompts/heldout.jsonl); default: built-in prompts",
     )
     p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
+    )
+    p.add_argument(
+        "--eager-baselines",
+        action="store_true",
+        help="also time every AR decoder with the decode fast path off (`<name>-eager`: the pre-fast-path baseline)",
+    )
+    p.add_argument(
+        "--no-fast-path",
+        action="store_true",
+        help="time the eager matmuls (F.linear) instead of the decode fast path (same as MARS_FAST_PATH=0)",
+    )
     p.add_argument("--out", default="results/throughput")
     args = p.parse_args(argv)
 
@@ -260,8 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown cache {c!r} in --caches; choose from {list(CACHES)}")
     for t in thresholds:
         validate_threshold(t, args.metric)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from mars.threads import configure_threads
+
+    try:
+        configure_threads(args.threads or None)
+    except ValueError as err:
+        raise SystemExit(f"--threads: {err}") from err
+    if args.no_fast_path:
+        os.environ["MARS_FAST_PATH"] = "0"
     from mars.hardware import resolve_dtype_name
 
     args.dtype = resolve_dtype_name(args.dtype, args.device)
@@ -290,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": block_size,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "fast_path": fast_path_state(model),
         "host": platform.node(),
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -305,23 +363,32 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):
             run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
 
+    # Decoders whose output does not depend on the threshold (the AR baselines, verified decoding) are
+    # timed once per batch size and repeat, not once per threshold; each repeat still interleaves them
+    # with the thresholded decoders, so every speed-up is a ratio of runs taken side by side.
+    fixed = [v for v in vs if v.fixed_threshold is not None]
+    swept = [v for v in vs if v.fixed_threshold is None]
     rows = []
-    for threshold in thresholds:
-        for batch in batch_sizes:
-            n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
-            prompts = [pool[i % len(pool)] for i in range(n)]
-            runs: dict[str, list[dict]] = {v.name: [] for v in vs}
-            for rep in range(args.repeats):
-                for v in vs:
-                    r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
-                    runs[v.name].append(r)
-                    print(
-                        f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
-                        f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
-                        flush=True,
-                    )
-            rows.extend(summarise_runs(vs, runs, threshold, batch))
-            write_tables(rows, out_dir, config)
+    for batch in batch_sizes:
+        n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
+        prompts = [pool[i % len(pool)] for i in range(n)]
+        runs: dict[float, dict[str, list[dict]]] = {t: {v.name: [] for v in vs} for t in thresholds}
+        for rep in range(args.repeats):
+            jobs = [(v, v.fixed_threshold, thresholds) for v in fixed]
+            jobs += [(v, t, [t]) for t in thresholds for v in swept]
+            for v, threshold, sweep in jobs:
+                r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
+                for t in sweep:
+                    runs[t][v.name].append(r)
+                print(
+                    f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
+                    f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
+                    flush=True,
+                )
+        for t in thresholds:
+            rows.extend(summarise_runs(vs, runs[t], t, batch))
+        rows.sort(key=lambda r: (thresholds.index(r["sweep_threshold"]), batch_sizes.index(r["batch"])))
+        write_tables(rows, out_dir, config)
     print((out_dir / "throughput.md").read_text())
     return 0
 
@@ -387,14 +454,19 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
     lines = [
         "# Throughput: AR (KV cache) vs MARS\n",
         f"model `{model}`, {config['dtype']} on {config['device']} ({hw.get('cuda') or hw.get('cpu') or 'cpu'}; "
-        f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads, block size {config['block_size']}, "
+        f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads "
+        f"(OMP_WAIT_POLICY={config.get('omp_wait_policy', '(unset)')}), decode fast path "
+        f"{config.get('fast_path', 'off')}, block size {config['block_size']}, "
         f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
         f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
         "The AR baseline of each row is the fastest AR decoder measured in the same run (`ar-hf`: transformers "
         "`generate` with its dynamic KV cache; `ar-hf-static`: its static cache; `ar-cursor`: this project's engine "
-        "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave). "
+        "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave; `-eager`: the same "
+        "with the decode fast path off, i.e. F.linear matmuls). "
         "*same as AR*: rows whose tokens equal `ar-hf`'s (in bf16, differently shaped inputs can flip near-tied "
-        "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction.\n",
+        "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction. "
+        "Decoders whose output does not depend on the threshold (AR, verify) are timed once per batch size and "
+        "repeat and listed under every threshold.\n",
         "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | tok/fwd (per request) | draft acc. | same as AR |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

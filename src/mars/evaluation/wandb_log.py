@@ -6,6 +6,7 @@ prompts; see ``mars.loggers.wandb_mode``.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from mars.evaluation.aggregate import FIELDS, INTERVAL_KEYS
 from mars.evaluation.config import Plan
 from mars.evaluation.report import fmt_threshold
 from mars.evaluation.store import ResultsDir
+
+log = logging.getLogger(__name__)
 
 
 def log_to_wandb(
@@ -29,7 +32,8 @@ def log_to_wandb(
     step in sweep order), the markdown table and the Pareto PNGs.  Returns the finished run's directory."""
     import wandb
 
-    from mars.loggers import wandb_mode
+    from mars.evaluation.plots import slug
+    from mars.loggers import wandb_mode, wandb_sync_hint
 
     cfg = dict(logger_cfg or {})
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -48,7 +52,8 @@ def log_to_wandb(
     columns = list(FIELDS)
     run.log({"points": wandb.Table(columns=columns, data=[[p.get(c) for c in columns] for p in points])})
     run.define_metric("threshold")
-    for task in dict.fromkeys(p["task"] for p in points):
+    # metric keys from task labels such as "Math (ASDiv)": no spaces or brackets ("math_asdiv/accuracy")
+    for task in dict.fromkeys(slug(p["task"]) for p in points):
         run.define_metric(f"{task}/*", step_metric="threshold")  # plot every task metric against the threshold
     for thr in sorted({p["threshold"] for p in points}, reverse=True):
         metrics: dict[str, Any] = {"threshold": thr}
@@ -59,16 +64,20 @@ def log_to_wandb(
             keys = [k for base in INTERVAL_KEYS for k in (base, f"{base}_lo", f"{base}_hi")]
             for key in keys + ["tokens_per_second", "n_paired"]:
                 if isinstance(p.get(key), (int, float)) and not isinstance(p.get(key), bool):
-                    metrics[f"{p['task']}/{key}"] = p[key]
+                    metrics[f"{slug(p['task'])}/{key}"] = p[key]
         run.log(metrics)
     run.log({"table": wandb.Html(f"<pre>{_escape(table_md)}</pre>")})
-    run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in plots})
+    images = [path for path in plots if path.suffix == ".png"]  # W&B shows images; pdf/svg stay in the folder
+    run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in images})
     for p in points:
         if p.get("task") == "Average":
             run.summary[f"average/accuracy@{fmt_threshold(p['threshold'])}"] = p["accuracy"]
             run.summary[f"average/tokens_per_forward@{fmt_threshold(p['threshold'])}"] = p["tokens_per_forward"]
     run_dir = Path(run.dir).parent
+    hint = wandb_sync_hint(run)
     run.finish()
+    if hint:
+        log.info(hint)
     return run_dir
 
 

@@ -1,0 +1,257 @@
+"""What one decode step costs, beside what this machine can do: the step-cost table.
+
+    python -m mars.evaluation.step_cost --columns 1,2,4,7,8 --batch-sizes 1,8 --out benchmarks/decode_step_cpu
+
+A decode step runs the model on ``columns`` new positions per row (1 for AR; the last real token plus
+masks, drafts or Jacobi guesses for MARS) over a KV cache of ``--context`` tokens, through the engine's
+own forward (:class:`mars.decoding.forward.ModelRunner` with the per-row cache; logits at every new
+column).  For each batch size and column count it prints the median ms per step, the ratio to the
+1-column step of the same batch and path, the achieved weight-read bandwidth (parameter bytes / step
+time: each weight is read once per step) and the achieved GFLOP/s (2 x parameters x columns x batch:
+the matmuls; attention adds little at these lengths), beside this machine's measured bounds: the read
+bandwidth of a tensor as large as the weights and the peak fp32 GEMM rate, with the same threads.
+
+Paths: ``fast`` (the decode fast path, :mod:`mars.decoding.fastpath`) and ``eager`` (``F.linear``), timed
+interleaved in one process so that their ratios hold on a shared machine.  Writes ``step_cost.md``,
+``step_cost.csv`` and ``config.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from mars.threads import apply_process_defaults
+
+apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp
+
+import torch  # noqa: E402
+
+PATHS = ("fast", "eager")
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError as err:
+        raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """GB/s reading a fresh fp32 tensor of ``nbytes`` (a sum: one read, no write), median of ``repeats``."""
+    x = torch.ones(max(nbytes // 4, 1 << 20))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def measure_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """GFLOP/s of a square fp32 GEMM that fits in cache (the compute bound a step can approach)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+class StepBench:
+    """One decode step of ``columns`` per row for ``batch`` rows over a prefilled cache of ``context``."""
+
+    def __init__(self, model, batch: int, columns: int, context: int, fast: bool):
+        from mars.decoding.attention import gqa_attention
+        from mars.decoding.forward import ModelRunner
+        from mars.decoding.kv import RaggedKVCache
+
+        self.gqa_attention = gqa_attention
+        self.runner = ModelRunner(model, fast=fast)
+        self.cache = RaggedKVCache(self.runner.num_layers, capacity=context + columns + 8)
+        g = torch.Generator().manual_seed(0)
+        vocab = self.runner.vocab_size
+        prompt = torch.randint(0, vocab, (batch, context), generator=g)
+        pos = torch.arange(context).expand(batch, -1)
+        self._step(prompt, pos, context)  # prefill: the cache holds `context` tokens per row
+        self.ids = torch.randint(0, vocab, (batch, columns), generator=g)
+        self.pos = (context + torch.arange(columns)).expand(batch, -1).contiguous()
+        self.kv_len = context + columns
+
+    def _step(self, ids, pos, kv_len):
+        self.cache.prepare_step(pos, kv_len)
+        attn = (torch.arange(kv_len).view(1, 1, -1) <= pos.unsqueeze(2)).unsqueeze(1)
+        cols = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        with self.gqa_attention(self.runner.model):
+            return self.runner.logits_at(ids, pos, attn, cols, self.cache)
+
+    def __call__(self):
+        # the same write positions every time: the step overwrites its own columns, the cache stays put
+        return self._step(self.ids, self.pos, self.kv_len)
+
+
+def run(args) -> list[dict]:
+    from mars.models import load_model
+
+    model = load_model(args.model, dtype=torch.float32).model.eval()
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied:  # the head reads the (shared) embedding matrix once per step
+        params += model.get_output_embeddings().weight.numel()
+    weight_bytes = params * 4
+    rows = []
+    with torch.inference_mode():
+        bounds = {}
+        for t in args.threads:
+            torch.set_num_threads(t)
+            bounds[t] = dict(bandwidth=measure_bandwidth(weight_bytes), peak=measure_peak_gflops())
+            print(
+                f"machine, {t} threads: read bandwidth {bounds[t]['bandwidth']:.1f} GB/s, "
+                f"fp32 GEMM peak {bounds[t]['peak']:.0f} GFLOP/s",
+                flush=True,
+            )
+        for batch in args.batch_sizes:
+            times: dict[tuple[int, str, int], list[float]] = {}
+            keys = [(t, p, c) for t in args.threads for p in args.paths for c in args.columns]
+            benches = {
+                (p, c): StepBench(model, batch, c, args.context, p == "fast") for p in args.paths for c in args.columns
+            }
+            for t in args.threads:
+                torch.set_num_threads(t)
+                for bench in benches.values():
+                    for _ in range(args.warmup):
+                        bench()
+            for _ in range(args.repeats):  # every (threads, path, columns) once per round: drift hits all alike
+                for t, p, c in keys:
+                    torch.set_num_threads(t)
+                    start = time.perf_counter()
+                    benches[(p, c)]()
+                    times.setdefault((t, p, c), []).append(time.perf_counter() - start)
+            for t in args.threads:
+                for path in args.paths:
+                    base = statistics.median(times[(t, path, args.columns[0])])
+                    for c in args.columns:
+                        sample = times[(t, path, c)]
+                        ms = statistics.median(sample)
+                        rows.append(
+                            dict(
+                                threads=t,
+                                path=path,
+                                batch=batch,
+                                columns=c,
+                                ms=ms * 1e3,
+                                ms_min=min(sample) * 1e3,
+                                ratio=ms / base,
+                                gb_s=weight_bytes / ms / 1e9,
+                                gflop_s=2 * params * c * batch / ms / 1e9,
+                                bandwidth_gb_s=bounds[t]["bandwidth"],
+                                peak_gflop_s=bounds[t]["peak"],
+                            )
+                        )
+                        print(
+                            f"batch {batch} threads {t} {path:5s} {c} columns: {ms * 1e3:.1f} ms ({ms / base:.2f}x), "
+                            f"{weight_bytes / ms / 1e9:.1f} GB/s, {2 * params * c * batch / ms / 1e9:.1f} GFLOP/s",
+                            flush=True,
+                        )
+            del benches
+    return rows, dict(weight_bytes=weight_bytes, params=params, bounds_by_threads=bounds)
+
+
+def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "step_cost.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "config.json").write_text(json.dumps({**config, **bounds}, indent=2, default=str) + "\n")
+    bound_lines = [
+        f"- {t} thread{'s' if t > 1 else ''}: read bandwidth **{b['bandwidth']:.1f} GB/s** (the weights, "
+        f"{bounds['weight_bytes'] / 1e6:.0f} MB, take **{bounds['weight_bytes'] / b['bandwidth'] / 1e6:.1f} ms** to "
+        f"read at that rate: the floor of a step), fp32 GEMM peak **{b['peak']:.0f} GFLOP/s**"
+        for t, b in bounds["bounds_by_threads"].items()
+    ]
+    lines = [
+        "# Decode step cost\n",
+        f"model `{config['model']}`, fp32, OMP_WAIT_POLICY={config['omp_wait_policy']}, KV cache of "
+        f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
+        f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
+        "(mars::small_linear for up to 16 columns); `eager`: F.linear (MKL).\n",
+        "Bounds measured in the same process just before the steps (a sum over a tensor as large as the weights; "
+        "a 1024^3 GEMM); on a shared machine they move with the load as the steps do:\n",
+        *bound_lines,
+        "",
+        "GB/s = weight bytes / step time (each weight is read once per step); GFLOP/s = 2 x parameters x columns x "
+        "batch / step time (the matmuls; attention is small at this context).\n",
+        "| threads | path | batch | columns | ms/step | x 1 column | GB/s | GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['threads']} | {r['path']} | {r['batch']} | {r['columns']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
+            f"{r['gb_s']:.1f} | {r['gflop_s']:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (out / "step_cost.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded:smollm2-135m")
+    p.add_argument("--columns", default="1,2,4,7,8", help="new columns per row (comma-separated; first is the base)")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--context", type=int, default=100, help="tokens already in each row's KV cache")
+    p.add_argument("--paths", default="fast,eager", help=f"comma-separated, from {list(PATHS)}")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--threads", default="auto", help="torch threads, comma-separated to compare (auto: mars.threads' choice)"
+    )
+    p.add_argument("--out", default="outputs/step_cost")
+    args = p.parse_args(argv)
+    args.columns = parse_ints(args.columns, "--columns")
+    args.batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes")
+    args.paths = [x for x in args.paths.split(",") if x]
+    bad = [x for x in args.paths if x not in PATHS]
+    if bad or not args.paths:
+        raise SystemExit(f"--paths: unknown {bad or args.paths}; choose from {list(PATHS)}")
+    if args.repeats < 1 or args.context < 1:
+        raise SystemExit(f"--repeats and --context must be >= 1, got {args.repeats} and {args.context}")
+    from mars.threads import available_cpus, resolve_threads
+
+    try:
+        args.threads = [resolve_threads(t.strip()) for t in str(args.threads).split(",") if t.strip()]
+    except ValueError as err:
+        raise SystemExit(f"--threads: {err}") from err
+    rows, bounds = run(args)
+    config = dict(
+        model=args.model,
+        threads=args.threads,
+        cpus=available_cpus(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        context=args.context,
+        repeats=args.repeats,
+        cpu=platform.processor() or platform.machine(),
+        torch=torch.__version__,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    print(write(rows, bounds, config, Path(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The decode fast path: the small-M GEMM kernel, its batch invariance, its cache key, the nn.Linear
+switch (on, off, fallback with one warning) and the thread setting."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from decoding_fixtures import MASK_ID, build_model, hf_greedy, model, random_prompts, tokenizer  # noqa: F401
+
+from mars import kernels, threads
+from mars.decoding import fastpath, generate
+from mars.decoding import forward as forward_module
+from mars.kernels import KernelUnavailable
+
+
+def kernel_or_skip():
+    try:
+        return kernels.small_linear_op()
+    except KernelUnavailable as err:  # a machine without AVX2 or a compiler: the fallback tests still run
+        pytest.skip(f"small-M kernel unavailable here: {err}")
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 19), (1, 8), (130, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_f_linear(n, k, bias):
+    op = kernel_or_skip()
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for shape in [(1, k), (3, k), (2, 5, k), (17, k), (4, 1, 3, k)]:
+        x = torch.randn(*shape, generator=g)
+        y = op(x, w, b)
+        assert y.shape == (*shape[:-1], n)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_small_linear_rejects_bad_input():
+    op = kernel_or_skip()
+    with pytest.raises(RuntimeError, match="do not match"):
+        op(torch.randn(2, 5), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64), None)
+
+
+def test_a_row_does_not_depend_on_the_other_columns():
+    """Batch invariance: each column's output is bit-identical whether computed alone or among 1..16."""
+    op = kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 300, generator=g), torch.randn(16, 300, generator=g)
+    alone = torch.cat([op(x[i : i + 1], w, None) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(op(x[:m], w, None), alone[:m]), m
+    # MKL does not promise this (and on this CPU it does not keep it): the kernel is what guarantees it
+    assert torch.equal(op(x[5:9], w, None), alone[5:9])
+
+
+def test_custom_op_has_a_working_fake_for_compile():
+    op = kernel_or_skip()
+    torch.library.opcheck(op, (torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)))
+
+
+def test_build_key_changes_with_torch_version_and_source(monkeypatch, tmp_path):
+    key = kernels.build_key()
+    monkeypatch.setattr(torch, "__version__", "9.9.9+other")
+    assert kernels.build_key() != key and "9_9_9" in kernels.build_key()
+    monkeypatch.undo()
+    source = tmp_path / "small_gemm.cpp"
+    source.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernels, "SOURCE", source)
+    assert kernels.build_key() != key
+
+
+def test_fast_path_patches_only_inside_the_block_and_restores_on_error(model):  # noqa: F811
+    kernel_or_skip()
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with pytest.raises(ZeroDivisionError), fastpath.fast_linear(model) as on:
+        assert on and all("forward" in m.__dict__ for m in linears)
+        with fastpath.fast_linear(model) as inner:  # re-entrant: the outer block keeps ownership
+            assert inner
+        assert all("forward" in m.__dict__ for m in linears)
+        raise ZeroDivisionError("decode failed")
+    assert not any("forward" in m.__dict__ for m in linears)
+
+
+def test_fast_path_routes_small_inputs_to_the_kernel_and_large_ones_to_f_linear(monkeypatch):
+    op = kernel_or_skip()
+    layer = torch.nn.Linear(32, 8)
+    calls = []
+    monkeypatch.setattr(kernels, "small_linear_op", lambda: lambda *a: calls.append(a[0].shape) or op(*a))
+    x_small = torch.randn(2, 3, 32)
+    with torch.inference_mode(), fastpath.fast_linear(layer):
+        small = layer(x_small)
+        layer(torch.randn(fastpath.MAX_COLUMNS + 1, 32))
+    assert calls == [(2, 3, 32)]
+    torch.testing.assert_close(small, F.linear(x_small, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 32, requires_grad=True)  # training: autograd needs F.linear
+    with fastpath.fast_linear(layer):
+        layer(x).sum().backward()
+    assert x.grad is not None and len(calls) == 1
+
+
+@pytest.mark.parametrize("decoder_kwargs", [dict(threshold=1.0), dict(verify=True), dict(decoder="ar")])
+def test_greedy_outputs_through_the_fast_path_equal_eager_hf_greedy(model, tokenizer, decoder_kwargs):  # noqa: F811
+    kernel_or_skip()
+    prompts = random_prompts((6, 19), seed=5)
+    reference = hf_greedy(model, tokenizer, prompts, 12)  # eager, outside any fast path
+    fast = generate(model, tokenizer, prompts, block_size=4, max_new_tokens=12, mask_token_id=MASK_ID, **decoder_kwargs)
+    assert fast.token_ids == reference
+
+
+def test_env_switch_turns_the_fast_path_off(model, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(fastpath.ENV, "0")
+    with fastpath.fast_linear(model) as on:
+        assert not on
+        assert not any("forward" in m.__dict__ for m in model.modules())
+    monkeypatch.setenv(fastpath.ENV, "maybe")
+    with pytest.raises(ValueError, match="MARS_FAST_PATH='maybe'"):
+        fastpath.enabled_by_env()
+
+
+def test_model_the_kernel_cannot_serve_warns_once_and_decodes_the_same(tokenizer, monkeypatch):  # noqa: F811
+    """A bf16 model (the kernel is fp32-only): one warning naming why, eager outputs unchanged."""
+    model16 = build_model().to(torch.bfloat16)
+    monkeypatch.setattr(fastpath, "_warned", set())
+    prompts = random_prompts((7,), seed=9)
+    with pytest.warns(RuntimeWarning, match="fast path off.*bfloat16.*float32-only") as caught:
+        first = generate(model16, tokenizer, prompts, threshold=1.0, max_new_tokens=6, mask_token_id=MASK_ID)
+    assert sum("fast path off" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no second warning
+        again = generate(model16, tokenizer, prompts, threshold=1.0, max_new_tokens=6, mask_token_id=MASK_ID)
+    assert again.token_ids == first.token_ids == hf_greedy(model16, tokenizer, prompts, 6)
+
+
+def test_unavailable_kernel_falls_back_with_one_warning(model, tokenizer, monkeypatch):  # noqa: F811
+    def broken():
+        raise KernelUnavailable("no C++ compiler (c++ or $CXX) to build the small-M GEMM kernel")
+
+    monkeypatch.setattr(kernels, "small_linear_op", broken)
+    monkeypatch.setattr(fastpath, "_warned", set())
+    prompts = random_prompts((8,), seed=4)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        out = generate(model, tokenizer, prompts, threshold=1.0, max_new_tokens=6, mask_token_id=MASK_ID)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 6)
+
+
+def test_thread_setting_is_clamped_and_validated(monkeypatch):
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    monkeypatch.delenv(threads.THREADS_ENV, raising=False)
+    assert threads.resolve_threads(None) == 2
+    assert threads.resolve_threads(1) == 1
+    with pytest.warns(RuntimeWarning, match="threads=64 is more than the 2 CPUs"):
+        assert threads.resolve_threads(64) == 2
+    monkeypatch.setenv(threads.THREADS_ENV, "8")
+    with pytest.warns(RuntimeWarning, match="MARS_THREADS=8"):
+        assert threads.resolve_threads(None) == 2
+    for bad in (0, -1, "two", 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            threads.resolve_threads(bad)
+
+
+def test_padding_columns_of_a_mixed_batch_are_skipped_with_the_same_outputs(model, tokenizer, monkeypatch):  # noqa: F811
+    """A threshold-1.0 row beside rows with masks: its padding columns are not multiplied, outputs unchanged."""
+    op = kernel_or_skip()
+    columns = []
+
+    def counting(x, w, b):
+        columns.append(x.numel() // x.shape[-1])
+        return op(x, w, b)
+
+    monkeypatch.setattr(kernels, "small_linear_op", lambda: counting)
+    prompts = random_prompts((6, 9, 7), seed=11)
+    kwargs = dict(block_size=4, max_new_tokens=10, mask_token_id=MASK_ID, threshold=[1.0, 0.3, 1.0])
+    skipped = generate(model, tokenizer, prompts, **kwargs)
+    skipped_columns, columns[:] = sum(columns), []
+    monkeypatch.setattr(forward_module, "only_columns", lambda live: contextlib.nullcontext())
+    padded = generate(model, tokenizer, prompts, **kwargs)
+    assert skipped.token_ids == padded.token_ids
+    assert skipped.token_ids[0] == hf_greedy(model, tokenizer, prompts[:1], 10)[0]
+    assert skipped_columns < 0.8 * sum(columns)
+
+
+def test_wait_policy_is_set_before_torch_loads_and_an_explicit_one_wins(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    code = "from mars.threads import apply_process_defaults as a; import os; print(a(), os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert run(env).split() == ["True", "PASSIVE"]
+    assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}).split() == ["True", "ACTIVE"]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.apply_process_defaults() is False  # torch is loaded in this process: too late, left alone
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_half_finished_kernel_build_is_redone_and_a_finished_one_reused(tmp_path, monkeypatch):
+    builds = []
+
+    def fake_build(target, name):
+        builds.append(target)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / f"{name}.so").write_text("library")
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    target = tmp_path / "small_gemm-key"
+    target.mkdir()
+    (target / f"{kernels.NAME}.so").write_text("truncated by a killed build")  # no `complete` marker
+    library = kernels.ensure_built(target)
+    assert builds == [target] and library.read_text() == "library" and (target / "complete").is_file()
+    assert kernels.ensure_built(target) == library and len(builds) == 1  # finished: reused, no compiler run

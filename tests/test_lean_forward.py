@@ -1,0 +1,146 @@
+"""The lean decoder forward: bit-identical to the model's own forward under the fast path (Llama and Qwen2,
+with and without the per-row cache, padding columns skipped or not), and refused where it would differ."""
+
+import pytest
+import torch
+from decoding_fixtures import build_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from mars.decoding import fastpath
+from mars.decoding.attention import gqa_attention
+from mars.decoding.forward import ModelRunner
+from mars.decoding.kv import RaggedKVCache
+from mars.decoding.lean import LeanDecoder, lean_reason
+from mars.kernels import KernelUnavailable, small_linear_op
+
+
+def tiny_qwen2():
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # the q/k/v biases must matter
+            layer.self_attn.q_proj.bias.normal_(0, 0.5)
+            layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def step_inputs(batch, context, columns, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = (context + torch.arange(columns)).expand(batch, -1).contiguous()
+    kv = context + columns
+    mask = (torch.arange(kv).view(1, 1, -1) <= pos.unsqueeze(2)).unsqueeze(1)
+    return torch.randint(0, vocab, (batch, columns), generator=g), pos, mask, kv
+
+
+@pytest.mark.parametrize("make", [build_model, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("cached", [True, False])
+def test_lean_forward_is_bit_identical_to_the_models_forward(make, cached):
+    try:
+        small_linear_op()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    model = make()
+    assert lean_reason(model) is None
+    vocab = model.config.vocab_size
+    outputs = {}
+    with torch.inference_mode(), gqa_attention(model):
+        for name in ("lean", "hf"):
+            runner = ModelRunner(model)
+            if name == "hf":
+                runner._lean = False
+            cache = RaggedKVCache(runner.num_layers) if cached else None
+            if cached:  # prefill 7 tokens per row, then a 3-column step on top
+                ids, pos, mask, kv = step_inputs(2, 0, 7, vocab, seed=3)
+                cache.prepare_step(pos, kv)
+                runner.logits_at(ids, pos, mask, pos - pos[:, :1], cache)
+                ids, pos, mask, kv = step_inputs(2, 7, 3, vocab, seed=4)
+                cache.prepare_step(pos, kv)
+            else:
+                ids, pos, mask, kv = step_inputs(2, 0, 9, vocab, seed=5)
+            columns = torch.tensor([[0, 1, 2], [1, 2, 2]]) + (0 if cached else 6)
+            live = torch.ones(ids.shape, dtype=torch.bool)
+            live[1, -1] = False  # row 1's last column is padding
+            live_preds = torch.tensor([[True, True, True], [True, True, False]])
+            outputs[name] = runner.logits_at(ids, pos, mask, columns, cache, live=live, live_columns=live_preds)
+    assert torch.equal(outputs["lean"], outputs["hf"])
+
+
+def test_lean_forward_refuses_what_it_does_not_mirror():
+    model = build_model()
+    model.config._attn_implementation = "eager"
+    assert "attention 'eager'" in lean_reason(model)
+    model = build_model()
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "forward hook" in lean_reason(model)
+    handle.remove()
+    model.model.layers[1].mlp.up_proj = torch.nn.Sequential(model.model.layers[1].mlp.up_proj)
+    assert "not a plain nn.Linear" in lean_reason(model)
+    model = build_model()
+    model.config.hidden_act = "gelu"
+    assert "activation 'gelu'" in lean_reason(model)
+
+
+def test_lean_forward_is_used_by_decode_steps(monkeypatch):
+    try:
+        small_linear_op()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    calls = []
+    call = LeanDecoder.__call__
+    monkeypatch.setattr(LeanDecoder, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    model = build_model()
+    with torch.inference_mode(), gqa_attention(model):
+        runner = ModelRunner(model)
+        ids, pos, mask, _ = step_inputs(1, 0, 4, model.config.vocab_size)
+        runner.logits_at(ids, pos, mask, pos)
+        monkeypatch.setenv(fastpath.ENV, "0")  # fast path off: the model's own forward
+        runner.logits_at(ids, pos, mask, pos)
+    assert calls == [1]
+
+
+def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit():
+    """A gated LoRA (mars.adapters) under the lean forward: the same logits as the model's own forward with
+    its peft layers and gate hooks, with mask columns in some rows and none in others."""
+    from decoding_fixtures import MASK_ID
+
+    from mars.adapters import AdapterSettings, attach_adapter
+
+    try:
+        small_linear_op()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    model = build_model()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "mask_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert lean_reason(model) is None
+    ids, pos, mask, kv = step_inputs(2, 0, 9, model.config.vocab_size, seed=5)
+    outputs = {}
+    for masked in (False, True):
+        step = ids.clone()
+        if masked:
+            step[0, 6:] = MASK_ID  # row 0 ends in three masks, row 1 has none
+        with torch.inference_mode(), gqa_attention(model):
+            for name in ("lean", "hf"):
+                runner = ModelRunner(model)
+                if name == "hf":
+                    runner._lean = False
+                columns = torch.arange(6, 9).expand(2, -1)
+                outputs[name, masked] = runner.logits_at(step, pos, mask, columns, None)
+        assert torch.equal(outputs["lean", masked], outputs["hf", masked])
+    assert not torch.equal(outputs["lean", True][0, 1:], outputs["lean", False][0, 1:])  # the adapter acted
+    assert torch.equal(outputs["lean", True][1], outputs["lean", False][1])  # not on a row without masks
