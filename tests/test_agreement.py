@@ -19,21 +19,33 @@ from mars.evaluation.store import ResultsDir, write_json
 
 
 def test_chrf_of_known_strings():
+    """Values worked out by hand from chrF's definition, so they pin how sacrebleu is called (character
+    n-grams only, not chrF++'s word n-grams; orders both strings have; F-beta; scaled to 0-1)."""
     # "ab" vs "abc": order 1 P=2/2 R=2/3, order 2 P=1/1 R=1/2, orders 3-6 absent from "ab";
     # P=1, R=7/12 -> F2 = 5PR / (4P + R) = 7/11
-    assert ag.chrf("ab", "abc") == pytest.approx(7 / 11)
+    assert ag.chrf("ab", "abc") == pytest.approx(7 / 11, abs=1e-12)
+    # "abcd" vs "abce": P = R per order: 3/4, 2/3, 1/2, 0/1 (both have one 4-gram) -> F = 23/48
+    assert ag.chrf("abcd", "abce") == pytest.approx(23 / 48, abs=1e-12)
+    assert ag.chrf("abcd", "abce", order=2) == pytest.approx((3 / 4 + 2 / 3) / 2, abs=1e-12)
+    # "aab" vs "ab": order 1 P=2/3 R=1, order 2 P=1/2 R=1, order 3 absent from "ab": P=7/12, R=1
+    assert ag.chrf("aab", "ab") == pytest.approx(7 / 8, abs=1e-12)  # F2 = 5PR / (4P + R)
+    assert ag.chrf("aab", "ab", beta=1) == pytest.approx(14 / 19, abs=1e-12)  # F1 = 2PR / (P + R)
+    # swapped, P=1 R=7/12 as for "ab" vs "abc": recall weighs more than precision
+    assert ag.chrf("ab", "aab") == pytest.approx(7 / 11, abs=1e-12)
     assert ag.chrf("The cat sat on the mat.", "The cat sat on the mat.") == 1.0
     assert ag.chrf("a b  c", "abc") == 1.0  # whitespace is not scored
-    assert ag.chrf("", "abc") == 0.0 and ag.chrf("abc", None) == 0.0
-    assert ag.chrf("", "") == 1.0 and ag.chrf(None, None) == 1.0  # two empty outputs agree
+    assert ag.chrf("", "abc") == 0.0 and ag.chrf("abc", None) == 0.0 and ag.chrf("  ", "abc") == 0.0
+    # our convention on top of sacrebleu (which scores 0): two empty outputs agree
+    assert ag.chrf("", "") == 1.0 and ag.chrf(None, None) == 1.0 and ag.chrf(" \n", "") == 1.0
     assert ag.chrf("abc", "xyz") == 0.0
     # one changed word costs a little, not everything
     one_word = ag.chrf("The cat sat on the red mat today.", "The cat sat on the blue mat today.")
     assert 0.6 < one_word < 0.95
 
 
-def test_chrf_matches_sacrebleu():
-    sacrebleu = pytest.importorskip("sacrebleu")
+def test_chrf_is_sacrebleus_sentence_chrf():
+    import sacrebleu
+
     pairs = [
         ("The cat sat on the mat.", "The cat sat on a mat."),
         ("Paris is the capital of France.", "The capital of France is Paris."),
@@ -41,7 +53,7 @@ def test_chrf_matches_sacrebleu():
         ("def f(x):\n    return x+1", "def f(x):\n    return x + 2"),
     ]
     for hyp, ref in pairs:
-        assert ag.chrf(hyp, ref) == pytest.approx(sacrebleu.sentence_chrf(hyp, [ref]).score / 100, abs=1e-9)
+        assert ag.chrf(hyp, ref) == sacrebleu.sentence_chrf(hyp, [ref]).score / 100
 
 
 def test_token_f1_of_known_strings():
@@ -460,7 +472,11 @@ def test_pareto_draws_error_bars_and_the_ar_band(handmade):
             setattr(Axes, name, fn)
     assert png[:4] == b"\x89PNG"
     ((_args, kwargs),) = calls["errorbar"]
-    assert kwargs["xerr"] is not None and kwargs["yerr"] == [low_p, high_p]
+    # x: each point's own tokens-per-forward interval around it (the plot orders points by tokens per forward)
+    by_tpf = sorted(qa, key=lambda p: p["tokens_per_forward"])
+    tpf = [(p["tokens_per_forward"], p["tokens_per_forward_lo"], p["tokens_per_forward_hi"]) for p in by_tpf]
+    assert kwargs["xerr"] == [[pytest.approx(v - lo) for v, lo, _ in tpf], [pytest.approx(hi - v) for v, _, hi in tpf]]
+    assert [p["threshold"] for p in by_tpf] == [p["threshold"] for p in ordered] and kwargs["yerr"] == [low_p, high_p]
     ((band, _),) = calls["axhspan"]
     ref = next(p for p in qa if p["is_reference"])
     assert band == pytest.approx((100 * ref["accuracy_lo"], 100 * ref["accuracy_hi"]))

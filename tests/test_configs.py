@@ -11,7 +11,7 @@ import yaml
 from conftest import TINY_SFT
 from lightning.pytorch.callbacks import Callback
 
-from mars.checkpoint_meta import MetadataError, decoding_block_size, read_checkpoint
+from mars.checkpoint_meta import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
 from mars.config_schema import ConfigError
 from mars.decoding.settings import DecodingSettings
 from mars.evaluation.config import EvaluateConfig, check_config
@@ -158,7 +158,7 @@ def test_a_checkpoint_is_read_through_the_validating_reader(tmp_path):
     good = _checkpoint(tmp_path / "good", block_size=8, objective="mars", mask_token="<m>", mask_token_id=3)
     assert read_checkpoint(good)["block_size"] == 8 and read_checkpoint(good)["mask_token"] == "<m>"
     bad = _checkpoint(tmp_path / "bad", block_size="8", objective="mars", mask_token="<m>", mask_token_id=3)
-    with pytest.raises(MetadataError, match=r"field 'block_size' must be an integer >= 1, got '8'"):
+    with pytest.raises(CheckpointError, match=r"field 'block_size' must be an integer >= 1, got '8'"):
         read_checkpoint(bad)  # read raw before, a string block size reached the decoder
     plain = _checkpoint(tmp_path / "plain")
     (plain / "tokenizer_config.json").write_text(json.dumps({"mask_token": {"content": "<mask>"}}))

@@ -49,7 +49,7 @@ def test_embedded_threshold_one_is_hf_greedy_for_every_cache(embedded):
 def test_embedded_caches_agree_below_one(embedded):
     model, tok = embedded.model, embedded.tokenizer
     ref = generate(model, tok, PROMPTS, threshold=0.9, cache="none", chat_template=True, max_new_tokens=32)
-    assert ref.stats.tokens_per_forward > 0
+    assert ref.stats.tokens_per_forward > 1.0  # masks were accepted: the caches are compared below AR
     for cache in ("block", "cursor"):
         res = generate(
             model, tok, PROMPTS, threshold=0.9, cache=cache, cache_block=8, chat_template=True, max_new_tokens=32

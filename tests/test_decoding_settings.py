@@ -13,13 +13,24 @@ from mars import hardware
 from mars.decoding.settings import DecodingSettings, validate_threshold
 
 
-def test_every_decoding_config_builds_valid_settings():
+def test_every_decoding_config_builds_the_settings_it_writes():
+    """Each conf/decoding/*.yaml, composed as ``decoding=<name>``, decodes with the values it writes itself
+    and mars.yaml's for the rest (a defaults list with ``_self_`` before ``mars`` would let mars.yaml win),
+    under its own name (the run name and the results label)."""
+    import yaml
+
+    base = yaml.safe_load((CONF / "decoding" / "mars.yaml").read_text())
+    decoders = {}
     for path in sorted((CONF / "decoding").glob("*.yaml")):
+        own = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "defaults"}
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="evaluate", overrides=[f"decoding={path.stem}"])
         settings = DecodingSettings.from_mapping(dict(cfg.decoding))
-        assert settings.decoder in ("mars", "ar", "jacobi")
-        assert settings.max_new_tokens == 256
+        assert settings == DecodingSettings.from_mapping({**base, **own}), path.name
+        assert cfg.decoding.name == path.stem
+        decoders[path.stem] = (settings.decoder, settings.verify)
+    assert decoders["ar"] == ("ar", False) and decoders["jacobi"] == ("jacobi", False)
+    assert decoders["mars"] == ("mars", False) and decoders["mars_verified"] == ("mars", True)
 
 
 def test_unknown_keys_and_bad_values_name_the_field():

@@ -94,19 +94,23 @@ def test_threshold_one_equals_offline_generate_whatever_the_arrival_pattern(load
     assert served[0][2]["latency_seconds"] > plan[-1][1]
 
 
-def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(server):
-    c = client(server)
-    for prompt in PROMPTS[:4]:
-        kw = dict(model="tiny-random", prompt=prompt, max_tokens=24, extra_body={"threshold": 0.5})
-        full = c.completions.create(**kw)
-        pieces, _tokens, steps = [], [], []
-        for ch in c.completions.create(stream=True, **kw):
-            pieces.append(ch.choices[0].text)
-            steps.append(ch.model_extra["mars"]["tokens"])
-        assert "".join(pieces) == full.choices[0].text
-        assert sum(steps) == full.usage.completion_tokens
-        assert full.model_extra["mars"]["threshold"] == 0.5
-    assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
+def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(loaded):
+    server = start_server(loaded, "tau_min=0.3")  # the tiny random model's masks pass at 0.3, not at 0.5
+    try:
+        c = client(server)
+        for prompt in PROMPTS[:4]:
+            kw = dict(model="tiny-random", prompt=prompt, max_tokens=24, extra_body={"threshold": 0.3})
+            full = c.completions.create(**kw)
+            pieces, _tokens, steps = [], [], []
+            for ch in c.completions.create(stream=True, **kw):
+                pieces.append(ch.choices[0].text)
+                steps.append(ch.model_extra["mars"]["tokens"])
+            assert "".join(pieces) == full.choices[0].text
+            assert sum(steps) == full.usage.completion_tokens
+            assert full.model_extra["mars"]["threshold"] == 0.3
+        assert max(steps) > 1  # several tokens accepted in one forward: shaded together by the UI
+    finally:
+        server.stop()
 
 
 def test_several_prompts_in_one_completion_request(loaded, server):
@@ -158,9 +162,37 @@ def test_models_health_and_page(server):
     assert [m.id for m in c.models.list().data] == ["tiny-random"]
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    page = httpx.get(server.url + "/")
-    assert page.status_code == 200 and 'id="threshold"' in page.text and 'id="prompt"' in page.text
     assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+
+
+def test_the_page_reads_only_what_the_server_serves(server):
+    """The page's script fetches routes of this server and reads fields of its answers: a renamed route or
+    field would leave the page showing "-" without any error (the browser tests are in test_serving_ui)."""
+    import re
+
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    script = page.text.split("<script>", 1)[1]
+    fetched = set(re.findall(r'"(/[\w/]+)"', script))
+    assert {"/stats", "/v1/completions", "/v1/chat/completions"} <= fetched
+    assert not re.search(r"(src|href)=\"?(https?:)?//", page.text)  # nothing loaded from elsewhere
+    for route in fetched:
+        assert httpx.get(server.url + route).status_code in (200, 405), route  # 405: a POST route
+    live = stats(server)
+    read = set(re.findall(r"\bs\.(\w+)", script))  # poll(): s = await (await fetch("/stats")).json()
+    assert {"tau", "tau_min", "tau_max", "tokens_per_forward"} <= read and read <= set(live), read - set(live)
+    # the streamed chunks: msg.mars per forward, and the final chunk's figures as m (showStats)
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "stream": True, "threshold": 0.7}
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                chunks.append(json.loads(line[5:]))
+    per_forward = set(re.findall(r"\bmsg\.mars\.(\w+)", script))
+    final = set(re.findall(r"\bm\.(\w+)", script))
+    assert per_forward and all(per_forward <= set(c["mars"]) for c in chunks if c["choices"])
+    assert "threshold" in final and final <= set(chunks[-1]["mars"]), final - set(chunks[-1]["mars"])
+    assert chunks[-1]["mars"]["threshold"] == 0.7  # the threshold the page sends is the one served
 
 
 # ------------------------------------------------------------------------------------------------------

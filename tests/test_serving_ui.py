@@ -165,7 +165,8 @@ def test_the_page_markup_starts_with_the_slider_in_charge():
 
 @needs_chromium
 def test_the_page_serves_the_threshold_it_shows(loaded, tmp_path):
-    """The page showed 0.90 with "server tau" ticked by default and so sent no threshold: served 1.0."""
+    """What the label shows is what the request is served at: the slider's 0.90 at load, the value it is
+    moved to, and with "server tau" ticked the server's own 1.0."""
     srv = start_server(loaded, "threshold=1.0", "tau_min=0.5")
     page = Page(srv.url + "/", tmp_path / "profile")
     try:
@@ -173,6 +174,12 @@ def test_the_page_serves_the_threshold_it_shows(loaded, tmp_path):
         assert shown == "0.90"
         assert page.send() in ("stop", "length")
         assert served_tau(page) == f"{float(shown):.3f}"
+        # moving the slider changes the request, not just the label
+        page.tab.js("""(() => { const s = document.getElementById('threshold'); s.value = '0.62';
+            s.dispatchEvent(new Event('input')); })()""")
+        assert page.text("threshold-value") == "0.62"
+        assert page.send() in ("stop", "length")
+        assert served_tau(page) == "0.620"
         page.tab.js("document.getElementById('use-server').click()")  # leave tau to the server
         page.tab.wait("document.getElementById('threshold-value').textContent === '1.00'", 5)
         assert page.send() in ("stop", "length")

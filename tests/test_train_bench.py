@@ -5,20 +5,50 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+BATCH, LENGTH = 2, 32
+
 
 def test_train_bench_reports_every_path_and_objective(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "mars.train_bench", "--model", "tiny-random", "--batch", "2", "--length", "32"]
-    cmd += ["--steps", "2", "--warmup", "0", "--paths", "32-true,bf16-true", "--objectives", "ar,mars"]
-    proc = subprocess.run([*cmd, "--json-out", str(out)], capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "mars.train_bench", "--model", "tiny-random", "--batch", str(BATCH)]
+    cmd += ["--length", str(LENGTH), "--steps", "2", "--warmup", "1", "--paths", "32-true,bf16-true"]
+    proc = subprocess.run(
+        [*cmd, "--objectives", "ar,mars", "--json-out", str(out)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["precision"], r["objective"]) for r in rows} == {
-        (p, o) for p in ("32-true", "bf16-true") for o in ("ar", "mars")
-    }
+    by = {(r["precision"], r["objective"]): r for r in rows}
+    assert set(by) == {(p, o) for p in ("32-true", "bf16-true") for o in ("ar", "mars")}
     for r in rows:
-        assert r["median_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_mb"] > 0
+        # two timed steps, the warm-up step left out: their median is the mean of the fastest and slowest
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["median_s"] == pytest.approx((r["min_s"] + r["max_s"]) / 2, rel=1e-12)
+        assert r["tokens_per_s"] == pytest.approx(BATCH * LENGTH / r["median_s"], rel=1e-12)
+        assert 10 < r["peak_mb"] < 64 * 1024  # the process's max RSS in MB (ru_maxrss is in KB)
+    for precision in ("32-true", "bf16-true"):
+        # MARS adds the mask term to the AR loss of the same weights and batch
+        assert by[precision, "mars"]["last_loss"] > by[precision, "ar"]["last_loss"]
+    # both paths train the same seeded model on the same batch: bf16 only rounds it
+    assert by["bf16-true", "ar"]["last_loss"] == pytest.approx(by["32-true", "ar"]["last_loss"], rel=0.01)
     # bf16 weights train through fp32 master weights (no update lost to rounding); fp32 needs none
     optim = {r["precision"]: r["optimizer"] for r in rows}
     assert "master" in optim["bf16-true"].lower() and "master" not in optim["32-true"].lower()
-    assert "| bf16-true |" in proc.stdout and "time x AR" in proc.stdout
+
+    # the printed table's ratios are the rows' own: time against the first path and against AR
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| attn |"))
+    assert "time x 32-true" in header and "time x AR" in header
+    table = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 11 and cells[1] in ("32-true", "bf16-true"):
+            table[cells[1], cells[3]] = cells
+    assert set(table) == set(by)
+    for (precision, objective), cells in table.items():
+        r, ar, first = by[precision, objective], by[precision, "ar"], by["32-true", objective]
+        assert cells[4] == f"{r['median_s']:.2f}" and cells[6] == f"{r['tokens_per_s']:.0f}"
+        assert cells[8] == f"{r['median_s'] / first['median_s']:.2f}"
+        assert (
+            cells[9] == f"{r['median_s'] / ar['median_s']:.2f}" and cells[10] == f"{r['peak_mb'] / ar['peak_mb']:.2f}"
+        )

@@ -97,3 +97,22 @@ def test_export_cli_writes_the_metadata_training_writes(compose_cfg, tiny_train_
     a, b = load_file(trained / "model.safetensors"), load_file(exported / "model.safetensors")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+
+
+def test_the_export_folder_gets_the_permissions_of_any_saved_folder(tmp_path):
+    """export_hf wrote into a mkdtemp folder and renamed it: the export was 0700, unreadable to the group
+    (issue 18, defect 17); it follows the umask like save_pretrained's own folders."""
+    import os
+
+    from mars.export import export_hf
+    from mars.models import load_model
+
+    tiny = load_model("tiny-random", tiny=dict(vocab_size=64, hidden_size=16, num_layers=1, intermediate_size=32))
+    meta = dict(block_size=4, objective="mars", mask_token=tiny.mask.token, mask_token_id=tiny.mask.id)
+    umask = os.umask(0o022)
+    try:
+        out = export_hf(tiny.model, tiny.tokenizer, tmp_path / "hf", meta)
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "mars_config.json").stat().st_mode & 0o777 == 0o644

@@ -4,6 +4,7 @@ before the model loads, with a message that says how to proceed."""
 import json
 
 import pytest
+import torch
 from test_train_resume import StopAfter
 
 from mars.run_fingerprint import RunMismatchError, run_fingerprint
@@ -106,3 +107,64 @@ def test_a_request_that_failed_before_training_does_not_lock_its_folder(compose_
     rows.write_text(TINY_SFT.read_text())  # fixed: other content, so another fingerprint
     run(compose_cfg("train", overrides))
     assert json.loads((tmp_path / "run" / "train_summary.json").read_text())["complete"]
+
+
+# ------------------------------------------------------------------------------------------
+# Complete digests (issue 18, defect 12 c, d)
+# ------------------------------------------------------------------------------------------
+def test_an_edit_anywhere_in_a_large_weight_file_changes_the_fingerprint(compose_cfg, tiny_train_overrides, tmp_path):
+    """A local model folder with a 24 MiB weight file: 10,000 embedding rows changed in the middle (the
+    first and last MiB untouched) must change the fingerprint."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "stage1"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    rows = torch.zeros(49152, 128)
+    save_file({"model.embed_tokens.weight": rows}, folder / "model.safetensors")
+    assert (folder / "model.safetensors").stat().st_size > 16 << 20
+    overrides = tiny_train_overrides + [f"model.name_or_path={folder}"]
+    before = run_fingerprint(compose_cfg("train", overrides))
+    rows[20000:30000] = 0.5
+    save_file({"model.embed_tokens.weight": rows}, folder / "model.safetensors")
+    assert run_fingerprint(compose_cfg("train", overrides)) != before
+
+
+def test_an_edit_in_the_middle_of_a_large_data_file_changes_the_fingerprint(
+    compose_cfg, tiny_train_overrides, tmp_path
+):
+    data = tmp_path / "big.jsonl"
+    with open(data, "wb") as f:  # 300 MiB, sparse: cheap to make, read as zeros
+        f.truncate(300 << 20)
+    overrides = tiny_train_overrides + [f"data.path={data}"]
+    before = run_fingerprint(compose_cfg("train", overrides))
+    with open(data, "r+b") as f:
+        f.seek(150 << 20)
+        f.write(b'{"prompt": "edited", "response": "in the middle"}')
+    assert run_fingerprint(compose_cfg("train", overrides)) != before
+
+
+def test_a_digest_is_read_once_and_recomputed_after_any_change(tmp_path, monkeypatch):
+    import os
+
+    from mars import persistence
+
+    monkeypatch.setenv("MARS_CACHE", str(tmp_path / "cache"))
+    reads = []
+    real = persistence.sha256_of
+    monkeypatch.setattr(persistence, "sha256_of", lambda p: reads.append(p) or real(p))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 1000)
+    old = os.stat(path).st_mtime_ns
+    with monkeypatch.context() as m:
+        m.setattr(persistence, "RACY_SECONDS", -1.0)  # as if written long ago
+        first = persistence.file_sha256(path)
+        assert persistence.file_sha256(path) == first and len(reads) == 1  # cached
+        path.write_bytes(b"b" * 1000)  # same size ...
+        os.utime(path, ns=(old, old))  # ... and the old mtime back: the ctime still tells
+        assert persistence.file_sha256(path) != first and len(reads) == 2
+    fresh = tmp_path / "fresh.bin"
+    fresh.write_bytes(b"c")  # modified just now: hashed every time until it settles
+    persistence.file_sha256(fresh)
+    persistence.file_sha256(fresh)
+    assert len(reads) == 4

@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,27 +253,26 @@ def base_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def save_adapter(model: nn.Module, folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
-    """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format) + ``mars_adapter.json``
-    (kind, base model and its weights' digest, block size, mask token), written atomically."""
+def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any]) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format) + ``mars_adapter.json`` (kind,
+    base model and its weights' digest, block size, mask token) into an existing ``folder``."""
     from safetensors.torch import save_file
 
     settings: AdapterSettings = model.mars_adapter
-    out = Path(folder)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        config = lora_config(settings, model.config.num_hidden_layers)
-        config.base_model_name_or_path = None  # transformers must not load it ungated on its own
-        config.save_pretrained(tmp)
-        save_file(adapter_state_dict(model), tmp / ADAPTER_WEIGHTS)
-        (tmp / ADAPTER_META).write_text(json.dumps({"settings": asdict(settings), **meta}, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    config = lora_config(settings, model.config.num_hidden_layers)
+    config.base_model_name_or_path = None  # transformers must not load it ungated on its own
+    config.save_pretrained(folder)
+    save_file(adapter_state_dict(model), folder / ADAPTER_WEIGHTS)
+    (folder / ADAPTER_META).write_text(json.dumps({"settings": asdict(settings), **meta}, indent=2) + "\n")
+
+
+def save_adapter(model: nn.Module, folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """:func:`write_adapter` into ``folder``, atomically (it appears complete or not at all)."""
+    from mars.persistence import atomic_dir
+
+    with atomic_dir(folder) as tmp:
+        write_adapter(model, Path(tmp), meta)
+    return Path(folder)
 
 
 def read_adapter_meta(folder: str | os.PathLike) -> dict[str, Any] | None:

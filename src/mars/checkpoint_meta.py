@@ -160,16 +160,23 @@ class CheckpointError(ValueError):
 def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[str, Any]:
     """The metadata of a checkpoint folder to decode with, before any weight is read: its validated
     ``mars_config.json`` as a dict (empty without one), with the mask token (the metadata's, else the one
-    its tokenizer config names).  ``key`` names the setting in the messages."""
+    its tokenizer config names); its model config and weight files are checked to be whole.  ``key`` names
+    the setting in the messages."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{key}={path}: no such folder (expected a Hugging Face directory written by train.py)")
-    if not (folder / "config.json").is_file() and not (folder / ADAPTER_FILE).is_file():
+    adapter = (folder / ADAPTER_FILE).is_file()  # a gated adapter run's folder: base model + adapter
+    if not (folder / "config.json").is_file() and not adapter:
         raise CheckpointError(
             f"{key}={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
             f"folder with {ADAPTER_FILE})"
         )
-    meta = read_metadata(folder)
+    if not adapter:
+        _check_model_config(folder / "config.json")
+    try:
+        meta = read_metadata(folder)  # validated: a field of the wrong type is named, not an int() error later
+    except MetadataError as err:
+        raise CheckpointError(f"{key}={path}: {err}") from None
     info = meta.to_dict() if meta is not None else {}
     mask = info.get("mask_token") or _tokenizer_mask_token(folder)
     if not mask:
@@ -179,7 +186,22 @@ def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[st
             "(or `python -m mars.export`), or a base model with model=<config> instead."
         )
     info["mask_token"] = mask
+    from mars.persistence import check_weight_files
+
+    try:
+        check_weight_files(folder, required=False)  # a truncated copy fails now, before a results folder exists
+    except ValueError as err:
+        raise CheckpointError(f"{key}={path}: {err}") from None
     return info
+
+
+def _check_model_config(config_file: Path) -> None:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_file} is not valid JSON ({err}); the checkpoint cannot be loaded") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a Hugging Face model config (a JSON object); got {config!r:.80}")
 
 
 def _tokenizer_mask_token(folder: Path) -> str | None:

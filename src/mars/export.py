@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from mars.checkpoint_meta import MarsMetadata, write_metadata
+from mars.persistence import atomic_dir, verify_checksum
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +40,12 @@ def export_hf(
         {**metadata, "num_parameters": sum(p.numel() for p in model.parameters())}, where=f"metadata of {out_dir}"
     )
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:  # permissions from the umask, as save_pretrained's own folders
         if dtype is not None:
             model = model.to(dtype)
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported Hugging Face checkpoint to %s", out)
     return out
 
@@ -61,7 +54,7 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
     """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`), the tokenizer with
     its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base model), in one folder that
     :func:`mars.models.load_model` turns back into base + adapter.  Written atomically."""
-    from mars.adapters import adapter_state_dict, base_digest, save_adapter
+    from mars.adapters import adapter_state_dict, base_digest, write_adapter
 
     meta = MarsMetadata.from_dict(
         {**metadata, "adapter": "gated_lora", "num_parameters": metadata.get("base_num_parameters")},
@@ -77,19 +70,19 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
         "mask_token_id": meta.mask_token_id,
         "adapter_parameters": sum(t.numel() for t in adapter_state_dict(model).values()),
     }
-    save_adapter(model, out, adapter_meta)  # atomic: the folder appears complete or not at all
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for item in out.iterdir():
-            os.link(item, tmp / item.name)
+    with atomic_dir(out) as tmp:  # adapter, tokenizer and metadata appear together or not at all
+        write_adapter(model, Path(tmp), adapter_meta)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
-        shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported gated adapter to %s", out)
     return out
+
+
+def export_adapter_run(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]) -> Path:
+    """The export of a model trained with an adapter: the gated adapter's folder, or the plain LoRA merged."""
+    if model.mars_adapter.gated:
+        return export_adapter(model, tokenizer, out_dir, metadata)
+    return export_hf(merged_copy(model), tokenizer, out_dir, metadata)
 
 
 def merged_copy(model):
@@ -167,14 +160,8 @@ def _plain_model_with(model, state: dict[str, torch.Tensor]):
 def export_from_trainer(trainer, model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]) -> Path | None:
     """Export ``model`` (the LightningModule's HF model) at the end of ``fit``, on any strategy.
     Collective: call it on every rank; global rank 0 writes and returns the folder, the others None."""
-    settings = getattr(model, "mars_adapter", None)
-    if settings is not None:  # adapters run unsharded (train.py refuses FSDP / ZeRO-3 with them)
-        out = None
-        if trainer.is_global_zero:
-            if settings.gated:
-                out = export_adapter(model, tokenizer, out_dir, metadata)
-            else:
-                out = export_hf(merged_copy(model), tokenizer, out_dir, metadata)
+    if getattr(model, "mars_adapter", None) is not None:  # adapters run unsharded (train.py refuses FSDP/ZeRO-3)
+        out = export_adapter_run(model, tokenizer, out_dir, metadata) if trainer.is_global_zero else None
         trainer.strategy.barrier("mars-export")
         return out
     state = gathered_state_dict(trainer)
@@ -209,9 +196,25 @@ def read_lightning_checkpoint(ckpt_path: str | os.PathLike) -> tuple[dict[str, t
         return _strip(get_fp32_state_dict_from_zero_checkpoint(str(path))), {}
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such Lightning checkpoint (a .ckpt file or a DeepSpeed folder)")
+    verify_checksum(path)  # training records one beside every checkpoint: a corrupt file is refused
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     info = {k: ckpt[k] for k in ("global_step", "epoch") if isinstance(ckpt.get(k), int)}
     return _strip(ckpt["state_dict"]), info
+
+
+def export_lightning_checkpoint(
+    ckpt_path: str | os.PathLike, model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]
+) -> Path:
+    """Export the weights of a Lightning checkpoint into ``model``'s architecture (a fresh, unwrapped copy,
+    so any strategy's checkpoint works); ``global_step`` is the checkpoint's own."""
+    state, info = read_lightning_checkpoint(ckpt_path)
+    meta = dict(metadata, global_step=info.get("global_step", metadata.get("global_step")))
+    if getattr(model, "mars_adapter", None) is not None:  # the checkpoint holds the adapter's tensors only
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise RuntimeError(f"{ckpt_path}: tensors that are not this run's adapter: {result.unexpected_keys[:3]}")
+        return export_adapter_run(model, tokenizer, out_dir, meta)
+    return export_hf(_plain_model_with(model, state), tokenizer, out_dir, meta)
 
 
 def state_dict_from_lightning(ckpt_path: str | os.PathLike) -> dict[str, torch.Tensor]:

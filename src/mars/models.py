@@ -8,6 +8,7 @@ HF directory in a cache folder), or a tiny random model built from a config (tes
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from mars.adapters import ADAPTER_META
 from mars.checkpoint_meta import METADATA_FILE
+from mars.persistence import cache_root, check_weight_files, current_umask
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +40,6 @@ REUSABLE_SPECIAL_TOKENS = (
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
 )
-
-
-def cache_root() -> Path:
-    """Where converted models and other derived assets live (``MARS_CACHE`` overrides)."""
-    return Path(os.environ.get("MARS_CACHE", Path.home() / ".cache" / "mars"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +62,9 @@ def embedded_gguf_path() -> Path:
 def _atomic_dir(target: Path):
     """A temporary sibling directory that is renamed onto ``target`` only when complete."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; a shared cache must stay readable
+    return tmp
 
 
 def embedded_model_dir() -> Path:
@@ -327,6 +326,11 @@ def check_model_source(name_or_path: str) -> None:
             f"model.name_or_path={name_or_path!r} has config.json but no tokenizer files (one of "
             f"{TOKENIZER_FILES}); save the tokenizer next to the model (tokenizer.save_pretrained)"
         )
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({err})") from None
+    check_weight_files(path)  # truncated or missing weights, named before anything loads
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,11 @@ losses and gradients unchanged), ``model.attn_implementation`` and ``model.id`` 
 ``trainer.strategy`` / ``accelerator`` / ``log_every_n_steps`` (how, not what; a checkpoint written under
 another strategy is refused by Lightning itself), ``data.num_workers``, and the bookkeeping keys
 (``run_name``, ``output_dir``, ``export_dir``, ``checkpoint_every``, ``resume``, ``ckpt_path``,
-``overwrite``, ``logger``).  ``ckpt_path`` (resume from a checkpoint of another folder) is deliberately
+``overwrite``, ``stop_grace_seconds``, ``logger``).
+
+A folder that holds checkpoints or an export but no ``fingerprint.json`` (deleted by hand, or an
+``overwrite`` killed half-way) is refused: absence is never a match.  Files are digested completely
+(:func:`mars.persistence.file_sha256`, cached), never by samples.  ``ckpt_path`` (resume from a checkpoint of another folder) is deliberately
 not checked: it is the explicit way to continue a run under new settings.
 """
 
@@ -38,19 +42,22 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
+
+from mars.persistence import atomic_write_json, file_sha256, fingerprint_differences, remove_tree
 
 log = logging.getLogger(__name__)
 
 FINGERPRINT_FILE = "fingerprint.json"
-VERSION = 1
+VERSION = 2  # 2: complete content digests (1 sampled large files)
 MODEL_KEYS = ("name_or_path", "tiny", "mask_token", "allow_new_embedding_row")
 TRAINER_KEYS = ("max_steps", "max_epochs", "precision", "accumulate_grad_batches", "gradient_clip_val")
 DATA_EXCLUDED = ("path", "num_workers")
 DISTILL_EXCLUDED = ("threads", "batch_size", "root")
-# what overwrite=true removes before training from scratch (the logger's folders are left alone)
+# what overwrite=true removes before training from scratch (the logger's folders are left alone), in this
+# order: the export first and the fingerprint last, so that a kill at any point leaves a folder whose
+# results are still described by its fingerprint (or no results at all)
 RUN_OUTPUTS = ("checkpoints", "losses.csv", "loss_curve.png", "train_summary.json", FINGERPRINT_FILE)
 
 
@@ -61,20 +68,11 @@ class RunMismatchError(ValueError):
 # ------------------------------------------------------------------------------------------
 # Digests
 # ------------------------------------------------------------------------------------------
-def file_digest(path: str | os.PathLike, full_limit: int = 256 << 20, chunk: int = 4 << 20) -> str:
-    """sha256 of the content (of its size, first and last 4 MiB past ``full_limit`` bytes)."""
-    path = Path(path)
-    size = path.stat().st_size
-    h = hashlib.sha256(f"{size}:".encode())
-    with open(path, "rb") as f:
-        if size <= full_limit:
-            for block in iter(lambda: f.read(chunk), b""):
-                h.update(block)
-        else:
-            h.update(f.read(chunk))
-            f.seek(-chunk, os.SEEK_END)
-            h.update(f.read(chunk))
-    return h.hexdigest()[:20]
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of every byte of ``path`` (:func:`mars.persistence.file_sha256`: read once, then cached by
+    path, size and timestamps).  Never a sample: a digest of size + first and last MiB kept 10,000 edited
+    embedding rows, and an edit in the middle of a 300 MiB data file, invisible."""
+    return file_sha256(path)
 
 
 def _model_folder_digest(folder: Path) -> str:
@@ -83,8 +81,8 @@ def _model_folder_digest(folder: Path) -> str:
     )
     h = hashlib.sha256()
     for p in files:
-        h.update(f"{p.name}:{file_digest(p, full_limit=16 << 20, chunk=1 << 20)};".encode())
-    return h.hexdigest()[:20]
+        h.update(f"{p.name}:{file_digest(p)};".encode())
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------
@@ -157,35 +155,14 @@ def run_fingerprint(cfg) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Comparing and recording
 # ------------------------------------------------------------------------------------------
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for key, value in d.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """``(dotted key, saved, current)`` for every key whose value differs (a missing key counts)."""
-    a, b = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(current)))
-    missing = "<missing>"
-    return [
-        (k, a.get(k, missing), b.get(k, missing))
-        for k in sorted(set(a) | set(b))
-        if a.get(k, missing) != b.get(k, missing)
-    ]
+    return fingerprint_differences(saved, current)
 
 
 def read_fingerprint(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(out_dir) / FINGERPRINT_FILE
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def holds_results(out_dir: str | os.PathLike, export_dir: str | os.PathLike) -> bool:
@@ -210,25 +187,26 @@ def check_run_folder(
     out, export = Path(out_dir), Path(export_dir)
     if overwrite:
         if clear:
-            for name in RUN_OUTPUTS:
-                target = out / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
-            if export.is_dir():
-                shutil.rmtree(export)
+            clear_run_folder(out, export)
         return
     if not holds_results(out, export):
         return  # nothing to resume or skip: any earlier record is simply replaced
     saved = read_fingerprint(out)
-    if saved is None:
-        log.warning(
-            "%s was written before run fingerprints existed; its settings cannot be checked. "
-            "Recording the current ones.",
-            out,
+    if saved is None:  # deleted, or an overwrite killed half-way: never a match
+        raise RunMismatchError(
+            f"The run folder {out} holds "
+            + ("an export" if (export / "mars_config.json").is_file() else "checkpoints")
+            + f" but no {FINGERPRINT_FILE}, so the settings it was trained with cannot be checked against "
+            "these; resuming or skipping it could hand back a checkpoint of other settings. Retrain it with "
+            f"overwrite=true, or start a separate run with run_name=<new name> (now {run_name!r})."
         )
-        return
+    if saved.get("version") != fingerprint.get("version"):
+        raise RunMismatchError(
+            f"The run folder {out} was fingerprinted by another version of mars ({FINGERPRINT_FILE} version "
+            f"{saved.get('version')!r}, now {fingerprint.get('version')!r}: version 1 digested large files by "
+            "samples, which cannot vouch for their content). Retrain it with overwrite=true, or start a "
+            f"separate run with run_name=<new name> (now {run_name!r})."
+        )
     diff = differences(saved, fingerprint)
     if diff:
         shown = "; ".join(f"{k}: folder has {a!r}, now {b!r}" for k, a, b in diff[:10])
@@ -241,16 +219,30 @@ def check_run_folder(
         )
 
 
+def clear_run_folder(out: Path, export: Path) -> None:
+    """Remove a run's results for ``overwrite=true``: the export first, the fingerprint last (see
+    ``RUN_OUTPUTS``); each folder is renamed away before it is deleted, so none is ever half there."""
+    if export.is_dir():
+        remove_tree(export)
+    for name in RUN_OUTPUTS:
+        target = out / name
+        if target.is_dir():
+            remove_tree(target)
+        elif target.exists():
+            target.unlink()
+
+
 def record_fingerprint(out_dir: str | os.PathLike, fingerprint: dict[str, Any]) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / FINGERPRINT_FILE, fingerprint)
+    atomic_write_json(out / FINGERPRINT_FILE, fingerprint, sort_keys=True)
 
 
 __all__ = [
     "FINGERPRINT_FILE",
     "RunMismatchError",
     "check_run_folder",
+    "clear_run_folder",
     "differences",
     "file_digest",
     "holds_results",

@@ -24,17 +24,25 @@ from omegaconf import DictConfig, OmegaConf
 
 from mars.budget import ComputeBudget
 from mars.checkpoint_meta import is_complete
+from mars.checkpointing import (
+    AtomicCheckpointIO,
+    GracefulStop,
+    exit_after_sigterm,
+    fit_until_sigterm,
+    verify_resume_checkpoint,
+)
 from mars.data import InstructionDataModule, check_rows, load_rows
-from mars.export import export_from_trainer
+from mars.export import export_from_trainer, export_lightning_checkpoint
 from mars.figures import PlotSettings
 from mars.loggers import build_callbacks, build_loggers
 from mars.logs import route_lightning_logs
 from mars.loss_plot import plot_losses
 from mars.models import load_model
 from mars.module import MarsModule
+from mars.persistence import folder_lock
 from mars.precision import resolve_precision
 from mars.run_fingerprint import check_run_folder, record_fingerprint, run_fingerprint
-from mars.train_config import validate
+from mars.train_config import TrainConfig, validate
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +177,18 @@ class HFExport(Callback):
         )
         export_from_trainer(trainer, pl_module.model, self.tokenizer, folder, meta)
 
+    def finish_from_checkpoint(self, trainer, model, ckpt_path: str | None) -> bool:
+        """A run resumed from a checkpoint at its end: Lightning skips the fit loop (so ``on_train_end``
+        never runs) and the export that a kill or a full disk interrupted is written from the checkpoint
+        here.  Global rank 0 only, after ``fit``; True when it exported."""
+        if self.exported is not None or ckpt_path is None or not trainer.is_global_zero or not reached_end(trainer):
+            return False
+        log.info("%s ends the run: exporting it (the export did not finish last time)", ckpt_path)
+        meta = dict(self.metadata, global_step=trainer.global_step, complete=True)
+        self.exported = export_lightning_checkpoint(ckpt_path, model, self.tokenizer, self.export_dir, meta)
+        self.complete = True
+        return True
+
 
 # ------------------------------------------------------------------------------------------
 # Checks before anything loads
@@ -227,9 +247,18 @@ def launched_as_rank_zero() -> bool:
 # ------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
-    unless ``overwrite``; ``callbacks`` are added to the trainer's."""
-    route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
+    unless ``overwrite``; ``callbacks`` are added to the trainer's.  One run per folder: a second one is
+    refused naming the first one's PID (rank 0 holds the lock for the job).  Ended by SIGTERM, it saves
+    the step in progress and exits with 128 + SIGTERM."""
     settings = validate(cfg)
+    if not launched_as_rank_zero():
+        return _run(cfg, settings, callbacks)
+    with folder_lock(cfg.output_dir, what="training run"):
+        return _run(cfg, settings, callbacks)
+
+
+def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) -> Path:
+    route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
     objective, adapter, budget = settings.objective, settings.adapter, settings.budget
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
@@ -243,6 +272,9 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         )
         print(f"checkpoint (already trained): {export_dir}")
         return export_dir
+
+    resume_from = resolve_resume(cfg, out_dir)
+    verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
 
     m = cfg.model
     tiny = OmegaConf.to_container(m.tiny) if m.get("tiny") else None
@@ -317,6 +349,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
         module.budget_progress = budget_cb.progress
         extra_callbacks.append(budget_cb)
+    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
     loggers = build_loggers(cfg.logger, hyperparameters=OmegaConf.to_container(cfg, resolve=True))
     all_callbacks = [
         ModelCheckpoint(
@@ -325,6 +358,7 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         history,
         *extra_callbacks,
         exporter,
+        stopper,
         *build_callbacks(cfg.callbacks, with_logger=bool(loggers)),
         *callbacks,
     ]
@@ -335,13 +369,16 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
         default_root_dir=out_dir,
         enable_checkpointing=True,
         use_distributed_sampler=False,
+        plugins=[AtomicCheckpointIO()],  # same-folder temp file + rename, with a checksum
         **trainer_cfg,
     )
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path=resolve_resume(cfg, out_dir))
+    finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
+    if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
+        history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
     seconds = time.perf_counter() - start
 
     if trainer.is_global_zero:
@@ -375,6 +412,8 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
             print(f"checkpoint: {export_dir}")
         else:
             print(f"training stopped before its configured end; rerun the same command to resume ({out_dir})")
+    if not finished:
+        exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
     return export_dir
 
 

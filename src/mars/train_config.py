@@ -112,6 +112,7 @@ class TrainConfig(OpenSection):
     ckpt_path: str | None
     overwrite: bool
     plots: PlotsSection  # the loss curve's format and dpi
+    stop_grace_seconds: Annotated[float, Field(gt=0, description="how long SIGTERM waits for the step in progress")]
 
     @model_validator(mode="after")
     def _max_time_reads(self) -> TrainConfig:

@@ -26,16 +26,37 @@ import torch
 from .settings import METRICS, validate_metric, validate_threshold  # noqa: F401  (re-exported)
 
 
+def thresholds_list(threshold: float | Sequence[float], batch: int, metric: str) -> list[float]:
+    """One validated threshold per row (a scalar is broadcast), as Python floats: the values as given,
+    so that a message about a row's threshold never shows what float32 made of it (1e-300 -> 0.0)."""
+    values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * batch
+    if len(values) != batch:
+        raise ValueError(f"got {len(values)} thresholds for {batch} prompts; give one number or one per prompt")
+    return [validate_threshold(value, metric) for value in values]
+
+
 def thresholds_tensor(
     threshold: float | Sequence[float], batch: int, metric: str, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """One threshold per row (a scalar is broadcast), validated, as float32."""
-    values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * batch
-    if len(values) != batch:
-        raise ValueError(f"got {len(values)} thresholds for {batch} prompts; give one number or one per prompt")
-    for value in values:
-        validate_threshold(value, metric)
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return torch.tensor(thresholds_list(threshold, batch, metric), dtype=torch.float32, device=device)
+
+
+def never_emitted(mask_token_id: int | None, eos_ids: Sequence[int]) -> list[int]:
+    """Token ids no decoder may output: the mask token, an input placeholder that is never text (an
+    under-trained head can still rank it first).  Where a model has no mask token the engine pads with
+    EOS, which must stay emittable."""
+    if mask_token_id is None or int(mask_token_id) in {int(e) for e in eos_ids}:
+        return []
+    return [int(mask_token_id)]
+
+
+def suppress(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` with ``token_ids`` at -inf (in place): they can be neither chosen nor sampled, and the
+    confidence of every other token is measured without them."""
+    if token_ids:
+        logits[..., list(token_ids)] = float("-inf")
+    return logits
 
 
 def exact_ar_rows(thresholds: torch.Tensor, metric: str) -> torch.Tensor:

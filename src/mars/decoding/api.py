@@ -3,15 +3,17 @@ thin loop over :class:`~mars.decoding.engine.DecodeEngine`)."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .acceptance import thresholds_tensor
+from .acceptance import never_emitted, thresholds_list
 from .baselines import generate_ar
 from .engine import DecodeEngine
 from .forward import ModelRunner
@@ -43,7 +45,7 @@ def encode_prompts(
                 ids = tokenizer(p)["input_ids"]
         elif isinstance(p, torch.Tensor):
             ids = [int(t) for t in p.reshape(-1).tolist()]
-        elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+        elif isinstance(p, Sequence) and all(_is_token_id(t) for t in p):
             ids = [int(t) for t in p]
         else:
             raise ValueError(f"prompt {i} is neither a string nor a list of token ids: {type(p).__name__}")
@@ -51,6 +53,11 @@ def encode_prompts(
             raise ValueError(f"prompt {i} is empty after tokenization")
         out.append(ids)
     return out
+
+
+def _is_token_id(value) -> bool:
+    # bool is an int subclass: [True, 5] must not be read as the ids [1, 5]
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_prompts(ids: list[list[int]], vocab: int, context: int | None, max_new_tokens: int) -> None:
@@ -140,7 +147,7 @@ def generate(
         )
     s = settings
     ids = encode_prompts(tokenizer, prompts, chat_template)
-    thresholds = thresholds_tensor(threshold if per_row else s.threshold, len(ids), s.metric)
+    thresholds = thresholds_list(threshold if per_row else s.threshold, len(ids), s.metric)
     mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
     if s.decoder == "mars" and mask_token_id is None:
         raise ValueError(
@@ -166,11 +173,12 @@ def generate(
             stops=stops,
             temperature=s.temperature,
             cache_implementation=s.ar_cache,
+            suppress_ids=never_emitted(mask_token_id, eos_ids),
         )
         reasons, masks = [None] * len(ids), None
     else:
         raw, reasons, masks, stats = _run_engine(
-            model, tokenizer, ids, thresholds.tolist(), s, mask_token_id, eos_ids, stops, progress
+            model, tokenizer, ids, thresholds, s, mask_token_id, eos_ids, stops, progress
         )
 
     texts, token_ids, finish = [], [], []

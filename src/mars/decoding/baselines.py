@@ -23,9 +23,12 @@ def generate_ar(
     stops: StopStrings,
     temperature: float = 0.0,
     cache_implementation: str = "dynamic",
+    suppress_ids: list[int] | None = None,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Greedy (or plain-sampling) AR decoding of left-padded ``prompts``; returns the raw generated
-    ids per row (the caller applies the shared stop rules) and statistics (one forward per step)."""
+    ids per row (the caller applies the shared stop rules) and statistics (one forward per step).
+    ``suppress_ids`` (the mask token) are never generated: transformers sets their logits to -inf, as
+    the MARS engine does, so the baseline and MARS at threshold 1.0 stay token-for-token equal."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     width = max(len(p) for p in prompts)
@@ -48,6 +51,7 @@ def generate_ar(
         use_cache=True,
         cache_implementation=None if cache_implementation == "dynamic" else cache_implementation,
         stop_strings=list(stops.strings) or None,
+        suppress_tokens=list(suppress_ids) if suppress_ids else None,
     )
     start = time.perf_counter()
     # the same fast path and attention as the MARS engine, so that the baseline gets every speed-up

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, tempered_log_probs
+from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, never_emitted, suppress, tempered_log_probs
 from .attention import gqa_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
@@ -92,6 +92,7 @@ class DecodeEngine:
         self.runner, self.settings = runner, settings
         self.device = runner.device
         self.mask_id = int(mask_token_id)
+        self.never = never_emitted(self.mask_id, eos_ids)  # the mask token is never an output token
         self.eos = torch.tensor(list(eos_ids), device=self.device)
         self.tokenizer = tokenizer
         self.fill_window = settings.effective_window == "cache_block"
@@ -344,7 +345,7 @@ class DecodeEngine:
     def _accept(self, plan: dict, logits: torch.Tensor) -> dict:
         s, rows, dev = self.settings, self.rows, self.device
         P = plan["P"]
-        logp, sampled = tempered_log_probs(logits, rows.temp)
+        logp, sampled = tempered_log_probs(suppress(logits, self.never), rows.temp)
         tokens = torch.argmax(logp, dim=-1)
         gens = rows.row_generators()
         if sampled is not None:

@@ -16,9 +16,14 @@ import torch
 
 @torch.inference_mode()
 def ar_predictions(
-    model, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], batch_size: int = 8
+    model,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    suppress_ids: Sequence[int] = (),
 ) -> list[list[int]]:
-    """The greedy AR token at every output position given the prompt and the output's own prefix."""
+    """The greedy AR token at every output position given the prompt and the output's own prefix, among
+    the tokens a decoder may output (``suppress_ids``: the mask token, which no decoder emits)."""
     device = next(model.parameters()).device
     preds: list[list[int]] = [[] for _ in outputs]
     order = sorted(range(len(outputs)), key=lambda i: -(len(prompts[i]) + len(outputs[i])))
@@ -34,6 +39,8 @@ def ar_predictions(
             ids[r, : len(seq)] = torch.tensor(seq)
             att[r, : len(seq)] = 1
         logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits
+        if suppress_ids:
+            logits[..., list(suppress_ids)] = float("-inf")
         for r, i in enumerate(batch):
             n_prompt, n_out = len(prompts[i]), len(outputs[i])
             preds[i] = logits[r, n_prompt - 1 : n_prompt - 1 + n_out].argmax(-1).tolist()

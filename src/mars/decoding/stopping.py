@@ -34,10 +34,13 @@ class StopStrings:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        stop = list(stop)
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:  # bytes would iterate as ints ("got 120"), a number not at all
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r} ({type(stop).__name__})")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r} ({type(s).__name__})")
         self.tokenizer = tokenizer
         self.strings = stop
         # A stop string of c characters spans at most c tokens, plus one for a token whose bytes only

@@ -15,9 +15,9 @@ partial cache (store.RequestCache) and a request found there is not decoded agai
 resumes at (threshold, task, sample).
 
 Data parallel: launched by ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1) the adapter joins the
-process group and reports its rank and world size; lm-eval then gives each rank every world_size-th
-document and gathers the per-sample metrics on rank 0 through ``all_gather``/``gather_object``/
-``barrier`` below.
+process group through accelerate (as lm-eval's HFLM does) and reports its rank and world size; lm-eval
+then gives each rank every world_size-th document and gathers the per-sample metrics on rank 0 through
+``all_gather``/``gather_object``/``barrier`` below.
 
 Command line: lm-eval 0.4.13 has no plugin mechanism, so its own ``lm_eval`` only knows models that are
 imported before it parses; ``mars-lm-eval`` (:func:`lm_eval_main`, a console script) is lm-eval's CLI
@@ -174,7 +174,7 @@ class MarsLM(TemplateLM):
                 log.warning("device %s requested but no CUDA device is available: using the CPU", where)
                 where = "cpu"
             if self._world_size > 1 and where == "cuda":
-                where = f"cuda:{int(os.environ.get('LOCAL_RANK', self._rank))}"
+                where = str(self.accelerator.device)  # this rank's GPU
             loaded = load_model(
                 str(pretrained), device=where, dtype=resolve_dtype_name(dtype, where) if dtype else "float32"
             )
@@ -206,43 +206,46 @@ class MarsLM(TemplateLM):
 
     # ------------------------------------------------------------------ data parallel
     def _init_distributed(self) -> None:
-        """Join the process group that torchrun / accelerate launch set up (``WORLD_SIZE`` > 1)."""
+        """Join the process group that torchrun / accelerate launch set up (``WORLD_SIZE`` > 1) through
+        accelerate, as lm-eval's HFLM does.  One process builds no Accelerator and joins no group."""
+        self.accelerator = None
         self._rank, self._world_size = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return
-        import torch.distributed as dist
+        from datetime import timedelta
 
-        if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        threads = torch.get_num_threads()
+        # HFLM's timeout: the other ranks may wait at a collective while rank 0 writes a point's results.
+        # cpu=True where there is no CUDA: without it accelerate would not treat torchrun's CPU processes as
+        # data parallel (its type NO: every gather a no-op); with it they join over gloo, as before.
+        self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(), kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))]
+        )
+        torch.set_num_threads(threads)  # accelerate picks its own on CPU when OMP_NUM_THREADS is unset
+        self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
         log.info("data parallel: rank %d of %d", self._rank, self._world_size)
 
     def all_gather(self, tensor):
+        """Every rank's ``tensor`` concatenated along the first dimension (a 0-d tensor counts as one)."""
         if self._world_size <= 1:
             return tensor
-        import torch.distributed as dist
-
-        flat = tensor.reshape(-1)
-        parts = [torch.zeros_like(flat) for _ in range(self._world_size)]
-        dist.all_gather(parts, flat)
-        return torch.cat(parts)
+        return self.accelerator.gather(tensor)
 
     def gather_object(self, obj, dst: int = 0):
+        """Every rank's ``obj`` in rank order on rank ``dst``, None elsewhere."""
         if self._world_size <= 1:
             return [obj]
-        import torch.distributed as dist
+        from accelerate.utils import gather_object
 
-        parts = [None] * self._world_size
-        dist.all_gather_object(parts, obj)  # works on gloo and nccl alike; small objects only
+        parts = gather_object([obj])  # an all-gather of one-item lists: works on gloo and nccl alike
         return parts if self._rank == dst else None
 
     def barrier(self) -> None:
         if self._world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+            self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ bookkeeping
     def reset_records(self) -> None:
@@ -342,7 +345,8 @@ class MarsLM(TemplateLM):
             # no token came from a mask (threshold 1.0, verified or AR decoding): every token is the greedy
             # AR choice made in the decoding forward itself, so the extra forward would only re-confirm it
             return [{"tokens": len(o), "ar_equal": len(o), "mask_tokens": 0, "mask_ar_equal": 0} for o in outputs]
-        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)))
+        never = [] if self.mask_token_id is None else [int(self.mask_token_id)]  # no decoder emits it
+        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)), suppress_ids=never)
         return token_fidelity(outputs, predictions, flags)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -12,7 +12,7 @@ Everything here is a pure function of plain lists (no files, no model):
   tasks :func:`combine_intervals` (each task's own interval, half-widths added in quadrature) and
   :func:`mean_of_paired_differences` (a stratified paired bootstrap: each task resampled on its own);
 - similarity of an output to the reference output of the same prompt: :func:`chrf` (sacrebleu's
-  sentence chrF: character 1-6-grams, whitespace removed, beta 2, scaled to 0-1) and :func:`token_f1`
+  sentence chrF, character 1-6-grams, whitespace removed, beta 2, scaled to 0-1) and :func:`token_f1`
   (bag-of-words F1 as in SQuAD, over :func:`words`), so that one changed word is not a total miss;
 - :func:`agreement_figures`: for documents paired with their reference output, exact agreement,
   chrF, token F1 and the per-token fidelity recorded by the decoder (the share of mask-accepted tokens
@@ -25,6 +25,7 @@ intervals at ``CONFIDENCE``.  An interval of identical paired values has zero wi
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from sacrebleu.metrics import CHRF
 
 CONFIDENCE = 0.95
 ITERATIONS = 2000
@@ -70,38 +72,22 @@ def words(text: str | None) -> list[str]:
     return _WORD.findall(text or "")
 
 
-def _char_ngrams(text: str, n: int) -> Counter:
-    return Counter(text[i : i + n] for i in range(len(text) - n + 1))
+@functools.cache
+def _chrf_metric(order: int, beta: float) -> CHRF:
+    return CHRF(char_order=order, word_order=0, beta=beta)
 
 
 def chrf(hypothesis: str | None, reference: str | None, order: int = 6, beta: float = 2.0) -> float:
-    """Sentence-level chrF in [0, 1] (sacrebleu's default chrF divided by 100).
+    """Sentence-level chrF in [0, 1]: sacrebleu's ``sentence_chrf`` (character n-grams of orders
+    1..``order``, whitespace removed, recall weighted ``beta`` times) divided by 100.
 
-    Character n-grams of orders 1..``order`` with whitespace removed; precision and recall are averaged
-    over the orders that both strings have, then combined as F-beta (recall weighted ``beta`` times).
-    Two strings that are equal once whitespace is removed score 1.0 (two empty outputs agree); an
-    empty string against a non-empty one scores 0.
+    One convention of ours on top: two outputs that are both empty (or whitespace only) agree and score
+    1.0, where sacrebleu scores 0; an empty string against a non-empty one scores 0 in both.
     """
-    hyp, ref = "".join((hypothesis or "").split()), "".join((reference or "").split())
-    if hyp == ref:
+    hyp, ref = hypothesis or "", reference or ""
+    if not hyp.split() and not ref.split():
         return 1.0
-    if not hyp or not ref:
-        return 0.0
-    precision = recall = 0.0
-    orders = 0
-    for n in range(1, order + 1):
-        h, r = _char_ngrams(hyp, n), _char_ngrams(ref, n)
-        if not h or not r:
-            continue
-        match = sum((h & r).values())
-        precision += match / sum(h.values())
-        recall += match / sum(r.values())
-        orders += 1
-    precision, recall = precision / orders, recall / orders
-    if precision + recall == 0:
-        return 0.0
-    b2 = beta * beta
-    return (1 + b2) * precision * recall / (b2 * precision + recall)
+    return _chrf_metric(order, beta).sentence_score(hyp, [ref]).score / 100
 
 
 def token_f1(hypothesis: str | None, reference: str | None) -> float:

@@ -122,13 +122,31 @@ def thresholds_for(cfg: DictConfig | dict) -> tuple[list[float], bool]:
         ref = reference_threshold(metric)
         added = ref not in values
         values = sorted(set(values) | {ref}, reverse=(metric != "entropy"))
+        _refuse_near_duplicates(values)
         return values, added
     if cfg.get("threshold") is None:
         raise ThresholdError("set threshold=<value> or thresholds=[...]")
     value, ref = check_threshold(cfg.get("threshold"), metric), reference_threshold(metric)
     if value == ref or not cfg.get("reference", True):
         return [value], False
+    _refuse_near_duplicates([ref, value])
     return [ref, value], True  # a point without its reference has no delta and no agreement
+
+
+def _refuse_near_duplicates(values: list[float]) -> None:
+    """Two thresholds that differ but share a results folder name (rounded to 6 decimals) would run into
+    one samples folder and be reported twice (the reference 1.0 counts); the same number twice is merged."""
+    from mars.evaluation.store import threshold_key
+
+    seen: dict[str, float] = {}
+    for value in values:
+        other = seen.setdefault(threshold_key(value), value)
+        if other != value:
+            low, high = sorted((other, value))
+            raise ThresholdError(
+                f"thresholds {low!r} and {high!r} differ by less than 1e-6, the resolution of the results "
+                f"folder names (both are {threshold_key(value)}): keep one of them"
+            )
 
 
 # ------------------------------------------------------------------------------------------------

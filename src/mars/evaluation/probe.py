@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         if reference is None:
             reference = outs
-        fid = token_fidelity(outs, ar_predictions(model, ids, outs), flags)
+        fid = token_fidelity(outs, ar_predictions(model, ids, outs, suppress_ids=[loaded.mask.id]), flags)
         mask_tokens = sum(r["mask_tokens"] for r in fid)
         results.append(
             {
