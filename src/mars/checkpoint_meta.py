@@ -22,6 +22,7 @@ from typing import Any
 from mars.persistence import atomic_write_json
 
 METADATA_FILE = "mars_config.json"
+ADAPTER_FILE = "mars_adapter.json"  # a gated adapter's folder (mars.adapters.ADAPTER_META)
 INTRA_BLOCK = ("causal", "bidirectional")
 
 
@@ -141,7 +142,85 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return bool(meta and meta.complete)
 
 
+# ------------------------------------------------------------------------------------------
+# Reading a checkpoint to decode with (evaluation, serving, the benchmark commands)
+# ------------------------------------------------------------------------------------------
+class CheckpointError(ValueError):
+    """A ``checkpoint=`` folder that cannot be decoded with: missing, not a model folder, no mask token."""
+
+
+def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[str, Any]:
+    """The metadata of a checkpoint folder to decode with, before any weight is read: its validated
+    ``mars_config.json`` as a dict (empty without one), with the mask token (the metadata's, else the one
+    its tokenizer config names); its model config and weight files are checked to be whole.  ``key`` names
+    the setting in the messages."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{key}={path}: no such folder (expected a Hugging Face directory written by train.py)")
+    adapter = (folder / ADAPTER_FILE).is_file()  # a gated adapter run's folder: base model + adapter
+    if not (folder / "config.json").is_file() and not adapter:
+        raise CheckpointError(
+            f"{key}={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
+            f"folder with {ADAPTER_FILE})"
+        )
+    if not adapter:
+        _check_model_config(folder / "config.json")
+    try:
+        meta = read_metadata(folder)  # validated: a field of the wrong type is named, not an int() error later
+    except MetadataError as err:
+        raise CheckpointError(f"{key}={path}: {err}") from None
+    info = meta.to_dict() if meta is not None else {}
+    mask = info.get("mask_token") or _tokenizer_mask_token(folder)
+    if not mask:
+        raise CheckpointError(
+            f"{key}={path} has no mask token: neither {METADATA_FILE} nor the tokenizer names one. "
+            "MARS decoding appends mask tokens after the context; use a checkpoint exported by train.py "
+            "(or `python -m mars.export`), or a base model with model=<config> instead."
+        )
+    info["mask_token"] = mask
+    from mars.persistence import check_weight_files
+
+    try:
+        check_weight_files(folder, required=False)  # a truncated copy fails now, before a results folder exists
+    except ValueError as err:
+        raise CheckpointError(f"{key}={path}: {err}") from None
+    return info
+
+
+def _check_model_config(config_file: Path) -> None:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_file} is not valid JSON ({err}); the checkpoint cannot be loaded") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a Hugging Face model config (a JSON object); got {config!r:.80}")
+
+
+def _tokenizer_mask_token(folder: Path) -> str | None:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    mask = json.loads(config.read_text(encoding="utf-8")).get("mask_token")
+    return mask.get("content") if isinstance(mask, dict) else mask  # an AddedToken is serialised as a dict
+
+
+def decoding_block_size(requested: int | None, meta: dict[str, Any] | MarsMetadata | None) -> int:
+    """The block size to decode with: ``requested`` when set, else the checkpoint's training block size,
+    else the decoding settings' default (one rule for evaluation, serving and the benchmark commands)."""
+    if requested is not None:
+        return int(requested)
+    trained = meta.block_size if isinstance(meta, MarsMetadata) else (meta or {}).get("block_size")
+    if trained:
+        return int(trained)
+    from mars.decoding.settings import DecodingSettings
+
+    return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "block_size")
+
+
 __all__ = [
+    "CheckpointError",
+    "read_checkpoint",
+    "decoding_block_size",
     "METADATA_FILE",
     "MarsMetadata",
     "MetadataError",

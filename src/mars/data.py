@@ -23,12 +23,14 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import lightning as L
 import torch
+from pydantic import AfterValidator, Field
 from torch.utils.data import Dataset, Sampler
 
+from mars.config_schema import OpenSection, validated
 from mars.paths import data_dir
 
 log = logging.getLogger(__name__)
@@ -379,6 +381,12 @@ class LengthGroupedSampler(Sampler[int]):
         self._restored = (epoch, done)
 
 
+def _known_source(source: str) -> str:
+    if source not in (*SOURCES, "self_distill"):
+        raise ValueError(f"must be one of {' | '.join(SOURCES)} | self_distill")
+    return source
+
+
 def collate(batch: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row.  Right padding keeps every real token's attention unchanged in
     both streams (pads come after all real positions), so one mask serves the whole batch."""
@@ -397,22 +405,21 @@ def collate(batch: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]
     }
 
 
-def check_data_config(data: dict[str, Any]) -> None:
+class DataSettings(OpenSection):
+    """The data keys checked before any file is read (``path``, ``hub_id``, ``split`` and ``distill`` are
+    checked where they are used: :func:`data_file`, :mod:`mars.self_distill`)."""
+
+    section: ClassVar[str] = "data"
+    source: Annotated[str, AfterValidator(_known_source)]
+    max_length: Annotated[int, Field(ge=2)]
+    batch_size: Annotated[int, Field(ge=1)]
+    limit: Annotated[int, Field(ge=1)] | None = None
+    num_workers: Annotated[int, Field(ge=0)] | None = None
+
+
+def check_data_config(data: dict[str, Any]) -> DataSettings:
     """The data settings that need no file and no model: sizes and the source name."""
-
-    def positive_int(name: str, minimum: int) -> None:
-        value = data.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"data.{name} must be an integer >= {minimum}, got {value!r}")
-
-    positive_int("max_length", 2)
-    positive_int("batch_size", 1)
-    if data.get("limit") is not None:
-        positive_int("limit", 1)
-    if data.get("num_workers") is not None:
-        positive_int("num_workers", 0)
-    if data.get("source") not in SOURCES:
-        raise ValueError(f"data.source must be one of {' | '.join(SOURCES)} | self_distill, got {data.get('source')!r}")
+    return validated(DataSettings, data)
 
 
 class InstructionDataModule(L.LightningDataModule):

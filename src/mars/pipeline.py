@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from mars.checkpoint_meta import is_complete
 from mars.persistence import atomic_write_text
 
 
@@ -48,8 +49,7 @@ class Stages:
 
 def complete_checkpoint(path: Path) -> bool:
     """A training export that reached its configured end (``mars_config.json`` says ``complete``)."""
-    meta = path / "mars_config.json"
-    return meta.is_file() and bool(json.loads(meta.read_text()).get("complete"))
+    return is_complete(path)
 
 
 def has_points(folder: Path, thresholds: list[float]) -> bool:

@@ -34,8 +34,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
+from pydantic import ConfigDict, Field
+
+from mars.config_schema import DtypeName, Section, known_keys, validated
 from mars.paths import conf_dir, data_dir
 from mars.persistence import (
     WEIGHT_SUFFIXES,
@@ -195,22 +198,16 @@ def model_fingerprint(name_or_path: str, tiny: dict | None = None) -> str:
     return f"hub:{name_or_path}"
 
 
-@dataclass(frozen=True)
-class DistillSettings:
-    max_new_tokens: int = 192
-    batch_size: int = 16
-    dtype: str = "auto"
-    threads: int | None = None  # torch CPU threads while building (None: leave as is)
+class DistillSettings(Section):
+    """How ``data.distill`` answers its prompts (the prompts themselves: :class:`PromptSpec`)."""
+
+    model_config = ConfigDict(frozen=True)
+    section: ClassVar[str] = "data.distill"
+    max_new_tokens: Annotated[int, Field(ge=1)]
+    batch_size: Annotated[int, Field(ge=1)]
+    dtype: DtypeName
+    threads: Annotated[int, Field(ge=1)] | None = None  # torch CPU threads while building (None: leave as is)
     root: str | None = None  # cache folder (default <MARS_CACHE>/self_distill)
-
-    def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"distill.{name} must be an integer >= 1, got {value!r}")
-        from mars.hardware import validate_dtype
-
-        validate_dtype(self.dtype)
 
 
 def fingerprint(model_id: str, settings: DistillSettings, dtype: str) -> dict[str, Any]:
@@ -402,14 +399,22 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
 # ------------------------------------------------------------------------------------------
 # From a training config
 # ------------------------------------------------------------------------------------------
+def distill_section(distill: dict[str, Any] | None) -> tuple[PromptSpec, DistillSettings, bool]:
+    """``data.distill`` checked (no file read): the prompts, the decoding settings, ``drop_unfinished``."""
+    distill = dict(distill or {})
+    prompts = distill.pop("prompts", None) or {}
+    spec = PromptSpec(**known_keys(PromptSpec, prompts, "data.distill.prompts"))
+    drop_unfinished = distill.pop("drop_unfinished", False)
+    if not isinstance(drop_unfinished, bool):
+        raise ValueError(f"data.distill.drop_unfinished must be true or false, got {drop_unfinished!r}")
+    return spec, validated(DistillSettings, distill), drop_unfinished
+
+
 def training_rows(data_cfg: dict[str, Any], model_name: str, tiny: dict | None = None) -> dict[str, Any]:
     """Turn a ``data=self_distill`` config into a plain jsonl data config over the (built or reused)
     self-distilled rows.  Prompts are validated before any model loads; under DDP only rank 0 builds."""
     data_cfg = dict(data_cfg)
-    distill = dict(data_cfg.pop("distill", None) or {})
-    spec = PromptSpec(**dict(distill.pop("prompts", None) or {}))
-    drop_unfinished = bool(distill.pop("drop_unfinished", False))
-    settings = DistillSettings(**distill)
+    spec, settings, drop_unfinished = distill_section(data_cfg.pop("distill", None))
     prompts = load_prompts(spec)
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) > 0:
         result = _wait_for_build(model_name, prompts, settings, tiny)
@@ -464,13 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = PromptSpec(
         source=args.source, path=args.path, hub_id=args.hub_id, split=args.split, field=args.field, limit=args.limit
     )
-    settings = DistillSettings(
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        dtype=args.dtype,
-        threads=args.threads,
-        root=args.root,
-    )
+    flags = ("max_new_tokens", "batch_size", "dtype", "threads", "root")
+    settings = validated(DistillSettings, {k: getattr(args, k) for k in flags}, where="")
     result = build(args.model, load_prompts(spec), settings)
     print(json.dumps({"folder": str(result.folder), **result.stats}, indent=2))
     return 0

@@ -19,11 +19,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from mars.adapters import AdapterSettings
-from mars.budget import BudgetSettings, ComputeBudget, minimum_step_seconds
+from mars.budget import ComputeBudget
 from mars.checkpoint_meta import is_complete
 from mars.checkpointing import (
     AtomicCheckpointIO,
@@ -32,19 +31,17 @@ from mars.checkpointing import (
     fit_until_sigterm,
     verify_resume_checkpoint,
 )
-from mars.data import InstructionDataModule, check_data_config, check_rows, data_file, load_rows
+from mars.data import InstructionDataModule, check_rows, load_rows
 from mars.export import export_from_trainer, export_lightning_checkpoint
-from mars.figures import plot_settings
-from mars.loggers import build_logger
+from mars.loggers import build_callbacks, build_loggers
 from mars.logs import route_lightning_logs
 from mars.loss_history import LossHistory
-from mars.masking import MASK_SCHEDULES, mask_ratio
-from mars.models import check_model_source, load_model
+from mars.models import load_model
 from mars.module import MarsModule
-from mars.objectives import Objective
 from mars.persistence import atomic_write_json, atomic_write_text, folder_lock
 from mars.precision import resolve_precision
 from mars.run_fingerprint import check_run_folder, record_fingerprint, run_fingerprint
+from mars.train_config import TrainConfig, validate
 
 log = logging.getLogger(__name__)
 
@@ -110,156 +107,6 @@ class HFExport(Callback):
 # ------------------------------------------------------------------------------------------
 # Checks before anything loads
 # ------------------------------------------------------------------------------------------
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def run_settings(cfg: DictConfig) -> tuple[Objective, AdapterSettings, BudgetSettings]:
-    """The objective, adapter and compute-budget settings of a run, validated."""
-    objective = Objective(**OmegaConf.to_container(cfg.objective))
-    adapter = AdapterSettings.from_dict(OmegaConf.to_container(cfg.adapter) if cfg.get("adapter") else None)
-    budget = BudgetSettings(**(OmegaConf.to_container(cfg.budget) if cfg.get("budget") else {}))
-    if adapter.gated and (objective.alpha > 0 or objective.kl_weight > 0 or not objective.uses_noisy_stream):
-        raise ValueError(
-            f"adapter=gated_lora trains the mask columns only (the clean stream is the frozen base): it needs "
-            f"objective.alpha=0 and kl_weight=0 and a mask loss; got objective={objective.name} "
-            f"alpha={objective.alpha} kl_weight={objective.kl_weight} mask_weight={objective.mask_weight}"
-        )
-    strategy = str(cfg.trainer.get("strategy", "auto"))
-    if adapter.enabled and (strategy == "fsdp" or "deepspeed_stage_3" in strategy):
-        raise ValueError(f"adapter={adapter.kind} runs unsharded (DDP or one device); trainer.strategy={strategy}")
-    if budget.minutes is not None and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
-        raise ValueError("budget.minutes counts optimizer steps' compute: use trainer.accumulate_grad_batches=1")
-    return objective, adapter, budget
-
-
-def check_budget_fits_a_step(cfg: DictConfig, budget: BudgetSettings) -> None:
-    """Refuse, before anything loads, a compute budget (``budget.minutes`` or Lightning's ``trainer.max_time``)
-    that cannot hold one optimizer step even at this CPU's peak (skipped on accelerators and when the model's
-    config cannot be read without loading weights)."""
-    limits = {"budget.minutes": budget.seconds, "trainer.max_time": max_time_seconds(cfg.trainer.get("max_time"))}
-    limits = {k: v for k, v in limits.items() if v is not None}
-    if not limits or str(cfg.trainer.get("accelerator", "cpu")) not in ("cpu", "auto"):
-        return
-    if str(cfg.trainer.get("accelerator")) == "auto" and torch.cuda.is_available():
-        return
-    params = estimated_parameters(cfg.model)
-    if params is None:
-        return
-    tokens = int(cfg.data.batch_size) * int(cfg.data.max_length)
-    streams = 2 if cfg.objective.get("mask_weight", 1.0) > 0 else 1
-    floor = minimum_step_seconds(params, tokens, streams, os.cpu_count() or 1)
-    for key, seconds in limits.items():
-        if seconds < floor:
-            raise ValueError(
-                f"{key} ({seconds:g} s) is too small for one training step: a step of {cfg.data.batch_size} x "
-                f"{cfg.data.max_length} tokens on a {params / 1e6:.0f}M-parameter model takes at least {floor:.0f} s "
-                f"on this CPU ({os.cpu_count()} cores)"
-            )
-
-
-def max_time_seconds(value) -> float | None:
-    """Lightning's ``max_time`` ("DD:HH:MM:SS" or {days, hours, minutes, seconds}) in seconds."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        parts = [float(x) for x in value.split(":")]
-        if len(parts) != 4:
-            raise ValueError(f'trainer.max_time must be "DD:HH:MM:SS", got {value!r}')
-        return ((parts[0] * 24 + parts[1]) * 60 + parts[2]) * 60 + parts[3]
-    units = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
-    return float(sum(units[k] * float(v) for k, v in dict(value).items()))
-
-
-def estimated_parameters(model_cfg) -> int | None:
-    """The parameter count of a decoder-only transformer from its config alone (no weights read)."""
-    from transformers import AutoConfig
-
-    from mars.models import cache_root
-
-    name = str(model_cfg.name_or_path)
-    if name == "tiny-random":
-        return None
-    folder = cache_root() / "smollm2-135m-instruct" if name.startswith("embedded:") else Path(name)
-    if not (folder / "config.json").is_file():
-        return None
-    c = AutoConfig.from_pretrained(folder)
-    h, layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
-    kv = h * getattr(c, "num_key_value_heads", c.num_attention_heads) // c.num_attention_heads
-    return vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
-
-
-def validate(cfg: DictConfig) -> Objective:
-    """Every check that needs no model, before anything expensive: config values, the model source and
-    the data file (its existence; its rows are read and checked by :func:`preload_rows`)."""
-    if not _int(cfg.block) or cfg.block < 1:
-        raise ValueError(f"block must be an integer >= 1, got {cfg.block!r}")
-    objective, _, budget = run_settings(cfg)
-    schedule = OmegaConf.to_container(cfg.mask_schedule)
-    name = schedule.pop("name", None)
-    if name not in MASK_SCHEDULES:
-        raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {name!r}")
-    try:
-        mask_ratio(name, 0, 1, 1, **schedule)  # range checks of the schedule's own settings
-    except TypeError as err:
-        raise ValueError(f"mask_schedule={name} does not take the settings {sorted(schedule)}: {err}") from None
-    optim = cfg.optim
-    if not _number(optim.lr) or optim.lr <= 0:
-        raise ValueError(f"optim.lr must be a number > 0, got {optim.lr!r}")
-    if not _number(optim.get("weight_decay", 0.0)) or optim.get("weight_decay", 0.0) < 0:
-        raise ValueError(f"optim.weight_decay must be a number >= 0, got {optim.get('weight_decay')!r}")
-    if not _number(optim.warmup_ratio) or not 0 <= optim.warmup_ratio < 1:
-        raise ValueError(
-            f"optim.warmup_ratio must be in [0, 1) (the share of steps spent warming up), got {optim.warmup_ratio!r}"
-        )
-    betas = list(optim.get("betas", [0.9, 0.999]))
-    if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
-        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {betas!r}")
-    if cfg.resume not in ("auto", "never"):
-        raise ValueError(f"resume must be auto | never, got {cfg.resume!r}")
-    if not _int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {cfg.checkpoint_every!r}")
-    trainer = cfg.trainer
-    max_steps, max_epochs = trainer.get("max_steps", -1), trainer.get("max_epochs", None)
-    if max_steps == 0 or max_epochs == 0:
-        raise ValueError(
-            f"trainer.max_steps={max_steps}, trainer.max_epochs={max_epochs}: this trains nothing, and "
-            "an untrained export must not stand for a finished run. Use trainer.max_steps=-1 with "
-            "max_epochs >= 1, or max_steps >= 1."
-        )
-    if not _int(max_steps) or max_steps < -1:
-        raise ValueError(f"trainer.max_steps must be -1 (no limit: max_epochs decides) or >= 1, got {max_steps!r}")
-    if max_epochs is not None and (not _int(max_epochs) or max_epochs < -1):
-        raise ValueError(f"trainer.max_epochs must be -1, null or >= 1, got {max_epochs!r}")
-    check_stop_grace(cfg)
-    accumulate = trainer.get("accumulate_grad_batches", 1)
-    if not _int(accumulate) or accumulate < 1:
-        raise ValueError(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    if data.get("source") == "self_distill":
-        check_data_config({**data, "source": "jsonl"})  # the rows file is built later, before the model loads
-    else:
-        check_data_config(data)
-        data_file(data["source"], data.get("path"), data.get("split", "train"))
-    check_model_source(cfg.model.name_or_path)
-    check_budget_fits_a_step(cfg, budget)
-    plot_settings(cfg.get("plots"))  # the loss curve's format and dpi
-    return objective
-
-
-def check_stop_grace(cfg: DictConfig) -> float:
-    grace = cfg.get("stop_grace_seconds", 8)
-    if not _number(grace) or not grace > 0:
-        raise ValueError(
-            f"stop_grace_seconds must be a number > 0 (how long SIGTERM waits for the step in progress), got {grace!r}"
-        )
-    return float(grace)
-
-
 def preload_rows(data_cfg: dict[str, Any]):
     """Read and check every row of a file-backed source (hub datasets are read here too): malformed JSON,
     an empty file, a row without messages or without an assistant turn fail naming the file and line."""
@@ -317,16 +164,16 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     unless ``overwrite``; ``callbacks`` are added to the trainer's.  One run per folder: a second one is
     refused naming the first one's PID (rank 0 holds the lock for the job).  Ended by SIGTERM, it saves
     the step in progress and exits with 128 + SIGTERM."""
-    objective = validate(cfg)
+    settings = validate(cfg)
     if not launched_as_rank_zero():
-        return _run(cfg, objective, callbacks)
+        return _run(cfg, settings, callbacks)
     with folder_lock(cfg.output_dir, what="training run"):
-        return _run(cfg, objective, callbacks)
+        return _run(cfg, settings, callbacks)
 
 
-def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -> Path:
+def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) -> Path:
     route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
-    _, adapter, budget = run_settings(cfg)
+    objective, adapter, budget = settings.objective, settings.adapter, settings.budget
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)
@@ -393,7 +240,7 @@ def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -
     if trainer_cfg.pop("use_distributed_sampler", False):
         log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
     strategy = build_strategy(trainer_cfg, loaded.model)
-    history = LossHistory(out_dir, plot_settings(cfg.get("plots")))
+    history = LossHistory(out_dir, settings.plots)
     exporter = HFExport(
         export_dir,
         loaded.tokenizer,
@@ -416,27 +263,23 @@ def _run(cfg: DictConfig, objective: Objective, callbacks: Sequence[Callback]) -
         budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
         module.budget_progress = budget_cb.progress
         extra_callbacks.append(budget_cb)
-    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", check_stop_grace(cfg))
+    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
+    loggers = build_loggers(cfg.logger, hyperparameters=OmegaConf.to_container(cfg, resolve=True))
     all_callbacks = [
         ModelCheckpoint(
             dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
         ),
-        TQDMProgressBar(refresh_rate=1),
         history,
         *extra_callbacks,
         exporter,
         stopper,
+        *build_callbacks(cfg.callbacks, with_logger=bool(loggers)),
         *callbacks,
     ]
-    logger = build_logger(
-        OmegaConf.to_container(cfg.logger), out_dir, cfg.run_name, OmegaConf.to_container(cfg, resolve=True)
-    )
-    if logger:
-        all_callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(
         strategy=strategy,
         callbacks=all_callbacks,
-        logger=logger,
+        logger=loggers or False,
         default_root_dir=out_dir,
         enable_checkpointing=True,
         use_distributed_sampler=False,

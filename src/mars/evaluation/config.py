@@ -10,24 +10,22 @@ written before all of it has passed.  This module imports neither torch nor lm-e
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
+from mars.checkpoint_meta import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
+from mars.config_schema import DtypeName, OpenSection, validated
+from mars.figures import PlotSettings, plot_settings
 from mars.labels import checkpoint_label, model_label
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 4
 METRICS = ("probability", "entropy", "margin")
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 class ThresholdError(ValueError):
@@ -37,73 +35,6 @@ class ThresholdError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # Checkpoints
 # ------------------------------------------------------------------------------------------------
-def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
-    """The MARS metadata of a checkpoint folder written by train.py, checked for a usable mask token."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise CheckpointError(
-            f"checkpoint={path}: no such folder (expected a Hugging Face directory written by train.py)"
-        )
-    adapter = (p / "mars_adapter.json").is_file()  # a gated adapter run's folder: base model + adapter
-    if not (p / "config.json").is_file() and not adapter:
-        raise CheckpointError(
-            f"checkpoint={path}: no config.json, so it is not a Hugging Face model folder (nor a gated adapter "
-            "folder with mars_adapter.json)"
-        )
-    if not adapter:
-        _check_model_config(p / "config.json")
-    from mars.checkpoint_meta import MetadataError, read_metadata
-
-    try:
-        saved = read_metadata(p)  # validated: a field of the wrong type is named, not an int() error later
-    except MetadataError as err:
-        raise CheckpointError(f"checkpoint={path}: {err}") from None
-    meta = saved.to_dict() if saved is not None else {}
-    mask = meta.get("mask_token")
-    if not mask:
-        tok_cfg = p / "tokenizer_config.json"
-        if tok_cfg.is_file():
-            mask = json.loads(tok_cfg.read_text()).get("mask_token")
-            if isinstance(mask, dict):  # AddedToken serialised
-                mask = mask.get("content")
-    if not mask:
-        raise CheckpointError(
-            f"checkpoint={path} has no mask token: neither mars_config.json nor the tokenizer names one. "
-            "MARS decoding appends mask tokens after the context; evaluate a checkpoint exported by train.py "
-            "(or `python -m mars.export`), or a base model with model=<config> instead."
-        )
-    meta["mask_token"] = mask
-    from mars.persistence import check_weight_files
-
-    try:
-        check_weight_files(p, required=False)  # a truncated copy fails now, before a results folder exists
-    except ValueError as err:
-        raise CheckpointError(f"checkpoint={path}: {err}") from None
-    return meta
-
-
-def _check_model_config(config_file: Path) -> None:
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{config_file} is not valid JSON ({err}); the checkpoint cannot be loaded") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file} is not a Hugging Face model config (a JSON object); got {config!r:.80}")
-
-
-def block_size_for(cfg: DictConfig | dict) -> int:
-    """``decoding.block_size`` if given, else the checkpoint's training block size, else 4."""
-    dec = cfg.get("decoding") or {}
-    if dec.get("block_size") is not None:
-        value = dec.get("block_size")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"decoding.block_size must be an integer >= 1, got {value!r}")
-        return value
-    if cfg.get("checkpoint"):
-        meta = checkpoint_metadata(cfg["checkpoint"])
-        if meta.get("block_size"):
-            return int(meta["block_size"])
-    return DEFAULT_BLOCK_SIZE
 
 
 def block_size_mismatch(trained: Any, used: int) -> str | None:
@@ -122,12 +53,13 @@ def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any, d
     """``<model or checkpoint>-b<block>-<suite>[-<decoding>]``: the default results folder name (a Hydra
     resolver); the decoding config's name is added when it is not the default ``mars``."""
     label = checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
+    meta = None
     if block_size is None and checkpoint:
         try:
-            block_size = checkpoint_metadata(checkpoint).get("block_size")
-        except CheckpointError:
-            block_size = None  # reported properly by prepare(); a name is all we need here
-    block = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
+            meta = read_checkpoint(checkpoint)
+        except (CheckpointError, MetadataError):
+            pass  # reported properly by prepare(); a name is all we need here
+    block = decoding_block_size(block_size, meta)
     suffix = f"-{decoding}" if decoding and str(decoding) != "mars" else ""
     return f"{label}-b{block}-{benchmarks}{suffix}"
 
@@ -208,6 +140,85 @@ def _refuse_near_duplicates(values: list[float]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# The config's keys
+# ------------------------------------------------------------------------------------------------
+def _positive_limit(limit: float) -> float:
+    if limit <= 0:
+        raise ValueError("must be a positive number of samples per task (or a fraction < 1)")
+    return limit
+
+
+class EvalDecoding(OpenSection):
+    """``decoding``'s evaluation keys; the others are :class:`~mars.decoding.settings.DecodingSettings`
+    fields, checked by it."""
+
+    name: str
+    block_size: Annotated[int, Field(ge=1, description="null: the checkpoint's training block size")] | None
+    batch_size: Annotated[int, Field(ge=1)]
+
+
+class EvaluateConfig(OpenSection):
+    """``evaluate.yaml``: the type and range of every key an evaluation reads (values: the YAML files)."""
+
+    model: dict[str, Any]
+    checkpoint: str | None
+    decoding: EvalDecoding
+    benchmarks: dict[str, Any]
+    threshold: float | None  # the threshold rule itself: thresholds_for
+    thresholds: list[float] | float | None
+    reference: bool
+    limit: Annotated[float, AfterValidator(_positive_limit)] | None
+    seed: int
+    device: str
+    dtype: DtypeName
+    fidelity: bool
+    plots: Annotated[InstanceOf[PlotSettings], BeforeValidator(plot_settings)]  # true/false or a mapping
+    threads: Annotated[int, Field(ge=1)] | None
+    compare: list[str]
+    logger: dict[str, Any]  # only logger.wandb is used (mars.evaluation.wandb_log)
+    run_name: str
+    output_dir: str | None
+
+
+@dataclass
+class CheckedConfig:
+    """What the config says once checked: the thresholds to run, the block size and decoding settings."""
+
+    settings: EvaluateConfig
+    thresholds: list[float]
+    reference_added: bool
+    block_size: int
+    decoding: dict[str, Any]
+    checkpoint_meta: dict[str, Any] | None
+
+
+def check_config(resolved: dict[str, Any]) -> CheckedConfig:
+    """Every check of an evaluation config that needs no task index and no model: the declared keys, the
+    thresholds, the checkpoint folder, and every decoding setting through the object ``generate`` uses."""
+    from mars.decoding.settings import DecodingSettings
+
+    settings = validated(EvaluateConfig, resolved)
+    thresholds, added = thresholds_for(resolved)
+    checkpoint_meta = read_checkpoint(resolved["checkpoint"]) if resolved.get("checkpoint") else None
+    block = decoding_block_size(settings.decoding.block_size, checkpoint_meta)
+    decoding = {**resolved["decoding"], "block_size": block}
+    reference = reference_threshold(str(decoding.get("metric", "probability")))
+    try:
+        DecodingSettings.from_mapping(decoding, threshold=reference)
+    except ValueError as err:
+        raise ValueError(f"decoding: {err}") from None
+    if decoding.get("verify") and thresholds != [reference]:
+        raise ThresholdError(
+            f"decoding.verify=true decodes exactly greedy, so thresholds {thresholds} mean nothing there: run it at "
+            "threshold=1.0 with reference=false (sweep decoding.draft_threshold instead)"
+        )
+    mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
+    if mismatch:
+        log.warning(mismatch)
+    return CheckedConfig(settings, thresholds, added, block, decoding, checkpoint_meta)
+
+
+# ------------------------------------------------------------------------------------------------
 # The plan
 # ------------------------------------------------------------------------------------------------
 @dataclass
@@ -262,41 +273,7 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
 
     resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     resolved.pop("hydra", None)
-    thresholds, added = thresholds_for(resolved)
-    checkpoint_meta = checkpoint_metadata(resolved["checkpoint"]) if resolved.get("checkpoint") else None
-    block = block_size_for(resolved)
-    limit = resolved.get("limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        raise ValueError(f"limit must be a positive number of samples per task (or a fraction < 1), got {limit!r}")
-    decoding = dict(resolved.get("decoding") or {})
-    decoding["block_size"] = block
-    batch = decoding.get("batch_size")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise ValueError(f"decoding.batch_size must be an integer >= 1, got {batch!r}")
-    # every decoding setting, validated by the object generate uses, before anything is written or loaded
-    from mars.decoding.settings import DecodingSettings
-    from mars.hardware import validate_dtype
-
-    try:
-        DecodingSettings.from_mapping(
-            decoding, threshold=reference_threshold(str(decoding.get("metric", "probability")))
-        )
-    except ValueError as err:
-        raise ValueError(f"decoding: {err}") from None
-    validate_dtype(resolved.get("dtype"))
-    from mars.figures import plot_settings
-
-    plot_settings(resolved.get("plots"))  # format and dpi of the Pareto plots
-    if not isinstance(resolved.get("fidelity", True), bool):
-        raise ValueError(f"fidelity must be true or false, got {resolved.get('fidelity')!r}")
-    if decoding.get("verify") and thresholds != [reference_threshold(str(decoding.get("metric", "probability")))]:
-        raise ThresholdError(
-            f"decoding.verify=true decodes exactly greedy, so thresholds {thresholds} mean nothing there: run it at "
-            "threshold=1.0 with reference=false (sweep decoding.draft_threshold instead)"
-        )
-    mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
-    if mismatch:
-        log.warning(mismatch)
+    checked = check_config(resolved)
     from mars.evaluation.tasks import score_kinds
 
     score_kinds(resolved.get("benchmarks"))  # a bad `score:` fails now, not after the model ran
@@ -305,8 +282,9 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     expand_suite(suite, manager)
     if check_results_dir if check_sandbox is None else check_sandbox:
         check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
+    block = checked.block_size
     out = resolved.get("output_dir") or "outputs/eval/" + run_name(
-        model_label(resolved), resolved.get("checkpoint"), block, suite.name, decoding.get("name")
+        model_label(resolved), resolved.get("checkpoint"), block, suite.name, checked.decoding.get("name")
     )
     output_dir = Path(out).expanduser()
     fingerprint = fingerprint_of(resolved, block, suite)
@@ -317,16 +295,16 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
         if not (p / "points.json").is_file():
             raise FileNotFoundError(f"compare: {p} holds no points.json (run evaluate.py there first)")
     return Plan(
-        thresholds=thresholds,
-        reference_added=added,
+        thresholds=checked.thresholds,
+        reference_added=checked.reference_added,
         block_size=block,
         model_label=model_label(resolved),
         output_dir=output_dir,
         suite=suite,
-        decoding=decoding,
+        decoding=checked.decoding,
         fingerprint=fingerprint,
         resolved=resolved,
-        checkpoint_meta=checkpoint_meta,
+        checkpoint_meta=checked.checkpoint_meta,
         compare=compare,
         task_manager=manager,
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mars.checkpoint_meta import decoding_block_size
 from mars.paths import data_dir
 
 
@@ -31,7 +32,7 @@ def load(checkpoint: str, base: str | None, dtype: str):
     path = Path(checkpoint)
     if path.is_dir():
         loaded = load_model(str(path), dtype=dtype)
-        return loaded, int((loaded.metadata or {}).get("block_size") or 4)
+        return loaded, decoding_block_size(None, loaded.metadata)
     import yaml
 
     from mars.export import state_dict_from_lightning

@@ -307,11 +307,11 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     points = collect_points(plan, store)
     table = write_reports(plan, store, points)
     plots = plot_pareto(plan, store, points) if plot_settings(plan.resolved.get("plots")).enabled else []
-    logger_cfg = dict(plan.resolved.get("logger") or {})
-    if logger_cfg.get("name") == "wandb":
+    wandb_cfg = (plan.resolved.get("logger") or {}).get("wandb")  # logger=wandb (conf/logger/wandb.yaml)
+    if wandb_cfg:
         from mars.evaluation.wandb_log import log_to_wandb
 
-        log_to_wandb(plan, store, points, table, plots, logger_cfg)
+        log_to_wandb(plan, store, points, table, plots, wandb_cfg)
     return EvalOutcome(plan, store.root, points, table, plots, computed, lm)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mars.checkpoint_meta import decoding_block_size
 from mars.threads import apply_process_defaults
 
 apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp (mars.threads says why)
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
 
     model, tokenizer, metadata = load(args, dtype)
-    block_size = args.block_size or int((metadata or {}).get("block_size") or 4)
+    block_size = decoding_block_size(args.block_size or None, metadata)
     common = dict(
         max_new_tokens=args.max_new_tokens,
         block_size=block_size,

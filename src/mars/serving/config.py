@@ -13,15 +13,16 @@ import ipaddress
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
+from mars.checkpoint_meta import decoding_block_size, read_checkpoint
+from mars.config_schema import DtypeName, OpenSection, validated
 from mars.decoding.settings import DecodingSettings
 
 from .policy import POLICIES, build_policy
-from .schemas import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -34,142 +35,120 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _int(cfg: dict, key: str, lo: int, hi: int | None = None, allow_none: bool = False) -> int | None:
-    value = cfg.get(key)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{key} must be an integer {span}{' or null' if allow_none else ''}, got {value!r}")
-    return value
+def _non_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must be a non-empty string")
+    return text
 
 
-@dataclass
-class ServeConfig:
-    host: str
-    port: int
-    model: dict
+HostName = Annotated[str, AfterValidator(_non_blank)]
+
+
+class ServeConfig(OpenSection):
+    """``serve.yaml`` checked: every key with its type and range (values: the YAML file), then the checks
+    across keys and the derived settings (:meth:`_derive`): the decoding settings, the checkpoint's metadata,
+    the API key from the environment, the default completion budget and served name."""
+
+    host: Annotated[str, Field(min_length=1, description="a host name or address")]
+    port: Annotated[int, Field(ge=0, le=65535)]
+    api_key: Annotated[str | None, AfterValidator(lambda k: k if k is None else _non_blank(k)), Field(repr=False)]
+    allowed_hosts: Annotated[
+        list[HostName] | None, Field(description="host names ('*' for any, '*.example.org' for subdomains)")
+    ]
+    model: dict[str, Any]
     checkpoint: str | None
-    checkpoint_meta: dict | None
-    settings: DecodingSettings
-    tau_policy: str
-    threshold: float
+    checkpoint_meta: dict[str, Any] | None = None  # derived: the checkpoint's mars_config.json
+    decoding: dict[str, Any]  # checked by DecodingSettings (``settings``)
+    tau_policy: Literal[POLICIES]
+    threshold: float  # the tau bounds and the adaptive settings: checked by the policy
     tau_min: float
     tau_max: float
-    adaptive: dict
-    max_batch: int
-    max_queue: int
-    max_tokens: int
-    max_model_len: int | None
-    served_model_name: str
-    dtype: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    shutdown_grace_s: float = 10.0
-    warmup: bool = True
-    log_level: str = "info"
-    metrics_window_s: float = 10.0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    allowed_hosts: list[str] | None = None
-    api_key: str | None = field(default=None, repr=False)
-    extra: dict = field(default_factory=dict)
+    adaptive: dict[str, Any]
+    max_batch: Annotated[int, Field(ge=1)]
+    max_queue: Annotated[int, Field(ge=0)]
+    max_tokens: Annotated[int, Field(ge=1, description="null: decoding.max_new_tokens")] | None
+    max_model_len: Annotated[int, Field(ge=2)] | None
+    served_model_name: str | None
+    dtype: DtypeName
+    device: str
+    threads: Annotated[int, Field(ge=1)] | None
+    shutdown_grace_s: Annotated[float, Field(ge=0)]
+    warmup: bool
+    log_level: str
+    metrics_window_s: Annotated[float, Field(gt=0)]
+    max_body_bytes: Annotated[int, Field(ge=1024)]
+    _settings: DecodingSettings | None = PrivateAttr(default=None)
 
-    @classmethod
-    def from_cfg(cls, cfg: DictConfig | dict) -> ServeConfig:
-        c = _plain(cfg)
-        host = c.get("host", "127.0.0.1")
-        if not isinstance(host, str) or not host:
-            raise ValueError(f"host must be a host name or address, got {host!r}")
-        port = _int(c, "port", 0, 65535)
-        api_key = c.get("api_key")
-        if api_key is None:
-            api_key = os.environ.get(API_KEY_ENV) or None
-        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-            raise ValueError(f"api_key must be a non-empty string or null, got a {type(api_key).__name__}")
-        if host not in ("localhost",) and not _is_loopback(host) and api_key is None:
+    @property
+    def settings(self) -> DecodingSettings:
+        """The decoding settings every request starts from (``decoding`` with the checkpoint's block size)."""
+        return self._settings
+
+    @model_validator(mode="after")
+    def _derive(self) -> ServeConfig:
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            self.api_key = _non_blank_env(os.environ[API_KEY_ENV])
+        if self.host != "localhost" and not _is_loopback(self.host) and self.api_key is None:
             warnings.warn(
-                f"host={host} exposes the server beyond this machine without an API key (set {API_KEY_ENV} or api_key)",
+                f"host={self.host} exposes the server beyond this machine without an API key (set {API_KEY_ENV} "
+                "or api_key)",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        allowed_hosts = c.get("allowed_hosts")
-        if allowed_hosts is not None and (
-            not isinstance(allowed_hosts, list) or not all(isinstance(h, str) and h.strip() for h in allowed_hosts)
-        ):
-            raise ValueError(
-                f"allowed_hosts must be a list of host names ('*' for any, '*.example.org' for subdomains) "
-                f"or null, got {allowed_hosts!r}"
-            )
-        checkpoint = c.get("checkpoint")
-        meta = None
-        decoding = dict(c.get("decoding") or {})
-        if checkpoint:
-            from mars.evaluation.config import checkpoint_metadata
-
-            meta = checkpoint_metadata(checkpoint)
-        if decoding.get("block_size") is None:
-            decoding["block_size"] = int(meta["block_size"]) if meta and meta.get("block_size") else 4
-        decoding.pop("threshold", None)
-        settings = DecodingSettings.from_mapping(decoding)
-        if settings.decoder not in ("mars", "jacobi"):
-            raise ValueError(
-                f"decoding.decoder={settings.decoder!r} cannot serve: the server runs the step-wise "
-                "engine (mars or jacobi); plain AR is decoding=mars with threshold=1.0"
-            )
-        if settings.cache == "block":
-            raise ValueError(
-                "decoding.cache='block' synchronises rows on block boundaries and cannot take requests "
-                "into a running batch; use cache=cursor (continuous batching) or none"
-            )
-        if settings.verify:
-            raise ValueError("decoding.verify is per request on the server (the 'verify' body field)")
-        policy = str(c.get("tau_policy", "fixed"))
-        if policy not in POLICIES:
-            raise ValueError(f"tau_policy must be one of {list(POLICIES)}, got {policy!r}")
-        threshold, tau_min, tau_max = c.get("threshold", 1.0), c.get("tau_min"), c.get("tau_max")
-        adaptive = dict(c.get("adaptive") or {})
-        # checks bounds, threshold and the adaptive settings without a model
+        if self.checkpoint:
+            self.checkpoint_meta = read_checkpoint(self.checkpoint)
+        self._settings = serving_settings(self.decoding, self.checkpoint_meta)
+        # checks the bounds, the threshold and the adaptive settings without a model
         build_policy(
-            policy, threshold=threshold, tau_min=tau_min, tau_max=tau_max, metric=settings.metric, adaptive=adaptive
+            self.tau_policy,
+            threshold=self.threshold,
+            tau_min=self.tau_min,
+            tau_max=self.tau_max,
+            metric=self._settings.metric,
+            adaptive=self.adaptive,
         )
-        max_tokens = c.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = settings.max_new_tokens
-        model = dict(c.get("model") or {})
-        name = c.get("served_model_name") or _default_name(model, checkpoint)
-        grace = c.get("shutdown_grace_s", 10.0)
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-            raise ValueError(f"shutdown_grace_s must be a number >= 0, got {grace!r}")
-        return cls(
-            host=host,
-            port=port,
-            model=model,
-            checkpoint=checkpoint,
-            checkpoint_meta=meta,
-            settings=settings,
-            tau_policy=policy,
-            threshold=float(threshold),
-            tau_min=float(tau_min),
-            tau_max=float(tau_max),
-            adaptive=adaptive,
-            max_batch=_int(c, "max_batch", 1),
-            max_queue=_int(c, "max_queue", 0),
-            max_tokens=_int({"max_tokens": max_tokens}, "max_tokens", 1),
-            max_model_len=_int(c, "max_model_len", 2, allow_none=True),
-            served_model_name=str(name),
-            dtype=str(c.get("dtype", "auto")),
-            device=str(c.get("device", "auto")),
-            threads=_int(c, "threads", 1, allow_none=True),
-            shutdown_grace_s=float(grace),
-            warmup=bool(c.get("warmup", True)),
-            log_level=str(c.get("log_level", "info")),
-            metrics_window_s=float(c.get("metrics_window_s", 10.0)),
-            max_body_bytes=_int(
-                {"max_body_bytes": c.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)}, "max_body_bytes", 1024
-            ),
-            allowed_hosts=allowed_hosts,
-            api_key=api_key,
+        if self.max_tokens is None:
+            self.max_tokens = self._settings.max_new_tokens
+        if not self.served_model_name:
+            self.served_model_name = _default_name(self.model, self.checkpoint)
+        return self
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig | dict) -> ServeConfig:
+        """The composed ``serve.yaml``, resolved and checked before any model loads."""
+        data = dict(_plain(cfg))
+        data.pop("hydra", None)
+        return validated(cls, data)
+
+
+def _non_blank_env(key: str) -> str:
+    if not key.strip():
+        raise ValueError(f"{API_KEY_ENV} must be a non-empty string when set")
+    return key
+
+
+def serving_settings(decoding: dict[str, Any], meta: dict[str, Any] | None) -> DecodingSettings:
+    """The server's decoding settings: the step-wise engine (decoder mars or jacobi; cache cursor or none,
+    since ``block`` cannot take requests into a running batch); verification is per request."""
+    values = {k: v for k, v in decoding.items() if k != "threshold"}  # the threshold is the policy's
+    values["block_size"] = decoding_block_size(values.get("block_size"), meta)
+    try:
+        settings = DecodingSettings.from_mapping(values)
+    except ValueError as err:
+        raise ValueError(f"decoding: {err}") from None
+    if settings.decoder not in ("mars", "jacobi"):
+        raise ValueError(
+            f"decoding.decoder={settings.decoder!r} cannot serve: the server runs the step-wise "
+            "engine (mars or jacobi); plain AR is decoding=mars with threshold=1.0"
         )
+    if settings.cache == "block":
+        raise ValueError(
+            "decoding.cache='block' synchronises rows on block boundaries and cannot take requests "
+            "into a running batch; use cache=cursor (continuous batching) or none"
+        )
+    if settings.verify:
+        raise ValueError("decoding.verify is per request on the server (the 'verify' body field)")
+    return settings
 
 
 def _is_loopback(host: str) -> bool:
