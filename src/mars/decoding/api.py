@@ -142,6 +142,8 @@ def generate(
 def _prepare(model, tokenizer, prompts, s: DecodingSettings, thresholds, mask_token_id, chat_template, stop):
     """Everything checked before any model work: prompt ids, one threshold per row, the mask token,
     room in the context, EOS ids and stop strings."""
+    if s.draft_source != "masks" and not s.verify:  # (a server verifies per request: the settings allow it)
+        raise ValueError(f"draft_source={s.draft_source!r} proposes drafts to verify: it needs verify=True")
     ids = encode_prompts(tokenizer, prompts, chat_template)
     thresholds = thresholds_tensor(thresholds, len(ids), s.metric).tolist()
     mask_token_id = _mask_token(model, tokenizer, s, mask_token_id)

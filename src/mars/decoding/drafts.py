@@ -92,10 +92,28 @@ class PromptLookup(DraftSource):
             return
         rows.tensors.drafts = torch.tensor(host.drafts, dtype=torch.long, device=rows.device)
         rows.tensors.draft_count = torch.tensor(host.draft_count, dtype=torch.long, device=rows.device)
-        if rows.tensors.draft_log_q is not None:  # a copied draft is certain: its q is one-hot
+        log_q = rows.tensors.draft_log_q
+        if log_q is not None:  # a copied draft is certain: its q is one-hot
             for i, start, found in found_any:
-                q = rows.tensors.draft_log_q[i, start : start + len(found)]
-                q.fill_(float("-inf")).scatter_(1, torch.as_tensor(found, device=rows.device).unsqueeze(1), 0.0)
+                found = torch.as_tensor(found, device=rows.device)
+                log_q[i, start : start + len(found)] = one_hot_log_q(found, log_q.shape[-1])
+
+
+def one_hot_log_q(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``log q`` of drafts that were certain (copied, not sampled): 0 at the draft, -inf elsewhere."""
+    log_q = torch.full((*tokens.shape, vocab), float("-inf"), device=tokens.device)
+    return log_q.scatter_(-1, tokens.unsqueeze(-1), 0.0)
+
+
+def draw(logp: torch.Tensor, sampled: torch.Tensor | None, generators, drafting: np.ndarray) -> torch.Tensor:
+    """One token per row from ``logp`` ``[rows, vocab]``: the argmax, or for ``sampled`` rows a Gumbel-max
+    draw (so distributed as ``softmax(logp)``) from the row's own generator; rows not ``drafting`` draw
+    nothing and leave their generator untouched."""
+    token = torch.argmax(logp, dim=-1)
+    if sampled is None:
+        return token
+    noise = gumbel_noise(logp.unsqueeze(1), generators, drafting.astype(np.int64))[:, 0]
+    return torch.where(sampled, torch.argmax(logp + noise, dim=-1), token)
 
 
 def lookup_continuation(context: np.ndarray, ngram: int, limit: int) -> np.ndarray:
@@ -123,7 +141,7 @@ class DraftModel(DraftSource):
         self.runner, self.vocab, self.log_probs = runner, int(vocab), log_probs
         self.cache = RaggedKVCache(runner.num_layers)
         self.cached = np.zeros(0, dtype=np.int64)  # per row: tokens in the draft cache, all of them right
-        self.fed_until = self.cached  # per row, this step: where the tokens it fed (right or not) end
+        self.fed_until: np.ndarray | None = None  # per row, this step: where the tokens it fed (right or not) end
         self.forwards = 0
 
     def fork(self) -> DraftModel:
@@ -145,8 +163,9 @@ class DraftModel(DraftSource):
         self.forwards += other.forwards
 
     def advance(self, right_until: np.ndarray) -> None:
-        self.cached = np.minimum(self.fed_until, right_until)
-        self.fed_until = self.cached
+        if self.fed_until is not None:  # the draft model ran this step
+            self.cached = np.minimum(self.fed_until, right_until)
+            self.fed_until = None
 
     def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> None:
         carried = rows.host.draft_count
@@ -210,10 +229,7 @@ class DraftModel(DraftSource):
         """The next draft per row (argmax, or a draw from the row's own generator) and, for sampling rows,
         the distribution it came from."""
         logp, sampled = self.log_probs(logits, rows.tensors.temperature)
-        token = torch.argmax(logp, dim=-1)
-        if sampled is not None:  # rows that draw nothing this forward leave their generator untouched
-            noise = gumbel_noise(logp.unsqueeze(1), rows.row_generators(), drafting.astype(np.int64))[:, 0]
-            token = torch.where(sampled, torch.argmax(logp + noise, dim=-1), token)
+        token = draw(logp, sampled, rows.row_generators(), drafting)
         return token, (logp if rows.tensors.draft_log_q is not None else None)
 
     def _write(self, rows: RowBatch, carried: np.ndarray, need: np.ndarray, drafted: list) -> None:

@@ -127,7 +127,7 @@ class DecodingSettings:
     draft_source: str = field(
         default="masks",
         metadata=_help(
-            "verify=True: where drafts come from: masks (the checkpoint's own mask predictions), model (a draft "
+            "where verified rows' drafts come from: masks (the checkpoint's own mask predictions), model (a draft "
             "model, draft_model=) or lookup (n-grams of the prompt and the output so far); the masks' predictions "
             "extend the drafts of the other two (window=1: none, plain speculative decoding)"
         ),
@@ -199,8 +199,6 @@ class DecodingSettings:
     def _check_draft_source(self) -> None:
         if self.draft_source not in DRAFT_SOURCES:
             raise ValueError(f"unknown draft_source {self.draft_source!r}; choose one of {list(DRAFT_SOURCES)}")
-        if self.draft_source != "masks" and not self.verify:
-            raise ValueError(f"draft_source={self.draft_source!r} proposes drafts to verify: it needs verify=True")
         if (self.draft_source == "model") != (self.draft_model is not None):
             raise ValueError(
                 "draft_source='model' needs draft_model= (a model name or path, 'self' or 'self:N')"
