@@ -60,9 +60,7 @@ def test_collectives_on_two_processes(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = sorted(
-        (json.loads(path.read_text()) for path in tmp_path.glob("result_*.json")), key=lambda r: r["rank"]
-    )
+    results = sorted((json.loads(path.read_text()) for path in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)], proc.stdout
     for r in results:
         assert r["counts"] == [10, 11]  # one entry per rank, in rank order, on every rank

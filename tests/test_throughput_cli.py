@@ -5,6 +5,8 @@ import csv
 import json
 from collections import Counter
 
+import pytest
+
 from mars.decoding import api, fastpath
 from mars.evaluation import throughput
 from mars.evaluation.throughput import main
@@ -79,3 +81,23 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     assert timed == {**{name: 2 for name in ars}, "mars-verify": 2, "mars-cursor": 4}
     assert len(rows) == 2 * 2 * 8  # every decoder still listed under both thresholds
     assert fast_path_seen == {True, False} and fastpath.enabled_by_env()  # -eager rows ran without it
+
+
+def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
+    """Prompt lookup and a draft model (the target's first layer), with and without masks: lossless rows with
+    the same columns; a copy-task file (a 'question' field) serves as prompts; a bad source is named."""
+    prompts = tmp_path / "copy.jsonl"
+    prompts.write_text(json.dumps({"question": "Repeat exactly: the cat sat on the mat."}) + "\n")
+    out = tmp_path / "out"
+    args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0"]
+    args += ["--max-new-tokens", "6", "--caches", "cursor", "--prompts-file", str(prompts), "--out", str(out)]
+    args += ["--draft-sources", "lookup,lookup+masks,model,model+masks", "--draft-model", "self:1"]
+    assert main(args) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader((out / "throughput.csv").open())}
+    drafted = {"verify-lookup", "verify-lookup+masks", "verify-model", "verify-model+masks"}
+    assert drafted <= set(rows)
+    for name in drafted:
+        assert rows[name]["same_as_ar"] == "1/1" and float(rows[name]["threshold"]) == 1.0
+    assert float(rows["verify-model"]["draft_acceptance"]) >= 0
+    with pytest.raises(SystemExit, match="unknown draft source 'tree'"):
+        main(args[:-4] + ["--draft-sources", "tree"])

@@ -17,7 +17,7 @@ from .acceptance import never_emitted, thresholds_list
 from .baselines import generate_ar
 from .engine import DecodeEngine
 from .forward import ModelRunner
-from .settings import DECODERS, DecodingSettings
+from .settings import DECODERS, DecodingSettings, reference_threshold
 from .stats import DecodeStats, GenerationResult
 from .stopping import StopStrings, eos_token_ids, finalize_row
 
@@ -109,6 +109,9 @@ def generate(
     draft_length: int | None = None,
     draft_threshold: float = 0.0,
     fallback: str = "none",
+    draft_source: str = "masks",
+    draft_model: str | None = None,
+    lookup_ngram: int = 3,
     ar_cache: str = "dynamic",
     settings: DecodingSettings | None = None,
 ) -> GenerationResult:
@@ -118,36 +121,63 @@ def generate(
     ``settings=`` passes such an object directly and then replaces them.  ``threshold`` may be one
     number or one per prompt.  A threshold of 1.0 (probability/margin) or 0 (entropy) caps that row
     at one token per step, which makes the output exactly greedy AR.  ``verify=True`` drafts with the
-    masks and verifies in the next forward: the output is exactly greedy AR at more than one token per
-    forward.  ``decoder="ar"`` runs ``transformers`` ``generate`` (KV cache, greedy) and
-    ``decoder="jacobi"`` the training-free Jacobi iteration, all under the same stop rules and
-    statistics.  ``full_window=True`` appends the masks even when no row can accept them.
+    masks (or ``draft_source="model"``/``"lookup"``) and verifies in the next forward: the output is
+    exactly greedy AR at more than one token per forward.  ``decoder="ar"`` runs ``transformers``
+    ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the training-free Jacobi iteration, all under
+    the same stop rules and statistics.  ``full_window=True`` appends the masks even when no row can
+    accept them.
     """
-    # ---- validation, before any model work ----
     per_row = isinstance(threshold, (list, tuple))
-    if settings is None:
-        settings = DecodingSettings(
-            decoder=decoder,
-            block_size=block_size,
-            threshold=1.0 if per_row and metric != "entropy" else (0.0 if per_row else threshold),
-            metric=metric,
-            max_new_tokens=max_new_tokens,
-            cache=cache,
-            cache_block=cache_block,
-            window=window,
-            max_accept=max_accept,
-            temperature=temperature,
-            seed=seed,
-            verify=verify,
-            draft_length=draft_length,
-            draft_threshold=draft_threshold,
-            fallback=fallback,
-            full_window=full_window,
-            ar_cache=ar_cache,
+    if settings is None:  # every keyword named like a settings field is that field
+        keywords = {name: value for name, value in locals().items() if name in DecodingSettings.field_names()}
+        if per_row:  # per-prompt thresholds go to the requests; the settings keep the reference
+            keywords["threshold"] = reference_threshold(metric)
+        settings = DecodingSettings(**keywords)
+    row_thresholds = threshold if per_row else settings.threshold
+    ids, thresholds, mask_token_id, eos_ids, stops = _prepare(
+        model, tokenizer, prompts, settings, row_thresholds, mask_token_id, chat_template, stop
+    )
+    if settings.decoder == "ar":
+        raw, reasons, masks, stats = _run_ar(model, tokenizer, ids, settings, mask_token_id, eos_ids, stops)
+    else:
+        raw, reasons, masks, stats = _run_engine(
+            model, tokenizer, ids, thresholds, settings, mask_token_id, eos_ids, stops, progress
         )
-    s = settings
+    return _result(raw, reasons, masks, stats, settings, eos_ids, stops, row_thresholds)
+
+
+def _prepare(model, tokenizer, prompts, s: DecodingSettings, thresholds, mask_token_id, chat_template, stop):
+    """Everything checked before any model work: prompt ids, one threshold per row, the mask token,
+    room in the context, EOS ids and stop strings."""
+    if s.draft_source != "masks" and not s.verify:  # (a server verifies per request: the settings allow it)
+        raise ValueError(f"draft_source={s.draft_source!r} proposes drafts to verify: it needs verify=True")
     ids = encode_prompts(tokenizer, prompts, chat_template)
-    thresholds = thresholds_list(threshold if per_row else s.threshold, len(ids), s.metric)
+    thresholds = thresholds_list(thresholds, len(ids), s.metric)
+    mask_token_id = _mask_token(model, tokenizer, s, mask_token_id)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = model.get_input_embeddings().weight.shape[0]
+    check_prompts(ids, vocab, getattr(config, "max_position_embeddings", None), s.max_new_tokens)
+    return ids, thresholds, mask_token_id, eos_token_ids(model, tokenizer), StopStrings(tokenizer, stop)
+
+
+def _run_ar(model, tokenizer, ids, s: DecodingSettings, mask_token_id, eos_ids, stops):
+    """transformers' ``generate`` (KV cache): raw ids and statistics, no engine reasons or mask flags."""
+    raw, stats = generate_ar(
+        model,
+        tokenizer,
+        ids,
+        max_new_tokens=s.max_new_tokens,
+        eos_ids=eos_ids,
+        stops=stops,
+        temperature=s.temperature,
+        cache_implementation=s.ar_cache,
+        suppress_ids=never_emitted(mask_token_id, eos_ids),  # the mask token is never an output token
+    )
+    return raw, [None] * len(ids), None, stats
+
+
+def _mask_token(model, tokenizer, s: DecodingSettings, mask_token_id: int | None) -> int | None:
+    """The mask token id (given, else the tokenizer's), checked against the decoder and the embeddings."""
     mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
     if s.decoder == "mars" and mask_token_id is None:
         raise ValueError(
@@ -157,30 +187,11 @@ def generate(
     vocab = model.get_input_embeddings().weight.shape[0]
     if mask_token_id is not None and not 0 <= int(mask_token_id) < vocab:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the embedding matrix ({vocab} rows)")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    check_prompts(ids, vocab, getattr(config, "max_position_embeddings", None), s.max_new_tokens)
-    eos_ids = eos_token_ids(model, tokenizer)
-    stops = StopStrings(tokenizer, stop)
+    return mask_token_id
 
-    # ---- decoding ----
-    if s.decoder == "ar":
-        raw, stats = generate_ar(
-            model,
-            tokenizer,
-            ids,
-            max_new_tokens=s.max_new_tokens,
-            eos_ids=eos_ids,
-            stops=stops,
-            temperature=s.temperature,
-            cache_implementation=s.ar_cache,
-            suppress_ids=never_emitted(mask_token_id, eos_ids),
-        )
-        reasons, masks = [None] * len(ids), None
-    else:
-        raw, reasons, masks, stats = _run_engine(
-            model, tokenizer, ids, thresholds, s, mask_token_id, eos_ids, stops, progress
-        )
 
+def _result(raw, reasons, masks, stats, s: DecodingSettings, eos_ids, stops, threshold) -> GenerationResult:
+    """Rows finalised under the shared stop rules, with their statistics."""
     texts, token_ids, finish = [], [], []
     for row, engine_reason in zip(raw, reasons):
         row_ids, text, reason = finalize_row(row, eos_ids, stops, s.max_new_tokens)
@@ -191,7 +202,7 @@ def generate(
     stats.generated_tokens = sum(stats.per_row_tokens)
     if s.decoder == "ar":
         stats.per_row_forwards = list(stats.per_row_tokens)  # AR needs one forward per token
-    stats.extra.update(_settings(s, threshold if per_row else s.threshold))
+    stats.extra.update(_settings(s, threshold))
     from_mask = None if masks is None else [m[: len(t)] for m, t in zip(masks, token_ids)]
     return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish, from_mask=from_mask)
 
@@ -224,6 +235,9 @@ def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_tok
     )
     if any(r.verify for r in requests):
         stats.extra.update(draft_statistics(rows))
+        stats.extra["draft_source"] = s.draft_source
+        if s.draft_source == "model":
+            stats.extra["draft_model_forwards"] = engine.drafter.forwards
     return [f.token_ids for f in rows], [f.reason for f in rows], [f.from_mask for f in rows], stats
 
 
@@ -250,4 +264,5 @@ def _settings(s: DecodingSettings, threshold) -> dict[str, Any]:
         "max_accept": s.max_accept,
         "temperature": s.temperature,
         "verify": s.verify,
+        "draft_source": s.draft_source if s.verify else None,
     }

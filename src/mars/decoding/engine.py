@@ -55,6 +55,7 @@ import torch
 
 from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, never_emitted, suppress, tempered_log_probs
 from .attention import gqa_attention
+from .drafts import DraftSource, draft_source_for
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
@@ -74,10 +75,68 @@ class StepEvent:
     finished: Finished | None = None
 
 
+@dataclass
+class StepPlan:
+    """What every row feeds this step, decided on the host before the forward (one entry per row).
+
+    A row's input is its ``uncached`` real tokens (the last of them makes an exact AR prediction),
+    then its ``drafts``, then masks or Jacobi guesses; it reads ``predictions`` outputs from its last
+    real token on.  Rows are padded on the right to the widest row."""
+
+    uncached: np.ndarray  # real tokens not in the KV cache yet (the whole prompt on a row's first step)
+    predictions: np.ndarray  # outputs the row reads: 1 AR + its drafts + its masks (or guesses)
+    drafts: np.ndarray  # drafts fed after the real tokens (0 unless the row verifies)
+    draft_masks: np.ndarray  # verifying rows: masks after the drafts, whose predictions seed the next drafts
+    waiting: np.ndarray  # rows that sit this step out (cache=block: their block is full, another's is not)
+    verifying: np.ndarray  # rows whose drafts this step verifies
+    commit: bool  # this step's real tokens enter the KV cache
+
+    @property
+    def prediction_width(self) -> int:
+        return int(self.predictions.max())
+
+    @property
+    def input_width(self) -> int:
+        return int((self.uncached + self.predictions - 1).max())
+
+
+@dataclass
+class NextDrafts:
+    """Verifying rows' drafts for the next step, read from this step's predictions."""
+
+    tokens: torch.Tensor  # [rows, max_drafts]
+    count: torch.Tensor  # [rows] (rows that did not verify keep their count)
+    log_q: torch.Tensor | None  # [rows, max_drafts, vocab]: the distributions they were drawn from
+
+
+@dataclass
+class Acceptance:
+    """What the accept phase decided for every row (device tensors)."""
+
+    predicted: torch.Tensor  # [rows, predictions]: the token chosen at each prediction column
+    tokens: torch.Tensor  # [rows, predictions]: what the row appends (predicted, or verified drafts + one)
+    count: torch.Tensor  # [rows]: how many of ``tokens`` it appends (cut after an EOS)
+    hit_eos: torch.Tensor  # [rows]
+    verified: torch.Tensor  # [rows]: drafts that passed (0 for rows that did not verify)
+    next_drafts: NextDrafts | None  # None when no row verified
+
+
+@dataclass
+class Committed:
+    """The step's one host sync: what every row appended and whether it is done."""
+
+    count: np.ndarray
+    done: np.ndarray  # EOS or budget (stop strings are applied after)
+    hit_eos: np.ndarray
+    verified: np.ndarray
+    tokens: np.ndarray  # [rows, predictions]: row i appended the first count[i]
+
+
 class DecodeEngine:
     """See the module docstring.  ``settings`` fixes the engine-wide choices (decoder, cache, window,
-    block size, metric, draft length, fallback); each :class:`Request` brings its own threshold,
-    budget, stop strings, temperature, seed and verification flag."""
+    block size, metric, draft source and length, fallback); each :class:`Request` brings its own
+    threshold, budget, stop strings, temperature, seed and verification flag.  ``draft_source``: where
+    verifying rows' drafts come from (default: the one ``settings`` names)."""
 
     def __init__(
         self,
@@ -86,6 +145,7 @@ class DecodeEngine:
         mask_token_id: int,
         eos_ids: Sequence[int],
         tokenizer=None,
+        draft_source: DraftSource | None = None,
     ):
         self.runner, self.settings = runner, settings
         self.device = runner.device
@@ -94,17 +154,32 @@ class DecodeEngine:
         self.eos = torch.tensor(list(eos_ids), device=self.device)
         self.tokenizer = tokenizer
         self.fill_window = settings.effective_window == "cache_block"
-        self.W = settings.cache_block if self.fill_window else int(settings.effective_window)
-        self.K = max(0, min(settings.effective_draft_length, self.W - 1)) if not self.fill_window else 0
-        self.G = self.W - 1 if settings.decoder == "jacobi" else 0
-        self.rows = RowBatch(self.device, self.mask_id, self.K, self.G)
+        self.window = settings.cache_block if self.fill_window else int(settings.effective_window)
+        self.max_drafts = self._max_drafts()
+        self.guess_slots = self.window - 1 if settings.decoder == "jacobi" else 0
+        self.rows = RowBatch(self.device, self.mask_id, self.max_drafts, self.guess_slots)
         self.cache = RaggedKVCache(runner.num_layers) if settings.cache != "none" else None
+        if draft_source is None:
+            draft_source = draft_source_for(settings, runner, self.log_probs, tokenizer)
+        self.drafter = draft_source
         self.stepped = False
         self.forwards = 0
         self.seconds = 0.0
         self.joining: list[Request] = []  # admitted while rows run (cursor cache): prefilled at the next step
-        self.out_h: list[list[int]] = []  # generated ids per live row (host copy, for streaming and stops)
-        self.mask_h: list[list[bool]] = []  # per generated id: accepted from a mask prediction (not verified)
+
+    def _max_drafts(self) -> int:
+        """Draft slots per row: the masks can draft at most window - 1 tokens; other sources any number."""
+        s = self.settings
+        if self.fill_window:
+            return 0
+        if s.draft_source == "masks":
+            return max(0, min(s.effective_draft_length, self.window - 1))
+        return s.effective_draft_length
+
+    def log_probs(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one place logits become the distributions tokens are chosen from (the target's and a draft
+        model's): tempered log-probabilities and which rows sample; the mask token is never chosen."""
+        return tempered_log_probs(suppress(logits, self.never), temperature)
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -167,19 +242,20 @@ class DecodeEngine:
         self._add(requests)
 
     def _add(self, requests: Sequence[Request]) -> None:
-        if any(r.temperature > 0 and r.verify for r in requests) and self.rows.draft_logq is None and self.K:
-            vocab = self.runner.vocab_size
-            self.rows.draft_logq = torch.zeros((len(self.rows), self.K, vocab), device=self.device)
-        self.rows.add(list(requests), [self._cap(r) for r in requests], extra=self.W + self.K + 2)
-        self.out_h.extend([] for _ in requests)
-        self.mask_h.extend([] for _ in requests)
+        if any(r.temperature > 0 and r.verify for r in requests):
+            self.rows.ensure_draft_distributions(self.runner.vocab_size)
+        extra = self.window + self.max_drafts + 2
+        self.rows.add(list(requests), [self._cap(r) for r in requests], extra=extra)
         if self.cache is not None:
             self.cache.add_rows(len(requests))
+        self.drafter.add_rows(len(requests))
 
     def _cap(self, request: Request) -> int:
         """Tokens a step may accept for this request: one for exact rows (threshold 1.0), else the window."""
         s = self.settings
-        return 1 if (request.exact and not request.verify) else (s.max_accept if s.max_accept is not None else self.W)
+        if request.exact and not request.verify:
+            return 1
+        return s.max_accept if s.max_accept is not None else self.window
 
     def set_threshold(self, request_id, threshold: float) -> bool:
         """Change a live request's threshold (a server's load-adaptive knob); it applies from the next step."""
@@ -188,21 +264,21 @@ class DecodeEngine:
             if r.id == request_id:
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
                 return True
-        for i, r in enumerate(self.rows.requests):
+        for i, r in enumerate(self.rows.records.requests):
             if r.id == request_id:
                 if r.verify:
                     return False  # verified rows are exact at any threshold
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
                 with torch.inference_mode():  # the row tensors were made inside a step
-                    self.rows.thr[i] = thr
-                    self.rows.cap[i] = self._cap(r)
-                self.rows.cap_h[i] = self._cap(r)
+                    self.rows.tensors.threshold[i] = thr
+                    self.rows.tensors.cap[i] = self._cap(r)
+                self.rows.host.cap[i] = self._cap(r)
                 return True
         return False
 
     def cancel(self, request_id) -> bool:
         """Mark a request cancelled; it leaves the batch at the next step (reason ``cancelled``)."""
-        for r in [*self.rows.requests, *self.joining]:
+        for r in [*self.rows.records.requests, *self.joining]:
             if r.id == request_id:
                 r.cancelled = True
                 return True
@@ -236,9 +312,9 @@ class DecodeEngine:
         with gqa_attention(self.runner.model):
             logits = self._forward(plan)
         self.forwards += 1
-        self.rows.forwards_h += 1
-        accepted = self._accept(plan, logits)
-        events = self._commit_and_retire(plan, accepted)
+        self.rows.host.forwards += 1
+        acceptance = self._accept(plan, logits)
+        events = self._emit(self._commit(plan, acceptance))
         self.stepped = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -246,271 +322,312 @@ class DecodeEngine:
 
     def _prefill(self, requests: list[Request]) -> list[StepEvent]:
         """Joining rows take their first step in a batch of their own, then merge into the running one."""
-        group = DecodeEngine(self.runner, self.settings, self.mask_id, self.eos.tolist(), self.tokenizer)
+        group = DecodeEngine(
+            self.runner, self.settings, self.mask_id, self.eos.tolist(), self.tokenizer, self.drafter.fork()
+        )
         group._add(requests)
         events = group._step_rows()
         for e in events:
             e.forward = self.forwards + 1
         self.forwards += 1
         self.rows.extend(group.rows)
-        self.out_h.extend(group.out_h)
-        self.mask_h.extend(group.mask_h)
         if self.cache is not None and group.cache is not None:
             self.cache.extend(group.cache)
+        self.drafter.extend(group.drafter)
         return events
 
-    def _plan(self) -> dict:
-        s, rows = self.settings, self.rows
-        A = len(rows)
-        u_h = rows.n_h - rows.start_h
-        first = not self.stepped
-        commit = s.cache == "cursor" or (s.cache == "block" and first)
-        waiting = np.zeros(A, dtype=bool)
-        if s.cache == "block" and not first:
-            full = u_h >= s.cache_block
-            commit = bool(full.all())
-            waiting = full & (not commit)
-        budget_h = rows.end_h - rows.n_h
-        # Predictions per row.  A row capped at k tokens (threshold 1.0, max_accept, the end of its
-        # budget) needs only k; at threshold 1.0 no masks are appended and MARS costs what AR costs.
+    # ------------------------------------------------------------------ plan
+    def _plan(self) -> StepPlan:
+        s, host = self.settings, self.rows.host
+        uncached = host.length - host.cached
+        commit, waiting = self._block_schedule(uncached)
+        budget = host.end - host.length
         if self.fill_window:
-            room = np.full(A, s.cache_block) if commit else s.cache_block - u_h
-            P_h = np.maximum(room, 1)
+            room = np.full(len(uncached), s.cache_block) if commit else s.cache_block - uncached
+            predictions = np.maximum(room, 1)
             waiting = waiting | (room <= 0)
         else:
-            P_h = np.full(A, self.W)
+            predictions = np.full(len(uncached), self.window)
         if not s.full_window:
-            P_h = np.minimum(P_h, np.maximum(np.minimum(rows.cap_h, budget_h), 1))
+            # A row capped at k tokens (threshold 1.0, max_accept, the end of its budget) needs only k
+            # predictions; at threshold 1.0 no masks are appended and MARS costs what AR costs.
+            predictions = np.minimum(predictions, np.maximum(np.minimum(host.cap, budget), 1))
         # Verifying rows: the AR column, their drafts (no more than can still be accepted), and masks
         # for the next drafts when tokens can follow this step's.
-        v_h = rows.verify_h & ~waiting
-        k_h = np.where(v_h, np.minimum(rows.n_drafts_h, budget_h - 1), 0)
-        masks_v = np.where(budget_h > k_h + 1, self.W - 1, 0)
-        P_h = np.where(v_h, 1 + k_h + masks_v, P_h)
-        P_h = np.where(waiting, 1, P_h)
-        return dict(
-            u_h=u_h,
-            P_h=P_h,
-            k_h=k_h,
-            masks_v=masks_v,
-            waiting=waiting,
-            commit=commit,
-            v_h=v_h,
-            budget_h=budget_h,
-            P=int(P_h.max()),
-            Q=int((u_h + P_h - 1).max()),
+        verifying = host.verify & ~waiting
+        if verifying.any():
+            self.drafter.propose(self.rows, verifying, np.minimum(self.max_drafts, budget - 1))
+        drafts = np.where(verifying, np.minimum(host.draft_count, budget - 1), 0)
+        draft_masks = np.where(budget > drafts + 1, self.window - 1, 0)
+        predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
+        predictions = np.where(waiting, 1, predictions)
+        return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit)
+
+    def _block_schedule(self, uncached: np.ndarray) -> tuple[bool, np.ndarray]:
+        """Whether this step's real tokens enter the KV cache, and which rows wait.  The block cache
+        commits only when every row has filled its block; until then the rows that have wait."""
+        s = self.settings
+        first = not self.stepped
+        commit = s.cache == "cursor" or (s.cache == "block" and first)
+        waiting = np.zeros(len(uncached), dtype=bool)
+        if s.cache == "block" and not first:
+            full = uncached >= s.cache_block
+            commit = bool(full.all())
+            waiting = full & (not commit)
+        return commit, waiting
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits ``[rows, prediction_width, vocab]``: column i predicts the token i places after the last real one."""
+        dev, width, reads = self.device, plan.input_width, plan.prediction_width
+        uncached = torch.as_tensor(plan.uncached, device=dev)
+        columns = torch.arange(width, device=dev)
+        positions = self.rows.tensors.cached.unsqueeze(1) + columns  # position ids (= KV buffer positions)
+        ids = self._input_ids(plan, positions, uncached)
+        read = ((uncached - 1).unsqueeze(1) + torch.arange(reads, device=dev)).clamp_max(width - 1)
+        # Columns a row reads: its real tokens and the inputs of its own predictions; the rest pads it to
+        # the batch's widest row (a threshold-1.0 row beside rows with masks), skipped by the fast path.
+        row_reads = torch.as_tensor(plan.predictions, device=dev).unsqueeze(1)
+        live = columns.unsqueeze(0) < uncached.unsqueeze(1) + row_reads - 1
+        live_reads = torch.arange(reads, device=dev).unsqueeze(0) < row_reads
+        if self.cache is None:
+            attention = (columns.unsqueeze(0) <= columns.unsqueeze(1)).expand(len(self.rows), 1, width, width)
+            return self.runner.logits_at(ids, positions, attention, read, live=live, live_columns=live_reads)
+        kv_length = int(self.rows.host.cached.max()) + width
+        attention = torch.arange(kv_length, device=dev).view(1, 1, -1) <= positions.unsqueeze(2)
+        self.cache.prepare_step(positions, kv_length)
+        return self.runner.logits_at(
+            ids, positions, attention.unsqueeze(1), read, self.cache, live=live, live_columns=live_reads
         )
 
-    def _forward(self, plan: dict) -> torch.Tensor:
-        rows, dev = self.rows, self.device
-        Q, P = plan["Q"], plan["P"]
-        u = torch.as_tensor(plan["u_h"], device=dev)
-        k = torch.as_tensor(plan["k_h"], device=dev)
-        cols = torch.arange(Q, device=dev)
-        wpos = rows.start.unsqueeze(1) + cols  # position ids (= KV buffer positions)
-        ids = rows.seq.gather(1, wpos.clamp_max(rows.width - 1))
-        off = cols.unsqueeze(0) - u.unsqueeze(1)  # columns after the last real token
-        if self.K:
-            is_draft = (off >= 0) & (off < k.unsqueeze(1))
-            drafted = rows.drafts.gather(1, off.clamp(0, self.K - 1))
-            after = torch.where(is_draft, drafted, self._proposals(off - k.unsqueeze(1)))
+    def _input_ids(self, plan: StepPlan, positions: torch.Tensor, uncached: torch.Tensor) -> torch.Tensor:
+        """Each row's real tokens, then its drafts, then masks (or Jacobi guesses)."""
+        rows = self.rows.tensors
+        ids = rows.tokens.gather(1, positions.clamp_max(self.rows.width - 1))
+        after = torch.arange(positions.shape[1], device=self.device).unsqueeze(0) - uncached.unsqueeze(1)
+        if self.max_drafts:  # ``after``: columns after the last real token
+            drafts = torch.as_tensor(plan.drafts, device=self.device).unsqueeze(1)
+            drafted = rows.drafts.gather(1, after.clamp(0, self.max_drafts - 1))
+            proposals = torch.where((after >= 0) & (after < drafts), drafted, self._proposals(after - drafts))
         else:
-            after = self._proposals(off)
-        ids = torch.where(off < 0, ids, after)
-        pred_cols = ((u - 1).unsqueeze(1) + torch.arange(P, device=dev)).clamp_max(Q - 1)
-        # Columns a row reads: its real tokens and the inputs of its own P_h predictions; the rest pads it
-        # to the batch's widest row (a threshold-1.0 row beside rows with masks), skipped by the fast path.
-        P_b = torch.as_tensor(plan["P_h"], device=dev).unsqueeze(1)
-        live = cols.unsqueeze(0) < u.unsqueeze(1) + P_b - 1
-        live_preds = torch.arange(P, device=dev).unsqueeze(0) < P_b
-        if self.cache is None:
-            attn = (cols.unsqueeze(0) <= cols.unsqueeze(1)).expand(len(rows), 1, Q, Q)
-            return self.runner.logits_at(ids, wpos, attn, pred_cols, live=live, live_columns=live_preds)
-        kv_len = int(rows.start_h.max()) + Q
-        attn = torch.arange(kv_len, device=dev).view(1, 1, -1) <= wpos.unsqueeze(2)
-        self.cache.prepare_step(wpos, kv_len)
-        return self.runner.logits_at(
-            ids, wpos, attn.unsqueeze(1), pred_cols, self.cache, live=live, live_columns=live_preds
-        )
+            proposals = self._proposals(after)
+        return torch.where(after < 0, ids, proposals)
 
     def _proposals(self, offset: torch.Tensor) -> torch.Tensor:
         """Token ``offset`` places after the last real token (or draft): the mask token for MARS, the
         current guess for Jacobi."""
-        if self.G == 0:
+        if self.guess_slots == 0:
             return torch.full_like(offset, self.mask_id)
-        return self.rows.guess.gather(1, offset.clamp(0, self.G - 1))
+        return self.rows.tensors.guesses.gather(1, offset.clamp(0, self.guess_slots - 1))
 
-    def _accept(self, plan: dict, logits: torch.Tensor) -> dict:
-        s, rows, dev = self.settings, self.rows, self.device
-        P = plan["P"]
-        logp, sampled = tempered_log_probs(suppress(logits, self.never), rows.temp)
-        tokens = torch.argmax(logp, dim=-1)
-        gens = rows.row_generators()
+    # ------------------------------------------------------------------ accept
+    def _accept(self, plan: StepPlan, logits: torch.Tensor) -> Acceptance:
+        s, rows, dev = self.settings, self.rows.tensors, self.device
+        logp, predicted = self._choose(plan, logits)
+        budget = rows.end - rows.length
+        cap_now = torch.minimum(torch.minimum(rows.cap, budget), torch.as_tensor(plan.predictions, device=dev))
+        cap_now = cap_now.masked_fill(torch.as_tensor(plan.waiting, device=dev), 0)
+        if self.guess_slots:  # Jacobi: the AR token, then every guess its prediction confirms
+            compared = min(plan.prediction_width - 1, self.guess_slots)
+            guesses = rows.guesses[:, :compared]
+            run = 1 + leading_matches(guesses, predicted[:, :compared], torch.full_like(cap_now, compared))
+            count = torch.minimum(run, cap_now)
+        else:
+            count = accept_counts(confidence(logp, predicted, s.metric), rows.threshold, s.metric, cap_now)
+        tokens, verified, next_drafts = predicted, torch.zeros_like(count), None
+        if plan.verifying.any():
+            tokens, count, verified, next_drafts = self._verify(plan, logp, predicted, count)
+        count, hit_eos = cut_at_eos(tokens, count, self.eos)
+        return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts)
+
+    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities at every prediction column and the token chosen there: the argmax, or a
+        Gumbel-max draw for sampling rows (each from its own generator, only its own columns)."""
+        logp, sampled = self.log_probs(logits, self.rows.tensors.temperature)
+        predicted = torch.argmax(logp, dim=-1)
         if sampled is not None:
-            draws = torch.argmax(logp + gumbel_noise(logp, gens, plan["P_h"]), dim=-1)
-            tokens = torch.where(sampled.unsqueeze(1), draws, tokens)
-        P_b = torch.as_tensor(plan["P_h"], device=dev)
-        waiting = torch.as_tensor(plan["waiting"], device=dev)
-        budget = rows.end - rows.n
-        cap_now = torch.minimum(torch.minimum(rows.cap, budget), P_b).masked_fill(waiting, 0)
-        if self.G:
-            m = min(P - 1, self.G)
-            run = 1 + leading_matches(rows.guess[:, :m], tokens[:, :m], torch.full_like(cap_now, m))
-            n_acc = torch.minimum(run, cap_now)
-        else:
-            n_acc = accept_counts(confidence(logp, tokens, s.metric), rows.thr, s.metric, cap_now)
-        acc_tokens = tokens
-        out = dict(tokens=tokens, logp=logp)
-        if plan["v_h"].any():
-            acc_tokens, n_acc = self._verify(plan, logp, tokens, n_acc, out)
-        n_acc, hit_eos = cut_at_eos(acc_tokens, n_acc, self.eos)
-        out.update(acc_tokens=acc_tokens, n_acc=n_acc, hit_eos=hit_eos)
-        return out
+            noise = gumbel_noise(logp, self.rows.row_generators(), plan.predictions)
+            predicted = torch.where(sampled.unsqueeze(1), torch.argmax(logp + noise, dim=-1), predicted)
+        return logp, predicted
 
-    def _verify(self, plan: dict, logp: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor, out: dict):
-        """Accept verified drafts plus the AR token after them; choose the next drafts."""
-        s, rows, dev = self.settings, self.rows, self.device
-        v = torch.as_tensor(plan["v_h"], device=dev)
-        k = torch.as_tensor(plan["k_h"], device=dev)
-        kmax = int(plan["k_h"].max())
-        acc_tokens = tokens
-        if rows.draft_logq is not None and bool((rows.temp > 0).any()):
-            j, x = speculative_accept(
-                logp[:, : kmax + 1], rows.draft_logq[:, :kmax], rows.drafts[:, :kmax], k, rows.row_generators()
-            )
-            greedy_rows = rows.temp <= 0
-            j = torch.where(greedy_rows, leading_matches(rows.drafts[:, :kmax], tokens, k), j)
-            x = torch.where(greedy_rows, tokens.gather(1, j.unsqueeze(1)).squeeze(1), x)
-            cols = torch.arange(tokens.shape[1], device=dev).unsqueeze(0)
-            drafted = torch.nn.functional.pad(rows.drafts, (0, max(0, tokens.shape[1] - self.K)))[:, : tokens.shape[1]]
-            spec = torch.where(cols < j.unsqueeze(1), drafted, x.unsqueeze(1))
-            acc_tokens = torch.where(v.unsqueeze(1), spec, tokens)
-        else:
-            j = leading_matches(rows.drafts[:, :kmax], tokens, k)
-        n_acc = torch.where(v, j + 1, n_acc)
-        # next drafts: the masks' predictions when every draft passed, else the fallback
-        W1 = self.W - 1
-        all_ok = (j == k) & torch.as_tensor(plan["masks_v"] > 0, device=dev)
-        idx = torch.where(all_ok, k + 1, j + 1).unsqueeze(1) + torch.arange(self.K, device=dev)
-        idx = idx.clamp_max(tokens.shape[1] - 1)
-        nxt = tokens.gather(1, idx)
-        count = torch.where(all_ok, torch.full_like(k, min(self.K, W1)), torch.zeros_like(k))
-        if s.fallback == "jacobi":
-            count = torch.where(all_ok, count, torch.clamp(k - j, max=self.K))
-        if s.draft_threshold > 0:
-            top = logp.max(dim=-1).values.gather(1, idx).exp()
-            strong = leading_matches(torch.ones_like(nxt), (top >= s.draft_threshold).long(), count)
-            count = torch.minimum(count, strong)
-        out.update(
-            j=j,
-            k=k,
-            next_drafts=nxt,
-            next_count=torch.where(v, count, rows.n_drafts),
-            next_logq=logp.gather(1, idx.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
-            if rows.draft_logq is not None
-            else None,
-            verify_rows=v,
+    def _verify(self, plan: StepPlan, logp: torch.Tensor, predicted: torch.Tensor, count: torch.Tensor):
+        """Verifying rows accept their passing drafts plus the target's token after them; next drafts."""
+        verifying = torch.as_tensor(plan.verifying, device=self.device)
+        drafts_fed = torch.as_tensor(plan.drafts, device=self.device)
+        tokens, passed = self._check_drafts(plan, logp, predicted, drafts_fed, verifying)
+        count = torch.where(verifying, passed + 1, count)
+        next_drafts = self._next_drafts(plan, logp, predicted, passed, drafts_fed, verifying)
+        return tokens, count, passed.where(verifying, torch.zeros_like(passed)), next_drafts
+
+    def _check_drafts(self, plan: StepPlan, logp, predicted, drafts_fed, verifying):
+        """How many leading drafts pass (greedy: equal to the target's argmax before them; sampling:
+        speculative sampling) and the tokens each row appends."""
+        rows = self.rows.tensors
+        widest = int(plan.drafts.max())
+        drafts = rows.drafts[:, :widest]
+        if rows.draft_log_q is None or not bool((rows.temperature > 0).any()):
+            return predicted, leading_matches(drafts, predicted, drafts_fed)
+        generators = self.rows.row_generators()
+        passed, token = speculative_accept(
+            logp[:, : widest + 1], rows.draft_log_q[:, :widest], drafts, drafts_fed, generators
         )
-        return acc_tokens, n_acc
+        greedy = rows.temperature <= 0
+        passed = torch.where(greedy, leading_matches(drafts, predicted, drafts_fed), passed)
+        token = torch.where(greedy, predicted.gather(1, passed.unsqueeze(1)).squeeze(1), token)
+        width = predicted.shape[1]
+        columns = torch.arange(width, device=self.device).unsqueeze(0)
+        drafted = torch.nn.functional.pad(rows.drafts, (0, max(0, width - self.max_drafts)))[:, :width]
+        appended = torch.where(columns < passed.unsqueeze(1), drafted, token.unsqueeze(1))
+        return torch.where(verifying.unsqueeze(1), appended, predicted), passed
 
-    def _commit_and_retire(self, plan: dict, acc: dict) -> list[StepEvent]:
-        s, rows, dev = self.settings, self.rows, self.device
-        P = plan["P"]
-        n_acc, acc_tokens, hit_eos = acc["n_acc"], acc["acc_tokens"], acc["hit_eos"]
-        ks = torch.arange(P, device=dev)
-        trash = rows.width - 1
-        dst = torch.where(ks.unsqueeze(0) < n_acc.unsqueeze(1), rows.n.unsqueeze(1) + ks, trash)
-        rows.seq.scatter_(1, dst, acc_tokens[:, :P])
-        n_old = rows.n
+    def _next_drafts(self, plan: StepPlan, logp, predicted, passed, drafts_fed, verifying) -> NextDrafts:
+        """The masks' predictions when every draft passed (they followed the right text), else the fallback:
+        none, or the target's unverified predictions after the rejected draft (Jacobi-style guesses)."""
+        s, rows, dev = self.settings, self.rows.tensors, self.device
+        all_passed = (passed == drafts_fed) & torch.as_tensor(plan.draft_masks > 0, device=dev)
+        first = torch.where(all_passed, drafts_fed + 1, passed + 1)
+        read = (first.unsqueeze(1) + torch.arange(self.max_drafts, device=dev)).clamp_max(predicted.shape[1] - 1)
+        tokens = predicted.gather(1, read)
+        from_masks = min(self.max_drafts, self.window - 1)
+        count = torch.where(all_passed, torch.full_like(drafts_fed, from_masks), torch.zeros_like(drafts_fed))
+        if s.fallback == "jacobi":
+            count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))
+        if s.draft_threshold > 0:
+            top = logp.max(dim=-1).values.gather(1, read).exp()
+            strong = leading_matches(torch.ones_like(tokens), (top >= s.draft_threshold).long(), count)
+            count = torch.minimum(count, strong)
+        log_q = None
+        if rows.draft_log_q is not None:
+            log_q = logp.gather(1, read.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
+        return NextDrafts(tokens, torch.where(verifying, count, rows.draft_count), log_q)
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, plan: StepPlan, accepted: Acceptance) -> Committed:
+        """Append the accepted tokens, move the KV cursors, keep the next drafts and guesses; one host sync."""
+        rows, dev = self.rows.tensors, self.device
+        width = plan.prediction_width
+        steps = torch.arange(width, device=dev)
+        trash = self.rows.width - 1
+        target = torch.where(steps.unsqueeze(0) < accepted.count.unsqueeze(1), rows.length.unsqueeze(1) + steps, trash)
+        rows.tokens.scatter_(1, target, accepted.tokens[:, :width])
         # KV cursor: real tokens fed this step are committed (cursor; block at a block boundary);
         # verified drafts were fed with the right prefix, so theirs are committed too.
-        verified = (
-            acc["j"].where(acc["verify_rows"], torch.zeros_like(n_acc)) if "j" in acc else torch.zeros_like(n_acc)
-        )
-        if s.cache == "cursor" or (s.cache == "block" and plan["commit"]):
-            rows.start = n_old + verified
-        rows.n = n_old + n_acc
-        done = hit_eos | (rows.n >= rows.end)
-        if self.G and P > 1:
-            nxt = (n_acc.unsqueeze(1) + torch.arange(self.G, device=dev)).clamp_max(P - 1)
-            rows.guess = acc["tokens"].gather(1, nxt)
-        if "next_drafts" in acc:  # rows that did not verify this step (waiting) keep their drafts
-            v = acc["verify_rows"]
-            rows.drafts = torch.where(v.unsqueeze(1), acc["next_drafts"], rows.drafts)
-            rows.n_drafts = acc["next_count"]
-            if acc["next_logq"] is not None:
-                rows.draft_logq = torch.where(v.view(-1, 1, 1), acc["next_logq"], rows.draft_logq)
-        # the one host sync: counts, flags and the accepted tokens
-        parts = [n_acc, done.long(), hit_eos.long(), rows.start, rows.n_drafts]
-        if "j" in acc:
-            parts.append(acc["j"])
-        host = torch.cat([torch.stack(parts, dim=1), acc_tokens[:, :P]], dim=1).cpu().numpy()
-        width = len(parts)
-        n_acc_h, done_h, eos_h = host[:, 0], host[:, 1].astype(bool), host[:, 2].astype(bool)
-        rows.start_h, rows.n_drafts_h = host[:, 3].copy(), host[:, 4].copy()
-        rows.n_h = rows.n_h + n_acc_h
-        if "j" in acc:
-            self._draft_stats(plan["k_h"], host[:, 5], plan["v_h"])
+        if self.settings.cache == "cursor" or (self.settings.cache == "block" and plan.commit):
+            rows.cached = rows.length + accepted.verified
+        rows.length = rows.length + accepted.count
+        done = accepted.hit_eos | (rows.length >= rows.end)
+        self._keep_proposals(plan, accepted)
+        committed = self._sync(accepted, done, width)
+        if plan.verifying.any():
+            self._draft_stats(plan, committed.verified)
+        return committed
 
+    def _keep_proposals(self, plan: StepPlan, accepted: Acceptance) -> None:
+        """Jacobi's next guesses; verifying rows' next drafts (rows that did not verify keep theirs)."""
+        rows, width = self.rows.tensors, plan.prediction_width
+        if self.guess_slots and width > 1:
+            read = (accepted.count.unsqueeze(1) + torch.arange(self.guess_slots, device=self.device)).clamp_max(
+                width - 1
+            )
+            rows.guesses = accepted.predicted.gather(1, read)
+        nxt = accepted.next_drafts
+        if nxt is None:
+            return
+        verifying = torch.as_tensor(plan.verifying, device=self.device)
+        rows.drafts = torch.where(verifying.unsqueeze(1), nxt.tokens, rows.drafts)
+        rows.draft_count = nxt.count
+        if nxt.log_q is not None:
+            rows.draft_log_q = torch.where(verifying.view(-1, 1, 1), nxt.log_q, rows.draft_log_q)
+
+    def _sync(self, accepted: Acceptance, done: torch.Tensor, width: int) -> Committed:
+        """The step's one host transfer: counts, flags, cursors, drafts and the accepted tokens."""
+        rows, host = self.rows.tensors, self.rows.host
+        counts = [
+            accepted.count,
+            done.long(),
+            accepted.hit_eos.long(),
+            rows.cached,
+            rows.draft_count,
+            accepted.verified,
+        ]
+        synced = torch.cat([torch.stack(counts, dim=1), rows.drafts, accepted.tokens[:, :width]], dim=1).cpu().numpy()
+        count, drafts_end = synced[:, 0], len(counts) + self.max_drafts
+        host.cached, host.draft_count = synced[:, 3].copy(), synced[:, 4].copy()
+        host.drafts = synced[:, len(counts) : drafts_end].copy()
+        self.drafter.advance(host.length + synced[:, 5])  # the text is right up to there
+        host.length = host.length + count
+        done_host, eos_host = synced[:, 1].astype(bool), synced[:, 2].astype(bool)
+        return Committed(count, done_host, eos_host, synced[:, 5], synced[:, drafts_end:])
+
+    def _draft_stats(self, plan: StepPlan, verified: np.ndarray) -> None:
+        records = self.rows.records
+        for i in np.flatnonzero(plan.verifying & (plan.drafts > 0)):
+            for position in range(int(plan.drafts[i])):
+                records.proposed[i][position] += 1
+                if position < verified[i]:
+                    records.accepted[i][position] += 1
+
+    # ------------------------------------------------------------------ emit and retire
+    def _emit(self, committed: Committed) -> list[StepEvent]:
+        """Each row's new tokens after its stop strings, as events; rows that are done retire."""
+        rows, records, done = self.rows, self.rows.records, committed.done
         events: list[StepEvent] = []
         reasons: dict[int, str] = {}
         for i in range(len(rows)):
-            new = host[i, width : width + n_acc_h[i]].tolist()
-            stops = rows.requests[i].stops
-            if stops is not None and new and not done_h[i]:
-                try:
-                    keep = stops.completion_index(self.out_h[i] + new, len(new))
-                except Exception:  # a request's own failure must not stop the others
-                    keep, reasons[i] = 0, "error"
-                    done_h[i] = True
-                if keep is not None:
-                    cut = keep - len(self.out_h[i])
-                    new = new[: max(cut, 0)]
-                    rows.n_h[i] = rows.plen_h[i] + len(self.out_h[i]) + len(new)
-                    done_h[i] = True
-                    reasons.setdefault(i, "stop")
-            self.out_h[i].extend(new)
+            new = committed.tokens[i, : committed.count[i]].tolist()
+            if records.requests[i].stops is not None and new and not done[i]:
+                new, reason = self._apply_stops(i, new)
+                if reason is not None:
+                    done[i], reasons[i] = True, reason
+            records.outputs[i].extend(new)
             # a MARS row's tokens after the first of a step came from masks (verified and Jacobi ones did not)
-            from_mask = not self.G and not rows.verify_h[i]
-            self.mask_h[i].extend(from_mask and k > 0 for k in range(len(new)))
-            if done_h[i] and i not in reasons:
-                reasons[i] = "eos" if eos_h[i] else "length"
-            events.append(StepEvent(rows.requests[i], new, self.forwards))
-        if done_h.any():
-            events = self._retire(done_h, reasons, events)
+            from_mask = not self.guess_slots and not rows.host.verify[i]
+            records.from_mask[i].extend(from_mask and k > 0 for k in range(len(new)))
+            if done[i] and i not in reasons:
+                reasons[i] = "eos" if committed.hit_eos[i] else "length"
+            events.append(StepEvent(records.requests[i], new, self.forwards))
+        if done.any():
+            events = self._retire(done, reasons, events)
         return events
 
-    def _draft_stats(self, k_h: np.ndarray, j_h: np.ndarray, v_h: np.ndarray) -> None:
-        for i in np.flatnonzero(v_h & (k_h > 0)):
-            for pos in range(int(k_h[i])):
-                self.rows.proposed[i][pos] += 1
-                if pos < j_h[i]:
-                    self.rows.accepted[i][pos] += 1
-
-    def _retire(self, done_h: np.ndarray, reasons: dict[int, str], events: list[StepEvent]) -> list[StepEvent]:
+    def _apply_stops(self, i: int, new: list[int]) -> tuple[list[int], str | None]:
+        """Row ``i``'s new tokens cut at a stop string, and ``stop`` (or ``error``) when it ends there."""
         rows = self.rows
-        for i in np.flatnonzero(done_h):
+        outputs = rows.records.outputs[i]
+        reason = "stop"
+        try:
+            keep = rows.records.requests[i].stops.completion_index(outputs + new, len(new))
+        except Exception:  # a request's own failure must not stop the others
+            keep, reason = 0, "error"
+        if keep is None:
+            return new, None
+        new = new[: max(keep - len(outputs), 0)]
+        rows.host.length[i] = rows.host.prompt_length[i] + len(outputs) + len(new)
+        return new, reason
+
+    def _retire(self, done: np.ndarray, reasons: dict[int, str], events: list[StepEvent]) -> list[StepEvent]:
+        rows, records = self.rows, self.rows.records
+        for i in np.flatnonzero(done):
             events[i].finished = Finished(
-                rows.requests[i],
-                list(self.out_h[i]),
-                int(rows.forwards_h[i]),
+                records.requests[i],
+                list(records.outputs[i]),
+                int(rows.host.forwards[i]),
                 reasons[i],
-                list(rows.proposed[i]),
-                list(rows.accepted[i]),
-                list(self.mask_h[i]),
+                list(records.proposed[i]),
+                list(records.accepted[i]),
+                list(records.from_mask[i]),
             )
-        keep_h = np.flatnonzero(~done_h)
-        rows.keep(keep_h)
-        self.out_h = [self.out_h[i] for i in keep_h]
-        self.mask_h = [self.mask_h[i] for i in keep_h]
-        if self.cache is not None and len(keep_h) < len(done_h):
-            self.cache.select_rows(torch.as_tensor(keep_h, dtype=torch.long, device=self.device))
+        keep = np.flatnonzero(~done)
+        rows.keep(keep)
+        if self.cache is not None and len(keep) < len(done):
+            self.cache.select_rows(torch.as_tensor(keep, dtype=torch.long, device=self.device))
+        self.drafter.keep(keep)
         return events
 
     def _retire_cancelled(self) -> list[StepEvent]:
-        cancelled = np.array([r.cancelled for r in self.rows.requests], dtype=bool)
+        cancelled = np.array([r.cancelled for r in self.rows.records.requests], dtype=bool)
         if not cancelled.any():
             return []
-        events = [StepEvent(r, [], self.forwards) for r in self.rows.requests]
+        events = [StepEvent(r, [], self.forwards) for r in self.rows.records.requests]
         events = self._retire(cancelled, {int(i): "cancelled" for i in np.flatnonzero(cancelled)}, events)
         return [e for e in events if e.finished is not None]

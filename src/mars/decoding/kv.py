@@ -74,19 +74,27 @@ class RaggedKVLayer(CacheLayerMixin):
             self.keys = self.keys.index_select(0, rows)
             self.values = self.values.index_select(0, rows)
 
-    def extend(self, other: RaggedKVLayer) -> None:
-        if not other.is_initialized:
+    def extend(self, other: RaggedKVLayer, rows: int, other_rows: int) -> None:
+        """Append ``other``'s ``other_rows`` rows after this layer's ``rows`` (a side whose rows never ran a
+        forward has no buffers yet: it gets zeros, which no row reads before writing them)."""
+        if not other.is_initialized and not self.is_initialized:
             return
         if not self.is_initialized:
-            self.keys, self.values = other.keys, other.values
+            self.keys = other.keys.new_zeros((rows, *other.keys.shape[1:]))
+            self.values = other.values.new_zeros((rows, *other.values.shape[1:]))
             self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
-            return
-        width = max(self.keys.shape[2], other.keys.shape[2])
-        for layer in (self, other):
-            if layer.keys.shape[2] < width:
-                layer._pad_positions(width)
-        self.keys = torch.cat([self.keys, other.keys])
-        self.values = torch.cat([self.values, other.values])
+        keys, values = other.keys, other.values
+        if not other.is_initialized:
+            keys = self.keys.new_zeros((other_rows, *self.keys.shape[1:]))
+            values = self.values.new_zeros((other_rows, *self.values.shape[1:]))
+        width = max(self.keys.shape[2], keys.shape[2])
+        if self.keys.shape[2] < width:
+            self._pad_positions(width)
+        if keys.shape[2] < width:
+            pad = (0, 0, 0, width - keys.shape[2])
+            keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
+        self.keys = torch.cat([self.keys, keys])
+        self.values = torch.cat([self.values, values])
 
     def add_rows(self, count: int) -> None:
         if self.is_initialized:
@@ -103,6 +111,7 @@ class RaggedKVCache(Cache):
         self.write_positions: torch.Tensor | None = None
         self.single_row_start: int | None = None
         self.kv_length = 0
+        self.rows = 0  # rows held (their buffers exist once a forward has run)
         super().__init__(layers=[RaggedKVLayer(self) for _ in range(num_layers)])
 
     def prepare_step(self, write_positions: torch.Tensor, kv_length: int) -> None:
@@ -123,6 +132,7 @@ class RaggedKVCache(Cache):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (drop finished ones from the batch)."""
+        self.rows = len(rows)
         for layer in self.layers:
             layer.select_rows(rows)
 
@@ -130,9 +140,11 @@ class RaggedKVCache(Cache):
         """Append ``other``'s rows (a group prefilled on its own joins the running batch)."""
         self.capacity = max(self.capacity, other.capacity)
         for mine, theirs in zip(self.layers, other.layers):
-            mine.extend(theirs)
+            mine.extend(theirs, self.rows, other.rows)
+        self.rows += other.rows
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows (requests joining the running batch)."""
+        self.rows += count
         for layer in self.layers:
             layer.add_rows(count)

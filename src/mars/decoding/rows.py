@@ -1,21 +1,24 @@
 """The state of the rows a decoding engine is working on: one object instead of parallel arrays.
 
 A :class:`Request` is what a caller asks for (prompt ids and its own knobs: threshold, budget, stop
-strings, temperature, seed, verification).  :class:`RowBatch` holds every live row's state as tensors
-on the model's device (for the vectorised step) with host mirrors of the integers the scheduler reads
-each step, and the per-row Python objects (request, generator, stop strings).  Rows join with
-:meth:`RowBatch.add` and leave with :meth:`RowBatch.keep`; every field is indexed in one place.
+strings, temperature, seed, verification).  :class:`RowBatch` holds every live row's state in three
+groups, each a dataclass whose fields are declared once: :class:`RowTensors` on the model's device (for
+the vectorised step), :class:`RowMirrors`, host copies of the integers the scheduler reads every step
+(no device sync), and :class:`RowRecords`, the per-row Python objects (request, generator, outputs, draft
+statistics).  Rows join with :meth:`RowBatch.add` / :meth:`RowBatch.extend` and leave with
+:meth:`RowBatch.keep`, which walk those declarations, so a new per-row field is one line in its group.
 
-Per row: ``seq`` holds the prompt and the accepted tokens (``n`` of them); ``start`` is how many of
-them are already in the KV cache (0 without a cache); the next step feeds ``seq[start:n]``, then the
-row's drafts (verification), then its masks or Jacobi guesses.
+Per row: ``tokens`` holds the prompt and the accepted tokens (``length`` of them); ``cached`` is how many
+of them are already in the KV cache (0 without a cache); the next step feeds ``tokens[cached:length]``,
+then the row's drafts (verification), then its masks or Jacobi guesses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -55,96 +58,169 @@ class Finished:
     from_mask: list[bool] = field(default_factory=list)  # per token: accepted from a mask prediction
 
 
-class RowBatch:
-    """Live rows; see the module docstring."""
+@dataclass
+class RowTensors:
+    """Per-row state on the model's device, one entry (first axis) per row."""
 
-    def __init__(self, device: torch.device, mask_id: int, max_drafts: int, guesses: int):
+    tokens: torch.Tensor  # [rows, width]: the prompt, the accepted tokens, then padding (the mask token)
+    length: torch.Tensor  # tokens held: prompt + accepted
+    cached: torch.Tensor  # of them already in the KV cache: the next step feeds tokens[cached:length]
+    end: torch.Tensor  # prompt length + budget
+    threshold: torch.Tensor  # float32
+    cap: torch.Tensor  # tokens a step may accept
+    temperature: torch.Tensor  # float32
+    verify: torch.Tensor  # bool
+    drafts: torch.Tensor  # [rows, max_drafts]: what the next step verifies
+    draft_count: torch.Tensor  # how many of ``drafts`` are real
+    guesses: torch.Tensor  # [rows, guess_slots]: Jacobi's current guesses
+    draft_log_q: torch.Tensor | None  # [rows, max_drafts, vocab] once a verifying row samples: each draft's source
+
+
+@dataclass
+class RowMirrors:
+    """Host copies of what the scheduler reads every step, refreshed by the step's one host sync."""
+
+    length: np.ndarray
+    cached: np.ndarray
+    prompt_length: np.ndarray
+    end: np.ndarray
+    cap: np.ndarray
+    verify: np.ndarray  # bool
+    draft_count: np.ndarray
+    drafts: np.ndarray  # [rows, max_drafts]
+    forwards: np.ndarray  # forwards the row took part in
+
+
+@dataclass
+class RowRecords:
+    """Per-row Python objects."""
+
+    requests: list[Request]
+    generators: list[torch.Generator | None]
+    proposed: list[list[int]]  # drafts proposed, per draft position
+    accepted: list[list[int]]  # drafts accepted, per draft position
+    outputs: list[list[int]]  # generated ids after the stop rules (what streaming has sent)
+    from_mask: list[list[bool]]  # per generated id: accepted from a mask prediction (neither AR nor verified)
+
+
+Group = TypeVar("Group", RowTensors, RowMirrors, RowRecords)
+
+
+def _concat(first: Group, second: Group, first_rows: int, second_rows: int) -> Group:
+    """Rows of ``first`` then ``second``, field by field (an optional tensor missing on one side is zeros)."""
+    values = {}
+    for f in dataclasses.fields(first):
+        a, b = getattr(first, f.name), getattr(second, f.name)
+        if a is None and b is None:
+            values[f.name] = None
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            a = b.new_zeros((first_rows, *b.shape[1:])) if a is None else a
+            b = a.new_zeros((second_rows, *a.shape[1:])) if b is None else b
+            values[f.name] = torch.cat([a, b])
+        elif isinstance(a, np.ndarray):
+            values[f.name] = np.concatenate([a, b])
+        else:
+            values[f.name] = [*a, *b]
+    return type(first)(**values)
+
+
+def _select(group: Group, keep_host: np.ndarray, keep_device: torch.Tensor) -> Group:
+    """The rows ``keep`` of ``group``, in that order (an optional tensor stays None, or None with no rows)."""
+    values = {}
+    for f in dataclasses.fields(group):
+        value = getattr(group, f.name)
+        if value is None or (f.name == "draft_log_q" and not len(keep_host)):
+            values[f.name] = None
+        elif isinstance(value, torch.Tensor):
+            values[f.name] = value[keep_device]
+        elif isinstance(value, np.ndarray):
+            values[f.name] = value[keep_host]
+        else:
+            values[f.name] = [value[i] for i in keep_host]
+    return type(group)(**values)
+
+
+class RowBatch:
+    """Live rows; see the module docstring.  ``max_drafts`` draft slots (verification) and ``guess_slots``
+    Jacobi guesses per row."""
+
+    def __init__(self, device: torch.device, mask_id: int, max_drafts: int, guess_slots: int):
         self.device = device
         self.mask_id = int(mask_id)
-        self.K = int(max_drafts)  # draft slots per row (verification)
-        self.G = int(guesses)  # Jacobi guess slots per row
-        self.width = 1  # seq buffer width (grows)
-        self.seq = torch.empty((0, self.width), dtype=torch.long, device=device)
-        self.n = torch.empty(0, dtype=torch.long, device=device)
-        self.start = torch.empty(0, dtype=torch.long, device=device)
-        self.end = torch.empty(0, dtype=torch.long, device=device)  # prompt length + budget
-        self.thr = torch.empty(0, dtype=torch.float32, device=device)
-        self.cap = torch.empty(0, dtype=torch.long, device=device)  # tokens a step may accept
-        self.temp = torch.empty(0, dtype=torch.float32, device=device)
-        self.verify = torch.empty(0, dtype=torch.bool, device=device)
-        self.drafts = torch.empty((0, self.K), dtype=torch.long, device=device)
-        self.n_drafts = torch.empty(0, dtype=torch.long, device=device)
-        self.draft_logq: torch.Tensor | None = None  # [rows, K, vocab] when some verifying row samples
-        self.guess = torch.empty((0, self.G), dtype=torch.long, device=device)
-        # host mirrors and per-row objects
-        self.n_h = np.zeros(0, dtype=np.int64)
-        self.start_h = np.zeros(0, dtype=np.int64)
-        self.plen_h = np.zeros(0, dtype=np.int64)
-        self.end_h = np.zeros(0, dtype=np.int64)
-        self.cap_h = np.zeros(0, dtype=np.int64)
-        self.verify_h = np.zeros(0, dtype=bool)
-        self.n_drafts_h = np.zeros(0, dtype=np.int64)
-        self.forwards_h = np.zeros(0, dtype=np.int64)
-        self.requests: list[Request] = []
-        self.generators: list[torch.Generator | None] = []
-        self.proposed: list[list[int]] = []  # drafts proposed per draft position, per row
-        self.accepted: list[list[int]] = []
+        self.max_drafts = int(max_drafts)
+        self.guess_slots = int(guess_slots)
+        self.width = 1  # tokens buffer width (grows)
+        self.tensors, self.host, self.records = self._new_rows([], [])
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.records.requests)
 
     @property
     def sampling(self) -> bool:
-        return bool((self.temp > 0).any()) if len(self) else False
+        return bool((self.tensors.temperature > 0).any()) if len(self) else False
 
     # ------------------------------------------------------------------ joining and leaving
     def add(self, requests: list[Request], caps: list[int], extra: int) -> None:
         """Append rows; ``extra`` is the room a step needs past a row's budget (window + drafts + trash)."""
         if not requests:
             return
-        dev = self.device
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + extra
         if need > self.width:
             self._grow(max(need, int(self.width * 1.5)))
-        seq = torch.full((len(requests), self.width), self.mask_id, dtype=torch.long, device=dev)
+        joining = RowBatch(self.device, self.mask_id, self.max_drafts, self.guess_slots)
+        joining.width = self.width
+        joining.tensors, joining.host, joining.records = joining._new_rows(requests, caps)
+        self.extend(joining)
+
+    def _new_rows(self, requests: list[Request], caps: list[int]) -> tuple[RowTensors, RowMirrors, RowRecords]:
+        """The three groups for fresh rows (nothing accepted, nothing cached, no drafts)."""
+        dev, count = self.device, len(requests)
+        prompt_length = np.array([len(r.prompt_ids) for r in requests], dtype=np.int64)
+        end = prompt_length + np.array([r.max_new_tokens for r in requests], dtype=np.int64)
+        zeros = np.zeros(count, dtype=np.int64)
+        tokens = torch.full((count, self.width), self.mask_id, dtype=torch.long, device=dev)
         for i, r in enumerate(requests):
-            seq[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long, device=dev)
-        plen = np.array([len(r.prompt_ids) for r in requests], dtype=np.int64)
-        end = plen + np.array([r.max_new_tokens for r in requests], dtype=np.int64)
-        last = seq.gather(1, torch.as_tensor(plen - 1, device=dev).unsqueeze(1))
+            tokens[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long, device=dev)
+        last_prompt_token = tokens.gather(1, torch.as_tensor(prompt_length - 1, device=dev).unsqueeze(1))
+        drafts = torch.full((count, self.max_drafts), self.mask_id, dtype=torch.long, device=dev)
 
-        def cat(old: torch.Tensor, new) -> torch.Tensor:
-            return torch.cat([old, torch.as_tensor(new, dtype=old.dtype, device=dev)])
+        def on_device(values, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values), dtype=dtype, device=dev)
 
-        self.seq = torch.cat([self.seq, seq])
-        self.n = cat(self.n, plen)
-        self.start = cat(self.start, np.zeros(len(requests), dtype=np.int64))
-        self.end = cat(self.end, end)
-        self.thr = cat(self.thr, [r.threshold for r in requests])
-        self.cap = cat(self.cap, caps)
-        self.temp = cat(self.temp, [r.temperature for r in requests])
-        self.verify = cat(self.verify, [r.verify for r in requests])
-        self.drafts = torch.cat([self.drafts, torch.full((len(requests), self.K), self.mask_id, device=dev)])
-        self.n_drafts = cat(self.n_drafts, np.zeros(len(requests), dtype=np.int64))
-        if self.draft_logq is not None:
-            self.draft_logq = torch.cat(
-                [self.draft_logq, self.draft_logq.new_zeros((len(requests), *self.draft_logq.shape[1:]))]
-            )
-        # Jacobi's first guesses: the last prompt token repeated
-        self.guess = torch.cat([self.guess, last.expand(-1, self.G)])
-        self.n_h = np.concatenate([self.n_h, plen])
-        self.start_h = np.concatenate([self.start_h, np.zeros(len(requests), dtype=np.int64)])
-        self.plen_h = np.concatenate([self.plen_h, plen])
-        self.end_h = np.concatenate([self.end_h, end])
-        self.cap_h = np.concatenate([self.cap_h, np.asarray(caps, dtype=np.int64)])
-        self.verify_h = np.concatenate([self.verify_h, [r.verify for r in requests]]).astype(bool)
-        self.n_drafts_h = np.concatenate([self.n_drafts_h, np.zeros(len(requests), dtype=np.int64)])
-        self.forwards_h = np.concatenate([self.forwards_h, np.zeros(len(requests), dtype=np.int64)])
-        for r in requests:
-            self.requests.append(r)
-            self.generators.append(_generator(r.seed, dev) if r.temperature > 0 else None)
-            self.proposed.append([0] * self.K)
-            self.accepted.append([0] * self.K)
+        tensors = RowTensors(
+            tokens=tokens,
+            length=on_device(prompt_length, torch.long),
+            cached=on_device(zeros, torch.long),
+            end=on_device(end, torch.long),
+            threshold=on_device([r.threshold for r in requests], torch.float32),
+            cap=on_device(caps, torch.long),
+            temperature=on_device([r.temperature for r in requests], torch.float32),
+            verify=on_device([r.verify for r in requests], torch.bool),
+            drafts=drafts,
+            draft_count=on_device(zeros, torch.long),
+            guesses=last_prompt_token.expand(-1, self.guess_slots),  # Jacobi's first guesses: the last prompt token
+            draft_log_q=None,
+        )
+        host = RowMirrors(
+            length=prompt_length.copy(),
+            cached=zeros.copy(),
+            prompt_length=prompt_length,
+            end=end,
+            cap=np.asarray(caps, dtype=np.int64),
+            verify=np.array([r.verify for r in requests], dtype=bool),
+            draft_count=zeros.copy(),
+            drafts=np.full((count, self.max_drafts), self.mask_id, dtype=np.int64),
+            forwards=zeros.copy(),
+        )
+        records = RowRecords(
+            requests=list(requests),
+            generators=[_generator(r.seed, dev) if r.temperature > 0 else None for r in requests],
+            proposed=[[0] * self.max_drafts for _ in requests],
+            accepted=[[0] * self.max_drafts for _ in requests],
+            outputs=[[] for _ in requests],
+            from_mask=[[] for _ in requests],
+        )
+        return tensors, host, records
 
     def extend(self, other: RowBatch) -> None:
         """Append ``other``'s rows (a prefilled group joining the running batch)."""
@@ -154,43 +230,36 @@ class RowBatch:
             self._grow(other.width)
         elif self.width > other.width:
             other._grow(self.width)
-        if (self.draft_logq is None) != (other.draft_logq is None):
-            for batch in (self, other):
-                if batch.draft_logq is None:
-                    vocab = (other.draft_logq if batch is self else self.draft_logq).shape[-1]
-                    batch.draft_logq = torch.zeros((len(batch), self.K, vocab), device=self.device)
-        for name in ("seq", "n", "start", "end", "thr", "cap", "temp", "verify", "drafts", "n_drafts", "guess"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        if self.draft_logq is not None:
-            self.draft_logq = torch.cat([self.draft_logq, other.draft_logq])
-        for name in ("n_h", "start_h", "plen_h", "end_h", "cap_h", "verify_h", "n_drafts_h", "forwards_h"):
-            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
-        for name in ("requests", "generators", "proposed", "accepted"):
-            getattr(self, name).extend(getattr(other, name))
+        mine, theirs = len(self), len(other)
+        self.tensors = _concat(self.tensors, other.tensors, mine, theirs)
+        self.host = _concat(self.host, other.host, mine, theirs)
+        self.records = _concat(self.records, other.records, mine, theirs)
+
+    def keep(self, keep_host: np.ndarray) -> None:
+        """Keep only the rows ``keep_host`` (host indices), in that order."""
+        keep_device = torch.as_tensor(keep_host, dtype=torch.long, device=self.device)
+        self.tensors = _select(self.tensors, keep_host, keep_device)
+        self.host = _select(self.host, keep_host, keep_device)
+        self.records = _select(self.records, keep_host, keep_device)
 
     def _grow(self, width: int) -> None:
-        pad = torch.full((self.seq.shape[0], width - self.width), self.mask_id, dtype=torch.long, device=self.device)
-        self.seq = torch.cat([self.seq, pad], dim=1)
+        tokens = self.tensors.tokens
+        pad = torch.full((tokens.shape[0], width - self.width), self.mask_id, dtype=torch.long, device=self.device)
+        self.tensors.tokens = torch.cat([tokens, pad], dim=1)
         self.width = width
 
-    def keep(self, keep_h: np.ndarray) -> None:
-        """Keep only the rows ``keep_h`` (host indices), in that order."""
-        keep = torch.as_tensor(keep_h, dtype=torch.long, device=self.device)
-        for name in ("seq", "n", "start", "end", "thr", "cap", "temp", "verify", "drafts", "n_drafts", "guess"):
-            setattr(self, name, getattr(self, name)[keep])
-        if self.draft_logq is not None:
-            self.draft_logq = self.draft_logq[keep] if len(keep_h) else None
-        for name in ("n_h", "start_h", "plen_h", "end_h", "cap_h", "verify_h", "n_drafts_h", "forwards_h"):
-            setattr(self, name, getattr(self, name)[keep_h])
-        for name in ("requests", "generators", "proposed", "accepted"):
-            setattr(self, name, [getattr(self, name)[i] for i in keep_h])
+    def ensure_draft_distributions(self, vocab: int) -> None:
+        """Room for the distribution each draft was sampled from (speculative sampling needs it)."""
+        if self.tensors.draft_log_q is None and self.max_drafts:
+            shape = (len(self), self.max_drafts, vocab)
+            self.tensors.draft_log_q = torch.zeros(shape, device=self.device)
 
     # ------------------------------------------------------------------ reading out
     def generated(self, i: int) -> list[int]:
-        return self.seq[i, self.plen_h[i] : self.n_h[i]].tolist()
+        return self.tensors.tokens[i, self.host.prompt_length[i] : self.host.length[i]].tolist()
 
     def row_generators(self) -> list[torch.Generator | None] | None:
-        return self.generators if self.sampling else None
+        return self.records.generators if self.sampling else None
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

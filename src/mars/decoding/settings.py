@@ -18,6 +18,7 @@ DECODERS = ("mars", "ar", "jacobi")
 CACHES = ("none", "block", "cursor")
 METRICS = ("probability", "entropy", "margin")
 FALLBACKS = ("none", "jacobi")
+DRAFT_SOURCES = ("masks", "model", "lookup")
 AR_CACHES = ("dynamic", "static")
 # Keys of a decoding config that are not decoding settings: the config's name and the batch size
 # (which changes timings, never outputs).
@@ -104,7 +105,10 @@ class DecodingSettings:
         ),
     )
     draft_length: int | None = field(
-        default=None, metadata=_help("drafts verified per step with verify=True (default window - 1)")
+        default=None,
+        metadata=_help(
+            "drafts verified per step with verify=True (default: window - 1 with draft_source=masks, else block_size)"
+        ),
     )
     draft_threshold: float = field(
         default=0.0,
@@ -118,6 +122,28 @@ class DecodingSettings:
         metadata=_help(
             "verify=True, after a rejected draft: none (the next step drafts from its masks) or jacobi "
             "(the unverified AR predictions become the next drafts)"
+        ),
+    )
+    draft_source: str = field(
+        default="masks",
+        metadata=_help(
+            "where verified rows' drafts come from: masks (the checkpoint's own mask predictions), model (a draft "
+            "model, draft_model=) or lookup (n-grams of the prompt and the output so far); the masks' predictions "
+            "extend the drafts of the other two (window=1: none, plain speculative decoding)"
+        ),
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata=_help(
+            "draft_source=model: a causal LM sharing the tokenizer (hub id or local directory), 'self' (the "
+            "target itself: the acceptance upper bound) or 'self:N' (the target's first N layers, weights shared)"
+        ),
+    )
+    lookup_ngram: int = field(
+        default=3,
+        metadata=_help(
+            "draft_source=lookup: the last n tokens are looked up earlier in the prompt and output; the tokens "
+            "that followed their latest occurrence are the drafts"
         ),
     )
     full_window: bool = field(
@@ -135,7 +161,7 @@ class DecodingSettings:
         validate_metric(self.metric)
         if self.cache not in CACHES:
             raise ValueError(f"unknown cache strategy {self.cache!r}; choose one of {list(CACHES)}")
-        for name in ("block_size", "max_new_tokens", "cache_block"):
+        for name in ("block_size", "max_new_tokens", "cache_block", "lookup_ngram"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -166,8 +192,24 @@ class DecodingSettings:
             raise ValueError(f"draft_threshold must be a number in [0, 1], got {dt!r}")
         if self.draft_length is not None and (not _is_int(self.draft_length) or self.draft_length < 1):
             raise ValueError(f"draft_length must be None or an integer >= 1, got {self.draft_length!r}")
+        self._check_draft_source()
         if self.verify:
             self._check_verify()
+
+    def _check_draft_source(self) -> None:
+        if self.draft_source not in DRAFT_SOURCES:
+            raise ValueError(f"unknown draft_source {self.draft_source!r}; choose one of {list(DRAFT_SOURCES)}")
+        if (self.draft_source == "model") != (self.draft_model is not None):
+            raise ValueError(
+                "draft_source='model' needs draft_model= (a model name or path, 'self' or 'self:N')"
+                if self.draft_source == "model"
+                else f"draft_model={self.draft_model!r} is read only with draft_source='model'"
+            )
+        model = self.draft_model
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise ValueError(f"draft_model must be a model name or path, 'self' or 'self:N', got {model!r}")
+        if isinstance(model, str) and model.startswith("self:") and not (model[5:].isdigit() and int(model[5:]) >= 1):
+            raise ValueError(f"draft_model={model!r}: 'self:N' takes the target's first N layers, N an integer >= 1")
 
     def _check_verify(self) -> None:
         if self.decoder != "mars":
@@ -181,7 +223,7 @@ class DecodingSettings:
                 f"verify=True output is exactly greedy AR, so a threshold of {self.threshold:g} means nothing there; "
                 f"leave threshold at {reference_threshold(self.metric):g} (draft_threshold filters weak drafts)"
             )
-        if self.window is not None and self.window < 2:
+        if self.window is not None and self.window < 2 and self.draft_source == "masks":
             raise ValueError("verify=True needs window >= 2 (at least one mask to draft from)")
 
     # ------------------------------------------------------------------ derived values
@@ -192,10 +234,14 @@ class DecodingSettings:
 
     @property
     def effective_draft_length(self) -> int:
-        """Drafts verified per step (verify mode): ``draft_length`` or ``window - 1``."""
+        """Drafts verified per step (verify mode): ``draft_length``, else ``window - 1`` (as many as the masks
+        predict) with the masks as source and ``block_size`` with another source."""
+        if self.draft_length is not None:
+            return self.draft_length
+        if self.draft_source != "masks":
+            return self.block_size
         window = self.effective_window
-        base = (window if isinstance(window, int) else self.cache_block) - 1
-        return base if self.draft_length is None else self.draft_length
+        return (window if isinstance(window, int) else self.cache_block) - 1
 
     @property
     def reference(self) -> float:

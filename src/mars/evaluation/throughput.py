@@ -14,6 +14,13 @@ Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), 
 (a MARS checkpoint; its block size is read from ``mars_config.json``), or ``--arch-preset
 qwen2.5-0.5b|qwen2.5-7b``: a model with the real Qwen2.5 shapes and random weights built from a config
 (no download; timing only), with the embedded tokenizer.
+
+Draft sources (``--draft-sources lookup,lookup+masks,model,model+masks``): verified decoding whose drafts come
+from prompt lookup or a draft model (``--draft-model``, e.g. ``self:8``, the target's first 8 layers), alone
+(plain speculative decoding) or extended by the checkpoint's masks; lossless, listed like the other decoders::
+
+    python -m mars.evaluation.throughput --batch-sizes 1 --caches cursor --verify \
+        --draft-sources lookup,lookup+masks --prompts-file eval/offline/quality/data/copy.jsonl
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mars.checkpoint_meta import decoding_block_size
+from mars.decoding.settings import DecodingSettings
 from mars.threads import apply_process_defaults
 
 apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp (mars.threads says why)
@@ -152,7 +160,24 @@ def variants(args) -> list[Variant]:
                     fixed_threshold=1.0,
                 )
             )
-    return out
+    return out + [draft_variant(entry, args) for entry in args.draft_sources]
+
+
+DRAFT_SOURCE_ROWS = ("lookup", "lookup+masks", "model", "model+masks")
+
+
+def draft_variant(entry: str, args) -> Variant:
+    """A verified decoder drafting from prompt lookup or a draft model: ``lookup``/``model`` alone (window 1,
+    plain speculative decoding) or ``+masks`` (the checkpoint's masks extend the drafts)."""
+    source = entry.split("+")[0]
+    kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_source=source, draft_length=args.draft_length)
+    if source == "model":
+        kwargs["draft_model"] = args.draft_model
+    else:
+        kwargs["lookup_ngram"] = args.lookup_ngram
+    if not entry.endswith("+masks"):
+        kwargs["window"] = 1
+    return Variant(f"verify-{entry}", kwargs, fixed_threshold=1.0)
 
 
 def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Variant, threshold: float):
@@ -223,6 +248,134 @@ def fmt(x: float, nd: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args, batch_sizes, thresholds = parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer, metadata = load(args, dtype)
+    block_size = decoding_block_size(args.block_size or None, metadata)
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        block_size=block_size,
+        cache_block=args.cache_block,
+        metric=args.metric,
+        chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
+    )
+    vs = variants(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = run_config(args, model, batch_sizes, thresholds, block_size)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(
+        f"model={args.checkpoint or args.arch_preset or args.model} dtype={args.dtype} device={args.device} "
+        f"block_size={block_size} threads={torch.get_num_threads()}",
+        flush=True,
+    )
+    pool = load_prompts(args.prompts_file)
+    for v in vs:  # warm-up: allocator, kernels, tokenizer caches
+        for _ in range(args.warmup):
+            run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
+    rows = []
+    for batch in batch_sizes:
+        n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
+        prompts = [pool[i % len(pool)] for i in range(n)]
+        runs = time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, args.repeats)
+        for t in thresholds:
+            rows.extend(summarise_runs(vs, runs[t], t, batch))
+        rows.sort(key=lambda r: (thresholds.index(r["sweep_threshold"]), batch_sizes.index(r["batch"])))
+        write_tables(rows, out_dir, config)
+    print((out_dir / "throughput.md").read_text())
+    return 0
+
+
+def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repeats) -> dict[float, dict]:
+    """Every decoder on ``prompts`` at this batch size, ``repeats`` times, interleaved within each repeat.
+
+    Decoders whose output does not depend on the threshold (the AR baselines, verified decoding) are timed
+    once per batch size and repeat, not once per threshold; each repeat still interleaves them with the
+    thresholded decoders, so every speed-up is a ratio of runs taken side by side."""
+    fixed = [v for v in vs if v.fixed_threshold is not None]
+    swept = [v for v in vs if v.fixed_threshold is None]
+    runs: dict[float, dict[str, list[dict]]] = {t: {v.name: [] for v in vs} for t in thresholds}
+    for rep in range(repeats):
+        jobs = [(v, v.fixed_threshold, thresholds) for v in fixed]
+        jobs += [(v, t, [t]) for t in thresholds for v in swept]
+        for v, threshold, sweep in jobs:
+            r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
+            for t in sweep:
+                runs[t][v.name].append(r)
+            print(
+                f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
+                f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
+                flush=True,
+            )
+    return runs
+
+
+def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, Any]:
+    """What the run was: its arguments, the machine, threads, dtype and fast-path state."""
+    from mars.hardware import describe
+
+    return {
+        **{k: v for k, v in vars(args).items()},
+        "hardware": describe(),
+        "batch_sizes": batch_sizes,
+        "thresholds": thresholds,
+        "block_size": block_size,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "fast_path": fast_path_state(model),
+        "host": platform.node(),
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def parse_args(argv: list[str] | None):
+    """The command line, checked before any model loads; threads and the fast-path switch applied."""
+    args = build_parser().parse_args(argv)
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        thresholds = [float(t) for t in args.thresholds.split(",") if t]
+    except ValueError as err:
+        raise SystemExit(f"--batch-sizes and --thresholds take comma-separated numbers: {err}") from err
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SystemExit(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    args.caches = [c for c in args.caches.split(",") if c]
+    args.verify_fallbacks = [f for f in args.verify_fallbacks.split(",") if f]
+    args.draft_sources = [d for d in args.draft_sources.split(",") if d]
+    from mars.decoding import CACHES
+    from mars.decoding.acceptance import validate_threshold
+
+    for c in args.caches:
+        if c not in CACHES:
+            raise SystemExit(f"unknown cache {c!r} in --caches; choose from {list(CACHES)}")
+    for d in args.draft_sources:
+        if d not in DRAFT_SOURCE_ROWS:
+            raise SystemExit(f"unknown draft source {d!r} in --draft-sources; choose from {list(DRAFT_SOURCE_ROWS)}")
+    for v in [draft_variant(d, args) for d in args.draft_sources]:  # the decoding settings, checked now
+        try:
+            DecodingSettings(**v.kwargs)
+        except ValueError as err:
+            raise SystemExit(f"--draft-sources {v.name}: {err}") from err
+    for t in thresholds:
+        validate_threshold(t, args.metric)
+    from mars.threads import configure_threads
+
+    try:
+        configure_threads(args.threads or None)
+    except ValueError as err:
+        raise SystemExit(f"--threads: {err}") from err
+    if args.no_fast_path:
+        os.environ["MARS_FAST_PATH"] = "0"
+    from mars.hardware import resolve_dtype_name
+
+    args.dtype = resolve_dtype_name(args.dtype, args.device)
+    return args, batch_sizes, thresholds
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mars.evaluation.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded:smollm2-135m")
     p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
@@ -250,6 +403,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metric", default="probability")
     p.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's, else 4")
     p.add_argument("--cache-block", type=int, default=32)
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="JSONL with a 'prompt' (or 'question') field, e.g. data/prompts/heldout.jsonl or "
+        "eval/offline/quality/data/copy.jsonl; default: built-in prompts",
+    )
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
+    )
+    p.add_argument("--out", default="results/throughput")
+    add_decoder_arguments(p)
+    return p
+
+
+def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
+    """Which decoders run beside the AR baselines."""
     p.add_argument("--caches", default="none,block,cursor")
     p.add_argument("--block-window", action="store_true", help="also time cache=block with window='cache_block'")
     p.add_argument(
@@ -264,19 +434,21 @@ def main(argv: list[str] | None = None) -> int:
         help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)",
     )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
+    help_sources = DecodingSettings.help()
+    p.add_argument(
+        "--draft-sources",
+        default="",
+        help=f"also time verified decoding with other drafts, comma-separated from {', '.join(DRAFT_SOURCE_ROWS)} "
+        "(`lookup`: prompt-lookup drafts, `model`: a draft model; alone they are plain speculative decoding, "
+        "with `+masks` the checkpoint's masks extend the drafts); rows `verify-<entry>`",
+    )
+    p.add_argument("--draft-model", default="self:8", help=help_sources["draft_model"])
+    p.add_argument("--lookup-ngram", type=int, default=3, help=help_sources["lookup_ngram"])
+    p.add_argument("--draft-length", type=int, default=None, help=help_sources["draft_length"])
     p.add_argument(
         "--ar-static",
         action="store_true",
         help="also time transformers generate with its static cache as an AR baseline candidate",
-    )
-    p.add_argument(
-        "--prompts-file",
-        default=None,
-        help="JSONL with a 'prompt' field (e.g. data/prompts/heldout.jsonl); default: built-in prompts",
-    )
-    p.add_argument("--no-chat-template", action="store_true")
-    p.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
     )
     p.add_argument(
         "--eager-baselines",
@@ -288,118 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time the eager matmuls (F.linear) instead of the decode fast path (same as MARS_FAST_PATH=0)",
     )
-    p.add_argument("--out", default="results/throughput")
-    args = p.parse_args(argv)
-
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-        thresholds = [float(t) for t in args.thresholds.split(",") if t]
-    except ValueError as err:
-        raise SystemExit(f"--batch-sizes and --thresholds take comma-separated numbers: {err}") from err
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise SystemExit(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
-    args.caches = [c for c in args.caches.split(",") if c]
-    args.verify_fallbacks = [f for f in args.verify_fallbacks.split(",") if f]
-    from mars.decoding import CACHES
-    from mars.decoding.acceptance import validate_threshold
-
-    for c in args.caches:
-        if c not in CACHES:
-            raise SystemExit(f"unknown cache {c!r} in --caches; choose from {list(CACHES)}")
-    for t in thresholds:
-        validate_threshold(t, args.metric)
-    from mars.threads import configure_threads
-
-    try:
-        configure_threads(args.threads or None)
-    except ValueError as err:
-        raise SystemExit(f"--threads: {err}") from err
-    if args.no_fast_path:
-        os.environ["MARS_FAST_PATH"] = "0"
-    from mars.hardware import resolve_dtype_name
-
-    args.dtype = resolve_dtype_name(args.dtype, args.device)
-    dtype = getattr(torch, args.dtype)
-
-    model, tokenizer, metadata = load(args, dtype)
-    block_size = decoding_block_size(args.block_size or None, metadata)
-    common = dict(
-        max_new_tokens=args.max_new_tokens,
-        block_size=block_size,
-        cache_block=args.cache_block,
-        metric=args.metric,
-        chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
-    )
-    vs = variants(args)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from mars.hardware import describe
-
-    pool = load_prompts(args.prompts_file)
-    config = {
-        **{k: v for k, v in vars(args).items()},
-        "hardware": describe(),
-        "batch_sizes": batch_sizes,
-        "thresholds": thresholds,
-        "block_size": block_size,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "fast_path": fast_path_state(model),
-        "host": platform.node(),
-        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    print(
-        f"model={args.checkpoint or args.arch_preset or args.model} dtype={args.dtype} device={args.device} "
-        f"block_size={block_size} threads={torch.get_num_threads()}",
-        flush=True,
-    )
-    for v in vs:  # warm-up: allocator, kernels, tokenizer caches
-        for _ in range(args.warmup):
-            run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
-
-    # Decoders whose output does not depend on the threshold (the AR baselines, verified decoding) are
-    # timed once per batch size and repeat, not once per threshold; each repeat still interleaves them
-    # with the thresholded decoders, so every speed-up is a ratio of runs taken side by side.
-    fixed = [v for v in vs if v.fixed_threshold is not None]
-    swept = [v for v in vs if v.fixed_threshold is None]
-    rows = []
-    for batch in batch_sizes:
-        n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
-        prompts = [pool[i % len(pool)] for i in range(n)]
-        runs: dict[float, dict[str, list[dict]]] = {t: {v.name: [] for v in vs} for t in thresholds}
-        for rep in range(args.repeats):
-            jobs = [(v, v.fixed_threshold, thresholds) for v in fixed]
-            jobs += [(v, t, [t]) for t in thresholds for v in swept]
-            for v, threshold, sweep in jobs:
-                r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
-                for t in sweep:
-                    runs[t][v.name].append(r)
-                print(
-                    f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
-                    f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
-                    flush=True,
-                )
-        for t in thresholds:
-            rows.extend(summarise_runs(vs, runs[t], t, batch))
-        rows.sort(key=lambda r: (thresholds.index(r["sweep_threshold"]), batch_sizes.index(r["batch"])))
-        write_tables(rows, out_dir, config)
-    print((out_dir / "throughput.md").read_text())
-    return 0
 
 
 def load_prompts(path: str | None) -> list[str]:
     if not path:
         return list(PROMPTS)
     rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    prompts = [r["prompt"] for r in rows if isinstance(r.get("prompt"), str)]
+    prompts = [r.get("prompt", r.get("question")) for r in rows]
+    prompts = [p for p in prompts if isinstance(p, str)]
     if not prompts:
-        raise SystemExit(f"--prompts-file {path}: no rows with a 'prompt' string")
+        raise SystemExit(f"--prompts-file {path}: no rows with a 'prompt' (or 'question') string")
     return prompts
 
 
@@ -464,7 +534,9 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave; `-eager`: the same "
         "with the decode fast path off, i.e. F.linear matmuls). "
         "*same as AR*: rows whose tokens equal `ar-hf`'s (in bf16, differently shaped inputs can flip near-tied "
-        "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction. "
+        "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction, and so "
+        "are `verify-lookup` (prompt-lookup drafts) and `verify-model` (a draft model's drafts; tok/fwd counts the "
+        "target's forwards), whose `+masks` rows let the masks after the drafts extend them. "
         "Decoders whose output does not depend on the threshold (AR, verify) are timed once per batch size and "
         "repeat and listed under every threshold.\n",
         "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | tok/fwd (per request) | draft acc. | same as AR |",
