@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """`make demo`: the whole story on the embedded default, offline, on CPU, in about 20 minutes.
 
-1. MARS-train SmolLM2-135M-Instruct (B=4) on its own committed self-distilled answers
-                                                         (python train.py experiment=demo)
+1. train a gated MARS adapter (B=4) on SmolLM2-135M-Instruct's own committed self-distilled answers
+   for 10 minutes of wall clock                          (python train.py experiment=demo)
 2. evaluate thresholds 1.0 / 0.9 / 0.8 on the quality suite (held-out agreement, short-answer tasks),
    every figure with its interval                        (python evaluate.py checkpoint=... benchmarks=quality)
 3. time the same checkpoint against the fastest AR decoder at batch 1, lossy (tau 0.9) and lossless
    (verified) MARS                                       (python -m mars.evaluation.throughput ...)
 4. print the table, the wall-clock speed-ups and each stage's time.
 
-Environment knobs: DEMO_LIMIT (samples per quality task, default 24), DEMO_STEPS (training steps, default
-from conf/experiment/demo.yaml). Reruns reuse finished work: training skips, evaluation resumes.
+Environment knobs: DEMO_LIMIT (samples per quality task, default 24), DEMO_MINUTES (training minutes of
+wall clock, default from conf/experiment/demo.yaml), DEMO_STEPS (a step cap inside that budget).
+Reruns reuse finished work: training skips, evaluation resumes.
 """
 
 import csv
@@ -50,9 +51,11 @@ def speedups(path: Path) -> list[str]:
 def main() -> None:
     limit = os.environ.get("DEMO_LIMIT", "24")
     train_cmd = ["train.py", "experiment=demo"]
+    if os.environ.get("DEMO_MINUTES"):
+        train_cmd.append(f"budget.minutes={os.environ['DEMO_MINUTES']}")
     if os.environ.get("DEMO_STEPS"):
         train_cmd.append(f"trainer.max_steps={os.environ['DEMO_STEPS']}")
-    ckpt = REPO / "outputs" / "train" / "demo-smollm2-135m-mars-b4" / "hf"
+    ckpt = REPO / "outputs" / "train" / "demo-smollm2-135m-gated-b4" / "hf"
     out = REPO / "outputs" / "eval" / "demo"
     times = {"train": stage("train", train_cmd)}
     times["evaluate"] = stage(

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from mars.persistence import atomic_write_text
-from mars.pipeline import Stages, complete_checkpoint, has_points
+from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "conf" / "recipe_search.yaml"
@@ -113,20 +113,6 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
 
 def is_gated(variant: dict) -> bool:
     return "adapter=gated_lora" in variant["overrides"]
-
-
-def reuse_base_reference(base_eval: Path, out: Path) -> None:
-    """A gated adapter's tau = 1.0 output is the base model's, token for token (its real columns run the
-    frozen base weights, and a tau = 1.0 row accepts only the real column's prediction: tests/test_adapters.py,
-    tests/test_budget.py), so the base's tau = 1.0 samples serve as the variant's reference point instead of
-    decoding the same outputs again (a quarter of a variant's evaluation).  The reference run
-    (scripts/reproduce.py) decodes its tau = 1.0 point for real."""
-    from mars.evaluation.store import threshold_key
-
-    source = base_eval / "samples" / threshold_key(1.0)
-    target = out / "samples" / threshold_key(1.0)
-    if source.is_dir() and not target.exists():
-        shutil.copytree(source, target)
 
 
 # ------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from mars.persistence import atomic_write_text
-from mars.pipeline import Stages, complete_checkpoint, has_points
+from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
 
 REPO = Path(__file__).resolve().parents[1]
 THRESHOLDS = "[1.0,0.9,0.8]"
@@ -90,6 +90,18 @@ def budget_setting(overrides: list[str], key: str):
     return (recipe.get("budget") or {}).get(key)
 
 
+def recipe_setting(overrides: list[str], group: str) -> str | None:
+    """The config group option the recipe uses (``adapter=...`` on the command line, else the recipe's defaults)."""
+    for o in overrides:
+        if o.startswith(f"{group}="):
+            return o.split("=", 1)[1]
+    recipe = yaml.safe_load((REPO / "conf" / "experiment" / "reproduce.yaml").read_text())
+    for entry in recipe.get("defaults") or []:
+        if isinstance(entry, dict) and f"override /{group}" in entry:
+            return entry[f"override /{group}"]
+    return None
+
+
 def evaluate(target: str, out: Path, args, extra: list[str], limit: int | None) -> list[str]:
     return [
         "evaluate.py",
@@ -128,8 +140,11 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
     )
     compare = f"compare=[{base}]"
     curve = "[" + ",".join(str(t) for t in CURVE_THRESHOLDS) + "]"
-    for minutes, folder in curve_checkpoints(lay, args.overrides):
-        out = lay.work / f"curve-{minutes:g}min"
+    gated = recipe_setting(args.overrides, "adapter") == "gated_lora"
+    for minutes, folder in curve_checkpoints(lay, args.overrides)[:-1]:  # the last point is the final eval
+        out = curve_folder(lay, minutes, folder)
+        if gated and args.curve_limit == args.eval_limit and not stages.dry_run:
+            reuse_base_reference(base, out)  # the curve's tau 1.0 points are the base's outputs, token for token
         stages.run(
             f"curve-{minutes:g}min",
             evaluate(f"checkpoint={folder}", out, args, [f"thresholds={curve}", compare], args.curve_limit),
@@ -162,6 +177,11 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
             ),
             done=has_points(ar, [1.0]),
         )
+
+
+def curve_folder(lay: Layout, minutes: float, checkpoint: Path) -> Path:
+    """Where a learning-curve point's evaluation is: the final model's is the final evaluation itself."""
+    return lay.eval("final") if checkpoint == lay.hf else lay.work / f"curve-{minutes:g}min"
 
 
 def curve_checkpoints(lay: Layout, overrides: list[str]) -> list[tuple[float, Path]]:
@@ -214,7 +234,7 @@ def _average(folder: Path, threshold: float) -> dict | None:
 def learning_curve(lay: Layout, args) -> list[dict]:
     rows = []
     for minutes, folder in curve_checkpoints(lay, args.overrides):
-        out = lay.work / f"curve-{minutes:g}min"
+        out = curve_folder(lay, minutes, folder)
         meta_path = folder / "mars_config.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         row = {"minutes": minutes, "global_step": meta.get("global_step"), "tokens_seen": meta.get("tokens_seen")}

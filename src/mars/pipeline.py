@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,3 +60,17 @@ def has_points(folder: Path, thresholds: list[float]) -> bool:
         return False
     have = {round(float(p["threshold"]), 6) for p in json.loads(points.read_text())}
     return all(round(t, 6) in have for t in thresholds)
+
+
+def reuse_base_reference(base_eval: Path, out: Path) -> None:
+    """A gated adapter's tau = 1.0 output is the base model's, token for token (its real columns run the
+    frozen base weights, and a tau = 1.0 row accepts only the real column's prediction: tests/test_adapters.py,
+    tests/test_budget.py), so the base's tau = 1.0 samples serve as the adapter's reference point instead of
+    decoding the same outputs again.  Used for the recipe search's variants and the learning curve's points;
+    the reference run's final evaluation decodes its tau = 1.0 point for real."""
+    from mars.evaluation.store import threshold_key
+
+    source = base_eval / "samples" / threshold_key(1.0)
+    target = out / "samples" / threshold_key(1.0)
+    if source.is_dir() and not target.exists():
+        shutil.copytree(source, target)
