@@ -238,44 +238,16 @@ def main(argv: list[str] | None = None) -> None:
     DeepSpeed checkpoint folder).  Block, objective, alpha, intra-block pattern, mask schedule and base model
     are read from the run's ``config.yaml`` beside ``checkpoints/`` when there is one; flags override."""
     from mars.models import load_model
-    from mars.objectives import Objective
 
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("ckpt")
-    p.add_argument("out")
-    p.add_argument("--base", help="the model the run started from (same loader as model.name_or_path)")
-    p.add_argument("--block", type=int)
-    p.add_argument("--objective", help="ar | mars | mars_no_sft | block_diffusion")
-    p.add_argument("--alpha", type=float)
-    p.add_argument("--intra-block", choices=["causal", "bidirectional"])
-    p.add_argument("--mask-schedule")
-    p.add_argument("--mask-token", help="the run's mask token (default: its config's, else the loader's policy)")
-    p.add_argument(
-        "--complete",
-        action="store_true",
-        help="mark the export as the finished run (only for the run's final checkpoint)",
-    )
+    p = _parser()
     args = p.parse_args(argv)
     run_cfg = _run_config_near(Path(args.ckpt))
-    model_cfg, objective_cfg = run_cfg.get("model") or {}, dict(run_cfg.get("objective") or {})
+    model_cfg = run_cfg.get("model") or {}
     base = args.base or model_cfg.get("name_or_path")
     block = args.block or run_cfg.get("block")
     if not base or not block:
         p.error("--base and --block are needed (no config.yaml of the run next to the checkpoint)")
-    if args.objective and args.objective != objective_cfg.get("name"):
-        objective_cfg = {"name": args.objective}
-    objective_cfg.setdefault("name", "mars")
-    defaults = {
-        "ar": dict(mask_weight=0.0),
-        "mars_no_sft": dict(alpha=0.0),
-        "block_diffusion": dict(alpha=0.0, intra_block="bidirectional"),
-    }
-    objective_cfg = {**defaults.get(objective_cfg["name"], {}), **objective_cfg}
-    if args.alpha is not None:
-        objective_cfg["alpha"] = args.alpha
-    if args.intra_block:
-        objective_cfg["intra_block"] = args.intra_block
-    objective = Objective(**objective_cfg)
+    objective = _objective(args, dict(run_cfg.get("objective") or {}))
     loaded = load_model(
         base,
         tiny=model_cfg.get("tiny") if base == "tiny-random" else None,
@@ -306,6 +278,46 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     print(f"checkpoint: {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--base", help="the model the run started from (same loader as model.name_or_path)")
+    p.add_argument("--block", type=int)
+    p.add_argument("--objective", help="ar | mars | mars_no_sft | block_diffusion")
+    p.add_argument("--alpha", type=float)
+    p.add_argument("--intra-block", choices=["causal", "bidirectional"])
+    p.add_argument("--mask-schedule")
+    p.add_argument("--mask-token", help="the run's mask token (default: its config's, else the loader's policy)")
+    p.add_argument(
+        "--complete",
+        action="store_true",
+        help="mark the export as the finished run (only for the run's final checkpoint)",
+    )
+    return p
+
+
+def _objective(args: argparse.Namespace, objective_cfg: dict[str, Any]):
+    """The run's objective (from its config), another one named by ``--objective`` with that objective's
+    defaults, and ``--alpha`` / ``--intra-block`` over either."""
+    from mars.objectives import Objective
+
+    if args.objective and args.objective != objective_cfg.get("name"):
+        objective_cfg = {"name": args.objective}
+    objective_cfg.setdefault("name", "mars")
+    defaults = {
+        "ar": dict(mask_weight=0.0),
+        "mars_no_sft": dict(alpha=0.0),
+        "block_diffusion": dict(alpha=0.0, intra_block="bidirectional"),
+    }
+    objective_cfg = {**defaults.get(objective_cfg["name"], {}), **objective_cfg}
+    if args.alpha is not None:
+        objective_cfg["alpha"] = args.alpha
+    if args.intra_block:
+        objective_cfg["intra_block"] = args.intra_block
+    return Objective(**objective_cfg)
 
 
 if __name__ == "__main__":

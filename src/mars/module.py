@@ -72,6 +72,27 @@ class NoisyLayout:
         return pos % size
 
 
+def _check_settings(
+    block_size: int, lr: float, warmup_ratio: float, objective: Objective, adapter: AdapterSettings
+) -> None:
+    """Refuses settings the module cannot train with, naming the key (before anything is built)."""
+    if block_size < 1:
+        raise ValueError(f"block must be >= 1, got {block_size}")
+    if lr <= 0:
+        raise ValueError(f"optim.lr must be > 0, got {lr}")
+    if not 0 <= warmup_ratio < 1:
+        raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    if adapter.gated and (objective.alpha > 0 or objective.kl_weight > 0):
+        raise ValueError(
+            "adapter=gated_lora trains the mask columns only: the clean stream is the frozen base model, so "
+            f"objective.alpha ({objective.alpha}) and objective.kl_weight ({objective.kl_weight}) must be 0"
+        )
+    if adapter.gated and not objective.uses_noisy_stream:
+        raise ValueError("adapter=gated_lora needs an objective with a mask loss (objective.mask_weight > 0)")
+    if adapter.gated and objective.intra_block != "causal":
+        raise ValueError("adapter=gated_lora supports intra_block=causal only")
+
+
 class MarsModule(L.LightningModule):
     """Wraps a Hugging Face causal LM; adds no parameters (an adapter, when configured, is a separate file).
 
@@ -106,22 +127,8 @@ class MarsModule(L.LightningModule):
         adapter: AdapterSettings | None = None,
     ):
         super().__init__()
-        if block_size < 1:
-            raise ValueError(f"block must be >= 1, got {block_size}")
-        if lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {lr}")
-        if not 0 <= warmup_ratio < 1:
-            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {warmup_ratio}")
         adapter = adapter or AdapterSettings()
-        if adapter.gated and (objective.alpha > 0 or objective.kl_weight > 0):
-            raise ValueError(
-                "adapter=gated_lora trains the mask columns only: the clean stream is the frozen base model, so "
-                f"objective.alpha ({objective.alpha}) and objective.kl_weight ({objective.kl_weight}) must be 0"
-            )
-        if adapter.gated and not objective.uses_noisy_stream:
-            raise ValueError("adapter=gated_lora needs an objective with a mask loss (objective.mask_weight > 0)")
-        if adapter.gated and objective.intra_block != "causal":
-            raise ValueError("adapter=gated_lora supports intra_block=causal only")
+        _check_settings(block_size, lr, warmup_ratio, objective, adapter)
         self.model = model.train()  # from_pretrained returns eval mode; Lightning keeps module modes as found
         self.mask_token_id = int(mask_token_id)
         self.block_size = int(block_size)

@@ -172,52 +172,98 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
 
 
 def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) -> Path:
+    """The run's phases in order: checks that need no model (folder, resume checkpoint, data rows), then
+    the model, the module and the trainer, then the fit and the summary."""
     route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
-    objective, adapter, budget = settings.objective, settings.adapter, settings.budget
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)
-    check_run_folder(
-        out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero, run_name=cfg.run_name
-    )
-    if not cfg.overwrite and is_complete(export_dir):
-        log.info(
-            "%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)", export_dir
-        )
-        print(f"checkpoint (already trained): {export_dir}")
+    if _already_finished(cfg, out_dir, export_dir, fingerprint, rank_zero):
         return export_dir
-
     resume_from = resolve_resume(cfg, out_dir)
     verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
 
-    m = cfg.model
-    tiny = OmegaConf.to_container(m.tiny) if m.get("tiny") else None
+    tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.get("tiny") else None
+    data_cfg, rows = _training_data(cfg, tiny)
+    L.seed_everything(cfg.seed, workers=True)
+    loaded = _load_base_model(cfg.model, tiny)
+    base_params = sum(p.numel() for p in loaded.model.parameters())
+    data = InstructionDataModule(loaded.tokenizer, seed=cfg.seed, rows=rows, **data_cfg)
+    data.setup()  # tokenize now: an empty dataset fails before the trainer starts
+    module = _build_module(cfg, settings, loaded)
+
+    trainer_cfg = _trainer_options(cfg, settings.budget)
+    strategy = build_strategy(trainer_cfg, loaded.model)
+    history = LossHistory(out_dir, settings.plots)
+    exporter = HFExport(export_dir, loaded.tokenizer, _export_metadata(cfg, settings, loaded, tiny, base_params))
+    budget_cb = _attach_budget(settings.budget, module, exporter)
+    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
+    own_callbacks = [history, *([budget_cb] if budget_cb else []), exporter, stopper]
+    trainer = _build_trainer(cfg, out_dir, trainer_cfg, strategy, own_callbacks, callbacks)
+    if rank_zero:  # everything loaded: from here on the folder belongs to these settings
+        record_fingerprint(out_dir, fingerprint)
+        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+    start = time.perf_counter()
+    finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
+    if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
+        history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
+    seconds = time.perf_counter() - start
+    if trainer.is_global_zero:
+        summary = _summary(cfg, settings, trainer, module, exporter, history, budget_cb, seconds, base_params)
+        _report(summary, exporter, out_dir, export_dir)
+    if not finished:
+        exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
+    return export_dir
+
+
+def _already_finished(cfg: DictConfig, out_dir: Path, export_dir: Path, fingerprint, rank_zero: bool) -> bool:
+    """Checks the run folder against these settings (refusing another run's folder); True when it already
+    holds a finished checkpoint of them and ``overwrite`` is off, so the run is skipped."""
+    check_run_folder(
+        out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero, run_name=cfg.run_name
+    )
+    if cfg.overwrite or not is_complete(export_dir):
+        return False
+    log.info(
+        "%s already holds a finished checkpoint of these settings; skipping (overwrite=true to retrain)", export_dir
+    )
+    print(f"checkpoint (already trained): {export_dir}")
+    return True
+
+
+def _training_data(cfg: DictConfig, tiny: dict | None) -> tuple[dict[str, Any], Any]:
+    """The data settings and their checked rows, read before the model loads.  A ``self_distill`` source
+    first has the base model answer its prompts (cached, fingerprinted); the rows file then trains like any
+    JSONL."""
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if data_cfg.get("source") == "self_distill":
         from mars.self_distill import training_rows
 
-        # the model answers its prompts once (cached, fingerprinted); the rows file then trains like any JSONL
-        data_cfg = training_rows(data_cfg, model_name=m.name_or_path, tiny=tiny)
+        data_cfg = training_rows(data_cfg, model_name=cfg.model.name_or_path, tiny=tiny)
     elif data_cfg.pop("distill", None) is not None:
         log.info("data.distill is ignored: data.source=%s is not self_distill", data_cfg.get("source"))
-    rows = preload_rows(data_cfg)
+    return data_cfg, preload_rows(data_cfg)
 
-    L.seed_everything(cfg.seed, workers=True)
-    loaded = load_model(
-        m.name_or_path,
+
+def _load_base_model(model_cfg: DictConfig, tiny: dict | None):
+    """The base model and tokenizer with the mask token chosen by the model config's policy."""
+    return load_model(
+        model_cfg.name_or_path,
         tiny=tiny,
-        mask_token=m.mask_token,
-        allow_new_row=m.allow_new_embedding_row,
-        attn_implementation=m.attn_implementation,
+        mask_token=model_cfg.mask_token,
+        allow_new_row=model_cfg.allow_new_embedding_row,
+        attn_implementation=model_cfg.attn_implementation,
     )
-    base_params = sum(p.numel() for p in loaded.model.parameters())
-    data = InstructionDataModule(loaded.tokenizer, seed=cfg.seed, rows=rows, **data_cfg)
-    data.setup()  # tokenize now: an empty dataset fails before the trainer starts
+
+
+def _build_module(cfg: DictConfig, settings: TrainConfig, loaded) -> MarsModule:
+    """The LightningModule: objective, mask schedule and optimizer settings around the loaded model."""
     module = MarsModule(
         loaded.model,
         loaded.mask.id,
         block_size=cfg.block,
-        objective=objective,
+        objective=settings.objective,
         mask_schedule=OmegaConf.to_container(cfg.mask_schedule),
         lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay,
@@ -226,57 +272,75 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
         gradient_checkpointing=cfg.gradient_checkpointing,
         crop_noisy_prompt=cfg.get("crop_noisy_prompt", True),
         seed=cfg.seed,
-        adapter=adapter,
+        adapter=settings.adapter,
     )
+    module.master_weights = cfg.optim.get("master_weights", "auto")
+    return module
 
+
+def _trainer_options(cfg: DictConfig, budget) -> dict[str, Any]:
+    """``cfg.trainer`` as ``L.Trainer`` keywords: the run length under a compute budget, the resolved
+    precision, and Lightning's distributed sampler left out."""
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     if budget.minutes is not None and trainer_cfg.get("max_steps", -1) == -1:
         trainer_cfg["max_epochs"] = -1  # the budget ends the run (epochs repeat the data until then)
     # precision=auto: bf16-mixed on GPUs, bf16-true (+ fp32 master weights) on native-bf16 CPUs, else 32-true
     trainer_cfg["precision"] = resolve_precision(trainer_cfg.get("precision", "auto"), trainer_cfg.get("accelerator"))
-    module.master_weights = cfg.optim.get("master_weights", "auto")
     # the data module deals whole length-grouped batches to the ranks itself (and resumes them); Lightning's
     # sampler wrapper would split every batch across ranks and could not be resumed
     if trainer_cfg.pop("use_distributed_sampler", False):
         log.info("trainer.use_distributed_sampler is ignored: the data module shards its batches itself")
-    strategy = build_strategy(trainer_cfg, loaded.model)
-    history = LossHistory(out_dir, settings.plots)
-    exporter = HFExport(
-        export_dir,
-        loaded.tokenizer,
-        dict(
-            block_size=cfg.block,
-            objective=objective.name,
-            alpha=objective.alpha,
-            intra_block=objective.intra_block,
-            mask_schedule=cfg.mask_schedule.name,
-            mask_token=loaded.mask.token,
-            mask_token_id=loaded.mask.id,
-            mask_token_policy=loaded.mask.how,
-            base_model=m.name_or_path,
-            base_tiny=tiny,
-            base_num_parameters=base_params,
-        ),
+    return trainer_cfg
+
+
+def _export_metadata(cfg: DictConfig, settings: TrainConfig, loaded, tiny: dict | None, base_params: int) -> dict:
+    """What the exported checkpoint's ``mars_config.json`` records about the training (beside the step)."""
+    objective = settings.objective
+    return dict(
+        block_size=cfg.block,
+        objective=objective.name,
+        alpha=objective.alpha,
+        intra_block=objective.intra_block,
+        mask_schedule=cfg.mask_schedule.name,
+        mask_token=loaded.mask.token,
+        mask_token_id=loaded.mask.id,
+        mask_token_policy=loaded.mask.how,
+        base_model=cfg.model.name_or_path,
+        base_tiny=tiny,
+        base_num_parameters=base_params,
     )
-    extra_callbacks: list[Callback] = []
-    if budget.minutes is not None:
-        budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
-        module.budget_progress = budget_cb.progress
-        extra_callbacks.append(budget_cb)
-    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
+
+
+def _attach_budget(budget, module: MarsModule, exporter: HFExport) -> ComputeBudget | None:
+    """The compute-budget callback (None without ``budget.minutes``); it snapshots through the exporter
+    and the module reads its progress."""
+    if budget.minutes is None:
+        return None
+    budget_cb = ComputeBudget(budget, on_snapshot=exporter.snapshot)
+    module.budget_progress = budget_cb.progress
+    return budget_cb
+
+
+def _build_trainer(
+    cfg: DictConfig,
+    out_dir: Path,
+    trainer_cfg: dict[str, Any],
+    strategy: Any,
+    own_callbacks: list[Callback],
+    callbacks: Sequence[Callback],
+) -> L.Trainer:
+    """The Lightning trainer: periodic checkpoints first, the run's own callbacks, the configured ones and
+    the caller's; checkpoints written atomically."""
     loggers = build_loggers(cfg.logger, hyperparameters=OmegaConf.to_container(cfg, resolve=True))
     all_callbacks = [
         ModelCheckpoint(
             dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
         ),
-        history,
-        *extra_callbacks,
-        exporter,
-        stopper,
+        *own_callbacks,
         *build_callbacks(cfg.callbacks, with_logger=bool(loggers)),
         *callbacks,
     ]
-    trainer = L.Trainer(
+    return L.Trainer(
         strategy=strategy,
         callbacks=all_callbacks,
         logger=loggers or False,
@@ -286,49 +350,55 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
         plugins=[AtomicCheckpointIO()],  # same-folder temp file + rename, with a checksum
         **trainer_cfg,
     )
-    if rank_zero:  # everything loaded: from here on the folder belongs to these settings
-        record_fingerprint(out_dir, fingerprint)
-        atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    start = time.perf_counter()
-    finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
-    if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
-        history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
-    seconds = time.perf_counter() - start
 
-    if trainer.is_global_zero:
-        steps_run = trainer.global_step - history.start_step
-        summary = {
-            "run_name": cfg.run_name,
-            "objective": objective.name,
-            "block": cfg.block,
-            "global_step": trainer.global_step,
-            "steps_this_run": steps_run,
-            "tokens_seen": module.tokens_seen,
-            "response_tokens_seen": module.response_tokens_seen,
-            "fit_seconds": round(seconds, 2),
-            "seconds_per_step": round(seconds / max(1, steps_run), 3),
-            "peak_memory_mb": round(peak_memory_mb(module.device), 1),
-            "num_parameters": sum(p.numel() for p in loaded.model.parameters())
-            if exporter.exported is None
-            else _exported_parameters(exporter.exported),
-            "base_num_parameters": base_params,
-            "complete": exporter.complete,
-            "cpu_seconds": round(time.process_time(), 1),
-            "budget": None
-            if budget.minutes is None
-            else {"minutes": budget.minutes, "clock": budget.clock, "used_minutes": round(budget_cb.used / 60, 2)},
-            "final": history.last,
-            "checkpoint": str(exporter.exported) if exporter.exported else None,
-        }
-        atomic_write_json(out_dir / "train_summary.json", summary)
-        print(json.dumps(summary, indent=2))
-        if exporter.complete:
-            print(f"checkpoint: {export_dir}")
-        else:
-            print(f"training stopped before its configured end; rerun the same command to resume ({out_dir})")
-    if not finished:
-        exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
-    return export_dir
+
+def _summary(
+    cfg: DictConfig,
+    settings: TrainConfig,
+    trainer: L.Trainer,
+    module: MarsModule,
+    exporter: HFExport,
+    history: LossHistory,
+    budget_cb: ComputeBudget | None,
+    seconds: float,
+    base_params: int,
+) -> dict[str, Any]:
+    """``train_summary.json``: what this process trained, how fast, and where the checkpoint is."""
+    steps_run = trainer.global_step - history.start_step
+    budget = settings.budget
+    return {
+        "run_name": cfg.run_name,
+        "objective": settings.objective.name,
+        "block": cfg.block,
+        "global_step": trainer.global_step,
+        "steps_this_run": steps_run,
+        "tokens_seen": module.tokens_seen,
+        "response_tokens_seen": module.response_tokens_seen,
+        "fit_seconds": round(seconds, 2),
+        "seconds_per_step": round(seconds / max(1, steps_run), 3),
+        "peak_memory_mb": round(peak_memory_mb(module.device), 1),
+        "num_parameters": sum(p.numel() for p in module.model.parameters())
+        if exporter.exported is None
+        else _exported_parameters(exporter.exported),
+        "base_num_parameters": base_params,
+        "complete": exporter.complete,
+        "cpu_seconds": round(time.process_time(), 1),
+        "budget": None
+        if budget.minutes is None
+        else {"minutes": budget.minutes, "clock": budget.clock, "used_minutes": round(budget_cb.used / 60, 2)},
+        "final": history.last,
+        "checkpoint": str(exporter.exported) if exporter.exported else None,
+    }
+
+
+def _report(summary: dict[str, Any], exporter: HFExport, out_dir: Path, export_dir: Path) -> None:
+    """Writes the summary beside the run and tells the user where the checkpoint is (or how to resume)."""
+    atomic_write_json(out_dir / "train_summary.json", summary)
+    print(json.dumps(summary, indent=2))
+    if exporter.complete:
+        print(f"checkpoint: {export_dir}")
+    else:
+        print(f"training stopped before its configured end; rerun the same command to resume ({out_dir})")
 
 
 def _exported_parameters(folder: Path) -> int | None:

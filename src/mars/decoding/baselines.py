@@ -31,27 +31,10 @@ def generate_ar(
     the MARS engine does, so the baseline and MARS at threshold 1.0 stay token-for-token equal."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention[b, width - len(p) :] = 1
-    # A fresh config so that nothing in the checkpoint's generation defaults (repetition penalty,
-    # top-k, ...) makes the baseline differ from plain greedy decoding.
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=None,
-        top_p=None,
-        num_beams=1,
-        eos_token_id=list(eos_ids),
-        pad_token_id=pad_id,
-        use_cache=True,
-        cache_implementation=None if cache_implementation == "dynamic" else cache_implementation,
-        stop_strings=list(stops.strings) or None,
-        suppress_tokens=list(suppress_ids) if suppress_ids else None,
+    input_ids, attention = _left_padded(prompts, pad_id)
+    width = input_ids.shape[1]
+    config = _plain_generation_config(
+        max_new_tokens, eos_ids, pad_id, stops, temperature, cache_implementation, suppress_ids
     )
     start = time.perf_counter()
     # the same fast path and attention as the MARS engine, so that the baseline gets every speed-up
@@ -78,3 +61,41 @@ def generate_ar(
         extra={"ar_cache": f"hf-{cache_implementation}"},
     )
     return raw, stats
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded id tensor and its attention mask (1 on real tokens)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[b, width - len(p) :] = 1
+    return input_ids, attention
+
+
+def _plain_generation_config(
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    stops: StopStrings,
+    temperature: float,
+    cache_implementation: str,
+    suppress_ids: list[int] | None,
+) -> GenerationConfig:
+    """A fresh config so that nothing in the checkpoint's generation defaults (repetition penalty,
+    top-k, ...) makes the baseline differ from plain greedy decoding."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        num_beams=1,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+        cache_implementation=None if cache_implementation == "dynamic" else cache_implementation,
+        stop_strings=list(stops.strings) or None,
+        suppress_tokens=list(suppress_ids) if suppress_ids else None,
+    )

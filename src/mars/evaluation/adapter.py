@@ -124,6 +124,19 @@ def _as_bool(value: Any) -> bool:
     return bool(value)
 
 
+def _adopt_trained_block_size(settings: dict[str, Any], trained: int | None) -> None:
+    """Decode with the block size the checkpoint was trained with unless one is asked for (then warn when
+    the two differ)."""
+    if trained and not settings.get("block_size"):
+        settings["block_size"] = int(trained)
+    elif trained:
+        from mars.evaluation.config import block_size_mismatch
+
+        warning = block_size_mismatch(trained, int(settings["block_size"]))
+        if warning:
+            log.warning(warning)
+
+
 @register_model("mars")
 class MarsLM(TemplateLM):
     """lm-eval model backed by a MARS-capable causal LM.
@@ -165,29 +178,7 @@ class MarsLM(TemplateLM):
         if model is None:
             if pretrained is None:
                 raise ValueError("MarsLM needs a model (model=..., tokenizer=...) or pretrained=<path or hub id>")
-            from mars.hardware import resolve_device, resolve_dtype_name
-            from mars.models import load_model
-
-            where = resolve_device(device)
-            if where.startswith("cuda") and not torch.cuda.is_available():
-                # lm-eval's CLI asks for cuda by default; like its HF model, fall back to the CPU
-                log.warning("device %s requested but no CUDA device is available: using the CPU", where)
-                where = "cpu"
-            if self._world_size > 1 and where == "cuda":
-                where = str(self.accelerator.device)  # this rank's GPU
-            loaded = load_model(
-                str(pretrained), device=where, dtype=resolve_dtype_name(dtype, where) if dtype else "float32"
-            )
-            model, tokenizer, mask_token_id = loaded.model, loaded.tokenizer, loaded.mask.id
-            trained = (loaded.metadata or {}).get("block_size")
-            if trained and not settings.get("block_size"):
-                settings["block_size"] = int(trained)
-            elif trained:
-                from mars.evaluation.config import block_size_mismatch
-
-                warning = block_size_mismatch(trained, int(settings["block_size"]))
-                if warning:
-                    log.warning(warning)
+            model, tokenizer, mask_token_id = self._load_pretrained(str(pretrained), device, dtype, settings)
         if tokenizer is None:
             raise ValueError("MarsLM needs the model's tokenizer")
         self.model = model.eval()
@@ -203,6 +194,23 @@ class MarsLM(TemplateLM):
         self.results_dir = None  # store.ResultsDir: the partial cache of interrupted points
         self.cache_salt = ""
         self.reset_records()
+
+    def _load_pretrained(self, pretrained: str, device: str | None, dtype: str | None, settings: dict[str, Any]):
+        """Model, tokenizer and mask token id of a checkpoint folder or hub id, on this rank's device; the
+        block size it was trained with becomes the decoding default (``settings`` is updated)."""
+        from mars.hardware import resolve_device, resolve_dtype_name
+        from mars.models import load_model
+
+        where = resolve_device(device)
+        if where.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI asks for cuda by default; like its HF model, fall back to the CPU
+            log.warning("device %s requested but no CUDA device is available: using the CPU", where)
+            where = "cpu"
+        if self._world_size > 1 and where == "cuda":
+            where = str(self.accelerator.device)  # this rank's GPU
+        loaded = load_model(pretrained, device=where, dtype=resolve_dtype_name(dtype, where) if dtype else "float32")
+        _adopt_trained_block_size(settings, (loaded.metadata or {}).get("block_size"))
+        return loaded.model, loaded.tokenizer, loaded.mask.id
 
     # ------------------------------------------------------------------ data parallel
     def _init_distributed(self) -> None:
@@ -350,9 +358,19 @@ class MarsLM(TemplateLM):
         return token_fidelity(outputs, predictions, flags)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from mars.decoding import generate
-
         outputs: list[str | None] = [None] * len(requests)
+        groups = self._group_requests(requests)
+        bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
+        partial: dict[str, dict[str, dict]] = {}
+        for (task, _), members in groups.items():
+            self._generate_group(requests, task, members, outputs, bar, partial)
+        bar.close()
+        return [o if o is not None else "" for o in outputs]
+
+    @staticmethod
+    def _group_requests(requests) -> dict[tuple[str, str], list[int]]:
+        """Request indices grouped by task and generation settings (stop strings, token budget), so that a
+        group's time and tokens per forward belong to one task."""
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
@@ -362,80 +380,86 @@ class MarsLM(TemplateLM):
                 {k: v for k, v in sorted(gen_kwargs.items()) if k in ("until", "max_gen_toks")}, default=str
             )
             groups[(str(req.task_name), key)].append(i)
+        return groups
 
-        bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
-        partial: dict[str, dict[str, dict]] = {}
-        for (task, _), members in groups.items():
-            gen_kwargs = requests[members[0]].args[1]
-            until, max_new = self._until(gen_kwargs), self._max_new(gen_kwargs)
-            settings = self.settings.replace(max_new_tokens=max_new)
-            room = max(1, self.max_length - max_new)  # keep the end of an over-long prompt, like lm-eval's HF model
-            encoded = {i: self.tok_encode(requests[i].args[0])[-room:] for i in members}
-            keys = {i: self.request_key(encoded[i], until, settings) for i in members}
-            stats = self.task_stats[task]
-            cache = None
-            if self.results_dir is not None:
-                if task not in partial:
-                    partial[task] = self.results_dir.load_partial(self.threshold, task)
-                cache = self.results_dir.request_cache(self.threshold, task, self._rank)
-            done = partial.get(task, {})
-            todo = []
-            for i in members:
-                row = done.get(keys[i])
-                if row is None:
-                    todo.append(i)
-                    continue
-                self._take(task, requests[i], row, stats, resumed=True)
+    def _generate_group(self, requests, task: str, members: list[int], outputs: list, bar, partial: dict) -> None:
+        """One group: the generations the partial cache holds are read back, the rest decoded in batches
+        (longest prompts first) and appended to the cache as each batch finishes."""
+        gen_kwargs = requests[members[0]].args[1]
+        until, max_new = self._until(gen_kwargs), self._max_new(gen_kwargs)
+        settings = self.settings.replace(max_new_tokens=max_new)
+        room = max(1, self.max_length - max_new)  # keep the end of an over-long prompt, like lm-eval's HF model
+        encoded = {i: self.tok_encode(requests[i].args[0])[-room:] for i in members}
+        keys = {i: self.request_key(encoded[i], until, settings) for i in members}
+        stats = self.task_stats[task]
+        cache = None
+        if self.results_dir is not None:
+            if task not in partial:
+                partial[task] = self.results_dir.load_partial(self.threshold, task)
+            cache = self.results_dir.request_cache(self.threshold, task, self._rank)
+        done = partial.get(task, {})
+        todo = []
+        for i in members:
+            row = done.get(keys[i])
+            if row is None:
+                todo.append(i)
+                continue
+            self._take(task, requests[i], row, stats, resumed=True)
+            outputs[i] = row["text"]
+            bar.update(1)
+        ordered = sorted(todo, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
+        for start in range(0, len(ordered), self.batch_size):
+            batch = ordered[start : start + self.batch_size]
+            rows = self._decode_batch([requests[i] for i in batch], [encoded[i] for i in batch], until, settings)
+            for i, row in zip(batch, rows):
+                row["key"] = keys[i]
+                self._take(task, requests[i], row, stats, resumed=False)
                 outputs[i] = row["text"]
-                bar.update(1)
-            ordered = sorted(todo, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
-            for start in range(0, len(ordered), self.batch_size):
-                batch = ordered[start : start + self.batch_size]
-                prompts = [encoded[i] for i in batch]
-                t0 = time.perf_counter()
-                result = generate(
-                    self.model,
-                    self.tokenizer,
-                    prompts,
-                    stop=until or None,
-                    mask_token_id=self.mask_token_id,
-                    chat_template=False,
-                    settings=settings,
-                )
-                seconds = float(result.stats.seconds or (time.perf_counter() - t0))
-                self.generate_calls += 1
-                flags = result.from_mask or [[False] * len(ids) for ids in result.token_ids]
-                fidelity, fid_seconds = [None] * len(batch), 0.0
-                if self.fidelity:
-                    t1 = time.perf_counter()
-                    fidelity = self._fidelity(prompts, result.token_ids, flags)
-                    fid_seconds = time.perf_counter() - t1
-                rows = []
-                for j, i in enumerate(batch):
-                    text = _cut(result.texts[j], until)  # the decoder cuts too; cheap belt and braces
-                    row = {
-                        "key": keys[i],
-                        "doc_id": int(requests[i].doc_id),
-                        "text": text,
-                        "output_ids": [int(t) for t in result.token_ids[j]],
-                        "from_mask": [bool(f) for f in flags[j]],
-                        "tokens": int(result.stats.per_row_tokens[j]),
-                        "forwards": int(result.stats.per_row_forwards[j]),
-                        "finish_reason": str(result.finish_reasons[j]),
-                        "fidelity": fidelity[j],
-                        # this row's share of its batch (a resumed point sums the shares of its batches)
-                        "seconds": seconds / len(batch),
-                        "batch_forwards": int(result.stats.forwards) / len(batch),
-                        "fidelity_seconds": fid_seconds / len(batch),
-                    }
-                    rows.append(row)
-                    self._take(task, requests[i], row, stats, resumed=False)
-                    outputs[i] = text
-                if cache is not None:
-                    cache.append(rows)
-                bar.update(len(batch))
-        bar.close()
-        return [o if o is not None else "" for o in outputs]
+            if cache is not None:
+                cache.append(rows)
+            bar.update(len(batch))
+
+    def _decode_batch(self, batch_requests, prompts: list[list[int]], until: list[str], settings) -> list[dict]:
+        """Decodes one batch (and measures fidelity when asked); one cache row per request, its time and
+        batch forwards as its share of the batch's (a resumed point sums the shares of its batches)."""
+        from mars.decoding import generate
+
+        t0 = time.perf_counter()
+        result = generate(
+            self.model,
+            self.tokenizer,
+            prompts,
+            stop=until or None,
+            mask_token_id=self.mask_token_id,
+            chat_template=False,
+            settings=settings,
+        )
+        seconds = float(result.stats.seconds or (time.perf_counter() - t0))
+        self.generate_calls += 1
+        flags = result.from_mask or [[False] * len(ids) for ids in result.token_ids]
+        n = len(prompts)
+        fidelity, fid_seconds = [None] * n, 0.0
+        if self.fidelity:
+            t1 = time.perf_counter()
+            fidelity = self._fidelity(prompts, result.token_ids, flags)
+            fid_seconds = time.perf_counter() - t1
+        return [
+            {
+                "key": None,  # set by the caller: the request's cache key
+                "doc_id": int(request.doc_id),
+                "text": _cut(result.texts[j], until),  # the decoder cuts too; cheap belt and braces
+                "output_ids": [int(t) for t in result.token_ids[j]],
+                "from_mask": [bool(f) for f in flags[j]],
+                "tokens": int(result.stats.per_row_tokens[j]),
+                "forwards": int(result.stats.per_row_forwards[j]),
+                "finish_reason": str(result.finish_reasons[j]),
+                "fidelity": fidelity[j],
+                "seconds": seconds / n,
+                "batch_forwards": int(result.stats.forwards) / n,
+                "fidelity_seconds": fid_seconds / n,
+            }
+            for j, request in enumerate(batch_requests)
+        ]
 
     def _take(self, task: str, request, row: dict, stats: TaskStats, resumed: bool) -> None:
         """Account one finished generation (decoded now or read back from the partial cache)."""

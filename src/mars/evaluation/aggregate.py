@@ -194,36 +194,22 @@ def _entry_point(
     reference: float,
     kind: str,
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """One suite entry at one threshold: its point and what the Average needs from it (the documents'
+    scores, the reference's, the compared runs'); None until every leaf's results are on disk."""
     store = samples.store
     if not samples.complete(threshold, spec.leaves):
         return None
     summaries = [store.read_summary(threshold, leaf) for leaf in spec.leaves]
-    n = sum(s["n_samples"] for s in summaries)
-    dec = [s.get("decoder") or {} for s in summaries]
-    tokens = sum(d.get("generated_tokens", 0) for d in dec)
-    row_fw = sum(d.get("row_forwards", 0) for d in dec)
-    batch_fw = sum(d.get("batch_forwards", 0) for d in dec)
-    seconds = sum(d.get("seconds", 0.0) for d in dec)
-
+    totals = _decoder_totals(summaries)
     rows = samples.rows(threshold, spec.leaves) or {}
     ref_rows = samples.rows(reference, spec.leaves)
     scores = samples.scores(threshold, spec.leaves, kind, reference)
     ref_scores = samples.scores(reference, spec.leaves, kind, reference)
-    acc = stats.mean_interval((scores or {}).values(), binary=None if kind in ("metric", "exact") else False)
-    if kind != "metric" and threshold == reference:  # the reference against itself: 1.0 by definition
-        acc = stats.Estimate(acc.value, acc.value, acc.value, acc.n, "none")
-    if kind == "metric":  # lm-eval's own aggregate (equal to the sample mean for mean-aggregated metrics)
-        value = sum(s["accuracy"] * s["n_samples"] for s in summaries) / n if n else float("nan")
-        acc = stats.Estimate(value, acc.lo, acc.hi, acc.n, acc.method)
+    acc = _accuracy(kind, threshold, reference, scores, summaries, totals["n"])
     delta = _paired(scores, ref_scores) if threshold != reference else stats.Estimate(0.0, 0.0, 0.0, len(rows))
     counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
     tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
     pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
-    figures = stats.agreement_figures(pairs) if pairs else {}
-    if threshold == reference:  # identity, not a sample: no interval around 100%
-        figures.update(
-            {k: stats.Estimate(e.value, e.value, e.value, e.n) for k, e in figures.items() if k in stats.SIMILARITY}
-        )
     point: dict[str, Any] = {
         "label": plan.curve_label,
         "model": plan.model_label,
@@ -239,6 +225,48 @@ def _entry_point(
         "accuracy_delta_lo": delta.lo,
         "accuracy_delta_hi": delta.hi,
         "n_paired": delta.n,
+        **_speed_fields(totals, tpf),
+        "is_reference": threshold == reference,
+    }
+    point.update(_agreement_fields(pairs, threshold == reference))
+    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
+    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+
+    compares, compared_scores = _compare_entry(others, threshold, spec.leaves, kind, reference, scores)
+    point["compare"] = compares
+    _flatten_compare(point)
+    extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs}
+    return point, {**extras, "compare": compared_scores}
+
+
+def _decoder_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The leaves' sample counts and decoder statistics, summed (a group's leaves count as one entry)."""
+    dec = [s.get("decoder") or {} for s in summaries]
+    return {
+        "n": sum(s["n_samples"] for s in summaries),
+        "tokens": sum(d.get("generated_tokens", 0) for d in dec),
+        "row_forwards": sum(d.get("row_forwards", 0) for d in dec),
+        "batch_forwards": sum(d.get("batch_forwards", 0) for d in dec),
+        "seconds": sum(d.get("seconds", 0.0) for d in dec),
+    }
+
+
+def _accuracy(kind: str, threshold: float, reference: float, scores: dict | None, summaries, n: int) -> stats.Estimate:
+    """The entry's accuracy with its interval: lm-eval's aggregate for a metric-scored entry, else the mean
+    similarity to the reference output (exactly the value itself at the reference)."""
+    acc = stats.mean_interval((scores or {}).values(), binary=None if kind in ("metric", "exact") else False)
+    if kind != "metric" and threshold == reference:  # the reference against itself: 1.0 by definition
+        acc = stats.Estimate(acc.value, acc.value, acc.value, acc.n, "none")
+    if kind == "metric":  # lm-eval's own aggregate (equal to the sample mean for mean-aggregated metrics)
+        value = sum(s["accuracy"] * s["n_samples"] for s in summaries) / n if n else float("nan")
+        acc = stats.Estimate(value, acc.lo, acc.hi, acc.n, acc.method)
+    return acc
+
+
+def _speed_fields(totals: dict[str, Any], tpf: stats.Estimate) -> dict[str, Any]:
+    """Tokens per forward (per row, with its interval over requests, and per batch), throughput, counts."""
+    tokens, row_fw, batch_fw, seconds = (totals[k] for k in ("tokens", "row_forwards", "batch_forwards", "seconds"))
+    return {
         "tokens_per_forward": tokens / row_fw if row_fw else None,
         "tokens_per_forward_lo": tpf.lo,
         "tokens_per_forward_hi": tpf.hi,
@@ -246,9 +274,19 @@ def _entry_point(
         "tokens_per_second": tokens / seconds if seconds > 0 else None,
         "wall_seconds": seconds,
         "generated_tokens": tokens,
-        "n_samples": n,
-        "is_reference": threshold == reference,
+        "n_samples": totals["n"],
     }
+
+
+def _agreement_fields(pairs: list, is_reference: bool) -> dict[str, Any]:
+    """Agreement with the reference output (exact, chrF, token F1) and the fidelity figures, each with its
+    interval; at the reference itself the similarities are an identity, not a sample (no interval)."""
+    figures = stats.agreement_figures(pairs) if pairs else {}
+    if is_reference:
+        figures.update(
+            {k: stats.Estimate(e.value, e.value, e.value, e.n) for k, e in figures.items() if k in stats.SIMILARITY}
+        )
+    fields: dict[str, Any] = {}
     for name, key in (
         ("exact", "agreement"),
         ("chrf", "agreement_chrf"),
@@ -257,21 +295,21 @@ def _entry_point(
         ("ar_equal", "ar_equal"),
         ("mask_share", "mask_share"),
     ):
-        point.update(figures.get(name, stats.NONE).fields(key))
-    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
-    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+        fields.update(figures.get(name, stats.NONE).fields(key))
+    return fields
 
-    compares = []
-    extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs, "compare": []}
+
+def _compare_entry(others, threshold: float, leaves: list[str], kind: str, reference: float, scores):
+    """Each compared run against this entry: the paired differences at the same threshold and at its AR
+    point, and the compared run's scores (kept for the Average)."""
+    compares, compared_scores = [], []
     for label, path, other in others:
-        same = other.scores(threshold, spec.leaves, kind, reference)
-        ar = other.scores(reference, spec.leaves, kind, reference)
+        same = other.scores(threshold, leaves, kind, reference)
+        ar = other.scores(reference, leaves, kind, reference)
         d_same, d_ar = _paired(scores, same), _paired(scores, ar)
         compares.append(_compare_row(label, path, threshold if same is not None else None, d_same, d_ar))
-        extras["compare"].append((same, ar))
-    point["compare"] = compares
-    _flatten_compare(point)
-    return point, extras
+        compared_scores.append((same, ar))
+    return compares, compared_scores
 
 
 def _compare_row(label: str, path, threshold, d_same, d_ar) -> dict:
@@ -318,27 +356,13 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
     (:func:`~mars.evaluation.agreement.combine_intervals`), the paired changes come from a stratified
     paired bootstrap (identical outputs everywhere: a zero-width interval)."""
     metric = [i for i, p in enumerate(row) if p["score"] == "metric"]
-    paired = []
-    for i in metric:
-        a, b = extras[i]["scores"] or {}, extras[i]["ref_scores"] or {}
-        keys = [k for k in a if k in b]
-        paired.append(([a[k] for k in keys], [b[k] for k in keys]))
-    delta = stats.mean_of_paired_differences(paired) if not row[0]["is_reference"] else stats.Estimate(0.0, 0.0, 0.0)
-    acc = stats.combine_intervals([_estimate(row[i], "accuracy") for i in metric])
     point = {
         **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference")},
         "task": AVERAGE,
         "lm_eval_task": None,
         "metric": "mean over tasks",
         "score": "metric",
-        "accuracy": _nanmean([row[i]["accuracy"] for i in metric]),
-        "accuracy_lo": acc.lo,
-        "accuracy_hi": acc.hi,
-        "accuracy_interval": acc.method,  # combined: the tasks' own intervals added in quadrature
-        "accuracy_delta": None,
-        "accuracy_delta_lo": delta.lo,
-        "accuracy_delta_hi": delta.hi,
-        "n_paired": delta.n,
+        **_average_accuracy(row, extras, metric),
         "batch_tokens_per_forward": _nanmean([p["batch_tokens_per_forward"] for p in row]),
         "tokens_per_second": (
             sum(p["generated_tokens"] for p in row) / s if (s := sum(p["wall_seconds"] for p in row)) > 0 else None
@@ -347,6 +371,41 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         "generated_tokens": sum(p["generated_tokens"] for p in row),
         "n_samples": sum(p["n_samples"] for p in row),
     }
+    point.update(_average_figures(row))
+    point["fidelity_tokens"] = (
+        sum(p["fidelity_tokens"] or 0 for p in row) if any(p["fidelity_tokens"] is not None for p in row) else None
+    )
+    point["compare"] = _average_compares(row, extras, others, metric)
+    _flatten_compare(point)
+    return point
+
+
+def _same_documents(a: dict, b: dict) -> tuple[list, list]:
+    """Two runs' scores on the documents both have, in the same order (one stratum of a paired bootstrap)."""
+    keys = [k for k in a if k in b]
+    return [a[k] for k in keys], [b[k] for k in keys]
+
+
+def _average_accuracy(row: list[dict[str, Any]], extras: list[dict[str, Any]], metric: list[int]) -> dict[str, Any]:
+    """The Average's accuracy (metric-scored entries only) and its paired change from the reference."""
+    paired = [_same_documents(extras[i]["scores"] or {}, extras[i]["ref_scores"] or {}) for i in metric]
+    delta = stats.mean_of_paired_differences(paired) if not row[0]["is_reference"] else stats.Estimate(0.0, 0.0, 0.0)
+    acc = stats.combine_intervals([_estimate(row[i], "accuracy") for i in metric])
+    return {
+        "accuracy": _nanmean([row[i]["accuracy"] for i in metric]),
+        "accuracy_lo": acc.lo,
+        "accuracy_hi": acc.hi,
+        "accuracy_interval": acc.method,  # combined: the tasks' own intervals added in quadrature
+        "accuracy_delta": None,
+        "accuracy_delta_lo": delta.lo,
+        "accuracy_delta_hi": delta.hi,
+        "n_paired": delta.n,
+    }
+
+
+def _average_figures(row: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens per forward, agreement and fidelity: means over all entries with combined intervals."""
+    fields: dict[str, Any] = {}
     for key in (
         "tokens_per_forward",
         "agreement",
@@ -359,10 +418,13 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         est = stats.combine_intervals(
             [_estimate(p, key) for p in row], bounds=None if key == "tokens_per_forward" else (0.0, 1.0)
         )
-        point.update({key: _nanmean([p[key] for p in row]), f"{key}_lo": est.lo, f"{key}_hi": est.hi})
-    point["fidelity_tokens"] = (
-        sum(p["fidelity_tokens"] or 0 for p in row) if any(p["fidelity_tokens"] is not None for p in row) else None
-    )
+        fields.update({key: _nanmean([p[key] for p in row]), f"{key}_lo": est.lo, f"{key}_hi": est.hi})
+    return fields
+
+
+def _average_compares(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: list, metric: list[int]):
+    """Each compared run against the Average: stratified paired differences over the metric-scored
+    entries, at the same threshold and at its AR point (none unless every entry has the compared scores)."""
     compares = []
     for j, (label, path, _) in enumerate(others):
         same_groups, ar_groups = [], []
@@ -371,15 +433,12 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
             same, ar = extras[i]["compare"][j]
             for target, groups in ((same, same_groups), (ar, ar_groups)):
                 if target is not None:
-                    keys = [k for k in a if k in target]
-                    groups.append(([a[k] for k in keys], [target[k] for k in keys]))
+                    groups.append(_same_documents(a, target))
         complete = len(same_groups) == len(metric) and metric
         d_same = stats.mean_of_paired_differences(same_groups) if complete else stats.NONE
         d_ar = stats.mean_of_paired_differences(ar_groups) if len(ar_groups) == len(metric) and metric else stats.NONE
         compares.append(_compare_row(label, path, row[0]["threshold"] if complete else None, d_same, d_ar))
-    point["compare"] = compares
-    _flatten_compare(point)
-    return point
+    return compares
 
 
 def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:

@@ -66,7 +66,6 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -82,34 +81,57 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
         drawn[label] = pts
         color = colors[i % len(colors)]
         pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
-        xs = [p["tokens_per_forward"] for p in pts]
-        ys = [100 * p["accuracy"] for p in pts]
-        xerr = _errors(pts, "tokens_per_forward", 1.0)
-        yerr = _errors(pts, "accuracy", 100.0, paired=True)
-        ax.errorbar(  # hollow markers of different shapes: curves that share a point (tau 1.0) stay visible
-            xs,
-            ys,
-            xerr=xerr,
-            yerr=yerr,
-            fmt="-" + MARKERS[i % len(MARKERS)],
-            color=color,
-            label=label,
-            markersize=6 + 2 * (i % len(MARKERS)),
-            markerfacecolor="none",
-            markeredgewidth=1.5,
-            elinewidth=1,
-            capsize=2,
-        )
-        labelled.append((color, xs, ys, [p["threshold"] for p in pts]))
-        ref = [p for p in pts if p.get("is_reference")]
-        if ref:
-            r = ref[0]
-            has_reference = True
-            ax.axhline(100 * r["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7)
-            if _finite(r.get("accuracy_lo")) and _finite(r.get("accuracy_hi")):
-                ax.axhspan(100 * r["accuracy_lo"], 100 * r["accuracy_hi"], color=color, alpha=0.12, linewidth=0)
+        labelled.append((color, *_draw_curve(ax, i, label, pts, color)))
+        has_reference = _draw_reference(ax, pts, color) or has_reference
         if any(p.get("score") not in (None, "metric") for p in pts):
             ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
+    _label_axes(ax, task, ylabel)
+    _set_limits(ax)
+    texts = [t for color, xs, ys, thresholds in labelled for t in _annotate_thresholds(ax, xs, ys, thresholds, color)]
+    _fit_inside(ax, texts)
+    _add_legend(ax, has_reference)
+    fig.text(0.01, 0.0, interval_caption(drawn), fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
+    fig.tight_layout()
+    return fig
+
+
+def _draw_curve(ax, i: int, label: str, pts: list[dict[str, Any]], color) -> tuple[list, list, list]:
+    """One curve (points sorted by tokens per forward) with its error bars; returns its xs, ys and
+    thresholds for the labels drawn once the axes are final."""
+    xs = [p["tokens_per_forward"] for p in pts]
+    ys = [100 * p["accuracy"] for p in pts]
+    xerr = _errors(pts, "tokens_per_forward", 1.0)
+    yerr = _errors(pts, "accuracy", 100.0, paired=True)
+    ax.errorbar(  # hollow markers of different shapes: curves that share a point (tau 1.0) stay visible
+        xs,
+        ys,
+        xerr=xerr,
+        yerr=yerr,
+        fmt="-" + MARKERS[i % len(MARKERS)],
+        color=color,
+        label=label,
+        markersize=6 + 2 * (i % len(MARKERS)),
+        markerfacecolor="none",
+        markeredgewidth=1.5,
+        elinewidth=1,
+        capsize=2,
+    )
+    return xs, ys, [p["threshold"] for p in pts]
+
+
+def _draw_reference(ax, pts: list[dict[str, Any]], color) -> bool:
+    """The curve's tau = 1.0 accuracy as a dashed line in a band of its interval; False without one."""
+    ref = [p for p in pts if p.get("is_reference")]
+    if not ref:
+        return False
+    r = ref[0]
+    ax.axhline(100 * r["accuracy"], color=color, linestyle="--", linewidth=1, alpha=0.7)
+    if _finite(r.get("accuracy_lo")) and _finite(r.get("accuracy_hi")):
+        ax.axhspan(100 * r["accuracy_lo"], 100 * r["accuracy_hi"], color=color, alpha=0.12, linewidth=0)
+    return True
+
+
+def _label_axes(ax, task: str, ylabel: str) -> None:
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel(ylabel)
     ax.set_title(
@@ -119,6 +141,10 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
         fontsize=10,
     )
     ax.grid(True, alpha=0.3)
+
+
+def _set_limits(ax) -> None:
+    """Room around tokens per forward 1.0; a readable percentage axis that never runs past 0 or 100."""
     lo, hi = ax.get_xlim()
     ax.set_xlim(min(lo, 0.95), max(hi, 1.05))
     lo, hi = ax.get_ylim()
@@ -127,17 +153,17 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
         ax.set_ylim(max(-1, mid - 5), mid + 5)
     lo, hi = ax.get_ylim()
     ax.set_ylim(max(lo, -1.0), min(hi, 101.0))  # percentages: no empty room past 0 and 100
-    texts = [t for color, xs, ys, thresholds in labelled for t in _annotate_thresholds(ax, xs, ys, thresholds, color)]
-    _fit_inside(ax, texts)
+
+
+def _add_legend(ax, has_reference: bool) -> None:
+    from matplotlib.lines import Line2D
+
     handles, labels = ax.get_legend_handles_labels()
     if has_reference:  # one entry for every curve's dashed line and band (their colours say whose)
         handles.append(Line2D([], [], color="0.4", linestyle="--", linewidth=1))
         labels.append("τ=1.0 (AR) accuracy and its interval")
     if handles:
         ax.legend(handles, labels, fontsize=7, loc="best")
-    fig.text(0.01, 0.0, interval_caption(drawn), fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
-    fig.tight_layout()
-    return fig
 
 
 def render_pareto(task: str, curves: dict[str, list[dict[str, Any]]], settings: PlotSettings | None = None) -> bytes:

@@ -75,6 +75,19 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
     columns = [spec.label for spec in plan.suite.tasks] + ([AVERAGE] if len(plan.suite.tasks) > 1 else [])
     cell = {(p["threshold"], p["task"]): p for p in points}
     thresholds = sorted({p["threshold"] for p in points}, reverse=(metric != "entropy"))
+    lines = _preamble(plan, points, metric, ref)
+    lines += _main_table(columns, thresholds, cell, reference)
+    lines += _agreement_section(columns, thresholds, cell, ref)
+    lines += _compare_section(columns, thresholds, cell, points, ref)
+    lines += _throughput_section(columns, thresholds, cell)
+    n = {p["task"]: p["n_samples"] for p in points}
+    lines += ["", "Samples per task: " + ", ".join(f"{c} {n.get(c, 0)}" for c in columns if c != AVERAGE) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -> list[str]:
+    """The title, what was evaluated and how, what each row means, and which columns are scored against
+    the reference output instead of a gold answer."""
     res = plan.resolved
     dec = plan.decoding
     source = f"checkpoint `{res['checkpoint']}`" if res.get("checkpoint") else f"model `{res['model']['name_or_path']}`"
@@ -109,9 +122,16 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
         ]
     if plan.reference_added:
         lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
-    header = "| τ | | " + " | ".join(columns) + " |"
-    rule = "|---|---|" + "---:|" * len(columns)
-    lines += ["", header, rule]
+    return lines
+
+
+def _table_head(columns: list[str]) -> list[str]:
+    return ["| τ | | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+
+
+def _main_table(columns: list[str], thresholds: list[float], cell: dict, reference: float) -> list[str]:
+    """Per threshold: accuracy (and its change), the intervals, tokens per forward and agreement."""
+    lines = ["", *_table_head(columns)]
     for thr in thresholds:
         name = f"**{fmt_threshold(thr)}** (AR)" if thr == reference else f"**{fmt_threshold(thr)}**"
         rows = [
@@ -122,25 +142,24 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
         ]
         for first, what, cells in rows:
             lines.append(f"| {first} | {what} | " + " | ".join(cells) + " |")
-    lines += _agreement_section(columns, thresholds, cell, ref)
-    lines += _compare_section(columns, thresholds, cell, points, ref)
-    lines += [
+    return lines
+
+
+def _throughput_section(columns: list[str], thresholds: list[float], cell: dict) -> list[str]:
+    lines = [
         "",
         "## Throughput",
         "",
         "Generated tokens per second and decoder wall time (s) per task.",
         "",
-        header,
-        rule,
+        *_table_head(columns),
     ]
     for thr in thresholds:
         cells_tps = [_fmt(_get(cell, (thr, c), "tokens_per_second"), ".1f") for c in columns]
         cells_wall = [_fmt(_get(cell, (thr, c), "wall_seconds"), ".1f") for c in columns]
         lines.append(f"| **{fmt_threshold(thr)}** | tok/s | " + " | ".join(cells_tps) + " |")
         lines.append("|  | wall s | " + " | ".join(cells_wall) + " |")
-    n = {p["task"]: p["n_samples"] for p in points}
-    lines += ["", "Samples per task: " + ", ".join(f"{c} {n.get(c, 0)}" for c in columns if c != AVERAGE) + "."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, ref: str) -> list[str]:

@@ -125,6 +125,20 @@ class CountRequests:
 
 
 def create_app(state: ServingState) -> FastAPI:
+    app = FastAPI(title="MARS server", version="1", lifespan=_lifespan(state), docs_url="/docs", redoc_url=None)
+    app.state.serving = state
+
+    app.add_middleware(RequestGuard, hosts=HostRule(state.host, state.allowed_hosts), api_key=state.api_key)
+    app.add_middleware(CountRequests, state=state)  # outermost: counts the guard's refusals too
+    _add_error_handlers(app)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _lifespan(state: ServingState):
+    """Starts the engine loop with the app; at shutdown lets it finish what is left within the grace period."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not state.loop.alive:
@@ -134,11 +148,11 @@ def create_app(state: ServingState) -> FastAPI:
         # in the loop gets the rest of the grace period, then is cancelled
         await asyncio.to_thread(state.loop.stop, state.shutdown_grace_s)
 
-    app = FastAPI(title="MARS server", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    app.state.serving = state
+    return lifespan
 
-    app.add_middleware(RequestGuard, hosts=HostRule(state.host, state.allowed_hosts), api_key=state.api_key)
-    app.add_middleware(CountRequests, state=state)  # outermost: counts the guard's refusals too
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style JSON body: ours with their status, anything else as a 500."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -148,6 +162,10 @@ def create_app(state: ServingState) -> FastAPI:
     async def internal_error(request: Request, err: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(APIError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
+
+
+def _add_status_routes(app: FastAPI, state: ServingState) -> None:
+    """The page, health, Prometheus metrics, live statistics and the model list."""
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
@@ -190,6 +208,10 @@ def create_app(state: ServingState) -> FastAPI:
             )
         return JSONResponse(_model_card(state))
 
+
+def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
+    """The OpenAI-compatible completion endpoints (the body is parsed off the event loop)."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         raw = await _read_body(request, state.max_body_bytes)
@@ -201,8 +223,6 @@ def create_app(state: ServingState) -> FastAPI:
         raw = await _read_body(request, state.max_body_bytes)
         body, jobs = await _off_loop(state, _prepare_chat, state, raw)
         return await _serve(state, request, jobs, body, chat=True)
-
-    return app
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -526,68 +546,80 @@ async def _stream(
     include_usage: bool,
     token_ids: bool,
 ):
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    chunks = _Chunks(rid, chat, state.model_name)
     finished: set[int] = set()
-
-    def chunk(index: int, text: str | None, reason: str | None, mars: dict, first: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
-        return {
-            "id": rid,
-            "object": kind,
-            "created": created,
-            "model": state.model_name,
-            "choices": [choice],
-            "mars": mars,
-        }
-
     try:
         if chat:
             for job in jobs:
-                yield {"data": json.dumps(chunk(job.index, "", None, {"tokens": 0, "forward": 0}, first=True))}
+                yield _sse(chunks.choice(job.index, "", None, {"tokens": 0, "forward": 0}, first=True))
         while len(finished) < len(jobs):
             event: JobEvent = await queue.get()
-            job = event.job
             if event.error is not None:  # the stream ends with the error, then [DONE] (as vLLM's do)
-                yield {"data": json.dumps(_job_error(event).body())}
+                yield _sse(_job_error(event).body())
                 yield {"data": "[DONE]"}
                 return
-            mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
-            if token_ids:
-                mars["token_ids"] = event.token_ids
+            mars = _event_mars(state, event, token_ids)
             if event.done:
-                finished.add(job.index)
-                mars.update(
-                    job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.tau, 4)
-                )
-                if token_ids:
-                    mars["token_ids"] = event.token_ids
-                yield {"data": json.dumps(chunk(job.index, event.text, _finish(event), mars))}
-            else:
-                yield {"data": json.dumps(chunk(job.index, event.text, None, mars))}
+                finished.add(event.job.index)
+            yield _sse(chunks.choice(event.job.index, event.text, _finish(event) if event.done else None, mars))
         if include_usage:
-            yield {
-                "data": json.dumps(
-                    {
-                        "id": rid,
-                        "object": kind,
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [],
-                        "usage": _usage(jobs),
-                        "mars": _mars(state, jobs),
-                    }
-                )
-            }
+            yield _sse(chunks.usage(_usage(jobs), _mars(state, jobs)))
         yield {"data": "[DONE]"}
     finally:  # normal end, error, or the client went away (the task is cancelled)
         for job in jobs:
             if job.index not in finished:
                 state.loop.cancel(job.id)
+
+
+def _sse(payload: dict) -> dict:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return {"data": json.dumps(payload)}
+
+
+class _Chunks:
+    """The streamed chunks of one response: same id, object kind, creation time and model on every one."""
+
+    def __init__(self, rid: str, chat: bool, model_name: str):
+        self.rid, self.chat, self.model_name = rid, chat, model_name
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    def choice(self, index: int, text: str | None, reason: str | None, mars: dict, first: bool = False) -> dict:
+        """A text delta of one choice (the chat role on its first chunk), with its decoding figures."""
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return self._chunk([choice], mars=mars)
+
+    def usage(self, usage: dict, mars: dict) -> dict:
+        """The closing chunk with the token usage (``stream_options.include_usage``): no choices."""
+        return self._chunk([], usage=usage, mars=mars)
+
+
+def _event_mars(state: ServingState, event: JobEvent, token_ids: bool) -> dict:
+    """The ``mars`` figures of one streamed event: tokens and forward so far and the threshold served; the
+    last event of a choice adds the job's statistics and the server's current threshold."""
+    job = event.job
+    mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
+    if token_ids:
+        mars["token_ids"] = event.token_ids
+    if event.done:
+        mars.update(job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.tau, 4))
+        if token_ids:
+            mars["token_ids"] = event.token_ids
+    return mars
 
 
 def _model_card(state: ServingState) -> dict:

@@ -172,7 +172,6 @@ def build_state(sc: ServeConfig, loaded=None):
     from mars.decoding.engine import DecodeEngine
     from mars.decoding.forward import ModelRunner
     from mars.decoding.stopping import eos_token_ids
-    from mars.hardware import resolve_device, resolve_dtype_name
 
     from .app import ServingState, longest_token_chars
     from .metrics import ServerMetrics
@@ -181,20 +180,7 @@ def build_state(sc: ServeConfig, loaded=None):
     if sc.threads:
         torch.set_num_threads(sc.threads)
     if loaded is None:
-        from mars.models import load_model
-
-        device = resolve_device(sc.device)
-        name = str(sc.checkpoint or sc.model["name_or_path"])
-        mask_token = (sc.checkpoint_meta or {}).get("mask_token") or sc.model.get("mask_token")
-        loaded = load_model(
-            name,
-            tiny=sc.model.get("tiny") if not sc.checkpoint else None,
-            mask_token=mask_token,
-            allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
-            dtype=resolve_dtype_name(sc.dtype, device),
-            attn_implementation=sc.model.get("attn_implementation") or "sdpa",
-            device=device,
-        )
+        loaded = _load_served_model(sc)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     runner = ModelRunner(model)
     context = runner.context_length or 2048
@@ -208,10 +194,7 @@ def build_state(sc: ServeConfig, loaded=None):
         return DecodeEngine(ModelRunner(model), settings, mask_id, eos, tokenizer)
 
     if sc.warmup:  # the first forward pays one-off costs; keep them out of the first request's latency
-        engine = make_engine()
-        engine.admit([engine.make_request(tokenizer("Hello")["input_ids"], max_new_tokens=2)])
-        while engine.live:
-            engine.step()
+        _warm_up(make_engine(), tokenizer)
     policy = build_policy(
         sc.tau_policy,
         threshold=sc.threshold,
@@ -222,16 +205,7 @@ def build_state(sc: ServeConfig, loaded=None):
     )
     metrics = ServerMetrics(sc.metrics_window_s)
     loop = EngineLoop(make_engine, policy, metrics, tokenizer, eos, max_batch=sc.max_batch, max_queue=sc.max_queue)
-    info = {
-        "decoder": settings.decoder,
-        "block_size": settings.block_size,
-        "metric": settings.metric,
-        "cache": settings.cache,
-        "max_model_len": context,
-        "dtype": str(next(model.parameters()).dtype),
-        "device": str(runner.device),
-        "mask_token_id": mask_id,
-    }
+    info = _server_info(settings, runner, context, mask_id)
     return ServingState(
         loop=loop,
         tokenizer=tokenizer,
@@ -248,3 +222,44 @@ def build_state(sc: ServeConfig, loaded=None):
         max_token_chars=longest_token_chars(tokenizer),
         info=info,
     )
+
+
+def _load_served_model(sc: ServeConfig):
+    """The checkpoint (or configured base model) on the configured device and dtype, with the mask token
+    the checkpoint was trained with."""
+    from mars.hardware import resolve_device, resolve_dtype_name
+    from mars.models import load_model
+
+    device = resolve_device(sc.device)
+    name = str(sc.checkpoint or sc.model["name_or_path"])
+    mask_token = (sc.checkpoint_meta or {}).get("mask_token") or sc.model.get("mask_token")
+    return load_model(
+        name,
+        tiny=sc.model.get("tiny") if not sc.checkpoint else None,
+        mask_token=mask_token,
+        allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
+        dtype=resolve_dtype_name(sc.dtype, device),
+        attn_implementation=sc.model.get("attn_implementation") or "sdpa",
+        device=device,
+    )
+
+
+def _warm_up(engine, tokenizer) -> None:
+    """Decodes two tokens of a throwaway request on its own engine."""
+    engine.admit([engine.make_request(tokenizer("Hello")["input_ids"], max_new_tokens=2)])
+    while engine.live:
+        engine.step()
+
+
+def _server_info(settings, runner, context: int, mask_id: int) -> dict:
+    """What the server reports about its decoder and model (``/v1/models`` and the UI)."""
+    return {
+        "decoder": settings.decoder,
+        "block_size": settings.block_size,
+        "metric": settings.metric,
+        "cache": settings.cache,
+        "max_model_len": context,
+        "dtype": str(next(runner.model.parameters()).dtype),
+        "device": str(runner.device),
+        "mask_token_id": mask_id,
+    }
