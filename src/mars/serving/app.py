@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
-from mars.decoding.settings import DecodingSettings, validate_threshold
+from mars.decoding.settings import DecodingSettings
 
 from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
@@ -46,6 +46,7 @@ from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     _Common,
+    decoding_overrides,
     from_validation_error,
 )
 from .ui import PAGE
@@ -350,34 +351,39 @@ def _too_long(n: int, state: ServingState, param: str) -> APIError:
     )
 
 
-def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float]:
-    """The request's threshold and temperature under the server's decoding rules (checked before any
-    tokenization): ``validate_threshold`` for the metric, and what ``verify`` allows."""
+def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float, dict]:
+    """The request's DecodingSettings overrides under the server's decoding rules, checked before any
+    tokenization by one DecodingSettings (the threshold for the metric, what ``verify`` allows, each
+    per-request field's range): its threshold, its temperature and the other per-request fields."""
     s = state.settings
-    threshold = body.threshold
-    if threshold is not None:
-        try:
-            threshold = validate_threshold(threshold, s.metric)
-        except ValueError as err:
-            raise APIError(400, str(err), "threshold") from None
-    if body.verify:
-        try:
-            s.replace(verify=True, threshold=threshold if threshold is not None else s.reference)
-        except ValueError as err:
-            raise APIError(400, str(err), "threshold" if "threshold" in str(err) else "verify") from None
-    temperature = s.temperature if body.temperature is None else float(body.temperature)
-    return threshold, temperature
+    overrides = decoding_overrides(body)
+    overrides.pop("seed", None)  # range-checked by the schema; the sampler's generator takes any such seed
+    if overrides.get("verify"):
+        overrides.setdefault("threshold", s.reference)
+    try:
+        checked = s.replace(**overrides)
+    except ValueError as err:
+        raise APIError(400, str(err), _param(str(err), overrides)) from None
+    threshold = checked.threshold if body.threshold is not None else None  # None: the server's policy decides
+    options = {k: getattr(checked, k) for k in overrides if k not in ("threshold", "verify", "temperature")}
+    return threshold, checked.temperature, options
+
+
+def _param(message: str, overrides: dict) -> str | None:
+    """The request field a settings error is about: the first one it names (the threshold when verify's)."""
+    named = [k for k in overrides if k in message]
+    return named[0] if named else next(iter(overrides), None)
 
 
 def _jobs(
     state: ServingState,
     body: _Common,
-    knobs: tuple[float | None, float],
+    knobs: tuple[float | None, float, dict],
     ids: list[list[int]],
     budget: int | None,
     budget_field: str,
 ) -> list[Job]:
-    threshold, temperature = knobs
+    threshold, temperature, options = knobs
     jobs = []
     for i, prompt in enumerate(ids):
         room = state.context_length - len(prompt)
@@ -402,7 +408,8 @@ def _jobs(
                 stop=body.stop,
                 temperature=temperature,
                 seed=body.seed,
-                verify=body.verify,
+                verify=bool(body.verify),
+                options=options,
                 index=i,
             )
         )

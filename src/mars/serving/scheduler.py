@@ -80,6 +80,7 @@ class Job:
     temperature: float = 0.0
     seed: int | None = None
     verify: bool = False
+    options: dict = field(default_factory=dict)  # other per-request DecodingSettings fields (lookup_ngram, ...)
     index: int = 0  # choice index in the response
     streaming: bool = True  # per-forward events (False: only the final one)
     sink: Callable[[JobEvent], None] | None = None  # called on the loop thread; must not block
@@ -290,6 +291,7 @@ class EngineLoop:
                     seed=job.seed,
                     verify=job.verify,
                     id=job.id,
+                    **job.options,
                 )
                 _check_sampler(req.seed, req.temperature)
                 job.stream = TextStream(self.tokenizer, self.eos_ids, req.stops, job.max_new_tokens)
