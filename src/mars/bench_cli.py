@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from mars.decoding.settings import DecodingSettings
+from mars.hardware import DTYPES
 
 DEFAULT_MODEL = "embedded:smollm2-135m"
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -35,17 +35,23 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 # ---------------------------------------------------------------------------------------- shared flags
-def add_model(p: argparse.ArgumentParser, default: str = DEFAULT_MODEL, checkpoint: bool = True) -> None:
-    p.add_argument("--model", default=default, help="embedded:smollm2-135m, a hub id or a local directory")
+def add_model(
+    p: argparse.ArgumentParser,
+    default: str = DEFAULT_MODEL,
+    checkpoint: bool = True,
+    model_help: str = "embedded:smollm2-135m, a hub id or a local directory",
+    checkpoint_help: str = "MARS checkpoint directory (overrides --model)",
+) -> None:
+    p.add_argument("--model", default=default, help=model_help)
     if checkpoint:
-        p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
+        p.add_argument("--checkpoint", default=None, help=checkpoint_help)
 
 
 def add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument(
         "--dtype",
         default=default,
-        choices=DTYPES,
+        choices=list(DTYPES),
         help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32",
     )
 
@@ -79,9 +85,13 @@ def comma_list(text: str, flag: str, cast: Callable[[str], Any] = str, allowed: 
 
 
 def positive_ints(text: str, flag: str) -> list[int]:
-    values = comma_list(text, flag, int)
-    if min(values) < 1:
-        raise SystemExit(f"{flag} must be positive integers, got {text!r}")
+    """``"1,4,8"`` as positive integers (batch sizes, column counts)."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}")
     return values
 
 
