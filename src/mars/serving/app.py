@@ -168,7 +168,7 @@ def create_app(state: ServingState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         snap = state.loop.snapshot()
-        state.metrics.refresh(queued=snap["queued"], running=snap["running"], tau=state.policy.tau)
+        state.metrics.refresh(queued=snap["queued"], running=snap["running"], threshold=state.policy.threshold)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
@@ -483,14 +483,14 @@ def _mars(state: ServingState, jobs: list[Job]) -> dict:
         jobs[0].stats()
         if len(jobs) == 1
         else {
-            "threshold": [j.served_tau for j in jobs],
+            "threshold": [j.served_threshold for j in jobs],
             "forwards": forwards,
             "completion_tokens": tokens,
             "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
             "choices": [j.stats() for j in jobs],
         }
     )
-    out.update(server_tau=round(state.policy.tau, 4), tau_policy=state.policy.name)
+    out.update(server_tau=round(state.policy.threshold, 4), tau_policy=state.policy.name)
     return out
 
 
@@ -563,13 +563,13 @@ async def _stream(
                 yield {"data": json.dumps(_job_error(event).body())}
                 yield {"data": "[DONE]"}
                 return
-            mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
+            mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_threshold}
             if token_ids:
                 mars["token_ids"] = event.token_ids
             if event.done:
                 finished.add(job.index)
                 mars.update(
-                    job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.tau, 4)
+                    job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.threshold, 4)
                 )
                 if token_ids:
                     mars["token_ids"] = event.token_ids
@@ -607,7 +607,7 @@ def _model_card(state: ServingState) -> dict:
         "mars": {
             **state.info,
             "tau_policy": state.policy.name,
-            "tau_min": state.policy.tau_min,
-            "tau_max": state.policy.tau_max,
+            "tau_min": state.policy.threshold_min,
+            "tau_max": state.policy.threshold_max,
         },
     }

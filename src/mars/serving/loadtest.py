@@ -1,5 +1,6 @@
 """Bounded load test of ``serve.py`` over loopback: throughput, latency and time to first token against
-offered load for several tau policies, the quality cost of lowering tau, and a burst past the queue limit.
+offered load for several threshold policies, the quality cost of lowering the threshold, and a burst past the
+queue limit.
 
     python -m mars.serving.loadtest --out benchmarks/serving              # the committed benchmark
     python -m mars.serving.loadtest --rates 0.1,0.3 --duration 20 --policies tau1.0,adaptive --out /tmp/lt
@@ -13,9 +14,9 @@ bounded: request counts, durations, per-request timeouts, the burst size.
 
 Measured per (policy, offered rate): completed requests/s and generated tokens/s (over the span from the
 first arrival to the last completion, so a backlog's drain is included), p50/p95 latency and TTFT (seen
-by the client), rejected (429/503) and failed requests, the mean served tau and tokens per forward, and
-the agreement of each output with the tau=1.0 output of the same prompt (identical outputs; shared
-token prefix), since tau=1.0 outputs do not depend on the load.  The burst sends 4x the queue limit at
+by the client), rejected (429/503) and failed requests, the mean served threshold and tokens per forward,
+and the agreement of each output with the threshold 1.0 output of the same prompt (identical outputs;
+shared token prefix), since threshold 1.0 outputs do not depend on the load.  The burst sends 4x the queue limit at
 once and checks that every request gets 200 or 429/503, the server stays up and its memory stays bounded.
 
 Writes ``levels.csv``, ``requests.csv``, ``outputs.jsonl``, ``burst.json``, ``table.md``, ``serving_load.png``
