@@ -97,3 +97,15 @@ def test_a_request_sets_lookup_ngram_on_its_own_row(server, monkeypatch):  # noq
     r = httpx.post(server.url + "/v1/completions", json={**body, "lookup_ngram": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lookup_ngram"
     assert "lookup_ngram must be an integer >= 1, got 0" in r.json()["error"]["message"]
+
+
+def test_lookup_ngram_from_the_yaml_and_the_lm_eval_model_args(compose_cfg):
+    """The same field through the decoding YAML (a Hydra override) and lm-eval's string model_args."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg("evaluate", ["decoding=mars_lookup", "decoding.lookup_ngram=2"])
+    settings = DecodingSettings.from_mapping(OmegaConf.to_container(cfg.decoding, resolve=True))
+    assert settings.draft_source == "lookup" and settings.lookup_ngram == 2
+    assert DecodingSettings.from_mapping({"lookup_ngram": "5"}).lookup_ngram == 5  # model_args arrive as text
+    with pytest.raises(ValueError, match="lookup_ngram must be an integer >= 1"):
+        DecodingSettings.from_mapping({"lookup_ngram": "0"})

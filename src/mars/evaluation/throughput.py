@@ -15,6 +15,11 @@ Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), 
 qwen2.5-0.5b|qwen2.5-7b``: a model with the real Qwen2.5 shapes and random weights built from a config
 (no download; timing only), with the embedded tokenizer.
 
+Decoding flags (``--max-new-tokens``, ``--metric``, ``--block-size``, ``--cache-block``, ``--lookup-ngram``,
+``--draft-model``, ``--max-accept``, ...) are the fields of :class:`~mars.decoding.settings.DecodingSettings`
+that the timed decoders do not set themselves, derived by :mod:`mars.bench_cli` (help and defaults from the
+dataclass); every decoder runs with one DecodingSettings built from them.
+
 Draft sources (``--draft-sources lookup,lookup+masks,model,model+masks``): verified decoding whose drafts come
 from prompt lookup or a draft model (``--draft-model``, e.g. ``self:8``, the target's first 8 layers), alone
 (plain speculative decoding) or extended by the checkpoint's masks; lossless, listed like the other decoders::
