@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from mars.serving.policy import AdaptiveSettings, AdaptiveTau, FixedTau, LoadSample, build_policy
+from mars.serving.policy import AdaptiveSettings, AdaptiveThreshold, FixedThreshold, LoadSample, build_policy
 
 
 def run_trace(policy, trace, dt=0.1, **sample_kw):
@@ -23,11 +23,11 @@ def direction_changes(values, eps=1e-9):
 def adaptive(**kw):
     base = dict(signal="queue", target_queue=8, high=1.0, low=0.5, relax_rate=0.5, recover_rate=0.25, smoothing_s=1.0)
     base.update(kw)
-    return AdaptiveTau(0.6, 1.0, AdaptiveSettings(**base))
+    return AdaptiveThreshold(0.6, 1.0, AdaptiveSettings(**base))
 
 
 def test_fixed_policy_serves_its_tau_and_clamps_requests_to_the_bounds():
-    p = FixedTau(0.9, 0.7, 1.0)
+    p = FixedThreshold(0.9, 0.7, 1.0)
     assert run_trace(p, [(50, 8)] * 20) == [0.9] * 20
     assert p.for_request(None) == 0.9
     assert p.for_request(0.8) == 0.8
@@ -61,7 +61,7 @@ def test_recovery_is_slower_than_relaxation_as_configured():
 def test_load_inside_the_band_holds_tau_steady():
     p = adaptive(smoothing_s=0.0)
     run_trace(p, [(30, 8)] * 5)  # relax a little first
-    held = p.tau
+    held = p.threshold
     # 6..7 requests in the system with target 8: ratio 0.75..0.875, inside (low, high)
     taus = run_trace(p, [(0, 6), (0, 7)] * 50)
     assert taus == [held] * 100 or all(t == pytest.approx(held) for t in taus)
@@ -75,7 +75,7 @@ def test_noisy_load_around_the_target_does_not_make_tau_flap():
     taus = run_trace(smooth, trace)
     assert direction_changes(taus) == 0  # the band and the average absorb it
     # without hysteresis (low == high) and without smoothing it would flap at every update
-    raw = AdaptiveTau(
+    raw = AdaptiveThreshold(
         0.6,
         1.0,
         AdaptiveSettings(target_queue=8, high=1.0, low=0.999, relax_rate=0.5, recover_rate=0.5, smoothing_s=0.0),
@@ -100,35 +100,37 @@ def test_update_frequency_does_not_change_the_trajectory_much():
         coarse.update(LoadSample(i * 0.1, *load(i * 0.1)))
     for i in range(401):
         fine.update(LoadSample(i * 0.01, *load(i * 0.01)))
-    assert coarse.tau == pytest.approx(fine.tau, abs=0.03)
+    assert coarse.threshold == pytest.approx(fine.threshold, abs=0.03)
 
 
 def test_latency_signal_relaxes_on_slow_requests_and_recovers_when_idle():
-    p = AdaptiveTau(
+    p = AdaptiveThreshold(
         0.7,
         1.0,
         AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0, recover_rate=1.0, smoothing_s=0.0),
     )
     for i in range(10):
         p.update(LoadSample(i * 0.1, waiting=2, running=4, recent_latency_s=9.0, oldest_age_s=3.0))
-    assert p.tau < 1.0
-    low = p.tau
+    assert p.threshold < 1.0
+    low = p.threshold
     # an old request still in the system counts even before any request finished
-    q = AdaptiveTau(0.7, 1.0, AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0, smoothing_s=0.0))
+    q = AdaptiveThreshold(
+        0.7, 1.0, AdaptiveSettings(signal="latency", target_latency_s=4.0, relax_rate=1.0, smoothing_s=0.0)
+    )
     for i in range(5):
         q.update(LoadSample(i * 0.1, waiting=1, running=1, recent_latency_s=None, oldest_age_s=12.0))
-    assert q.tau < 1.0
+    assert q.threshold < 1.0
     # the system empties: the stale latency average does not hold tau down
     for i in range(10, 40):
         p.update(LoadSample(i * 0.1, waiting=0, running=0, recent_latency_s=9.0, oldest_age_s=None))
-    assert p.tau > low and p.tau == pytest.approx(1.0)
+    assert p.threshold > low and p.threshold == pytest.approx(1.0)
 
 
 def test_entropy_metric_relaxes_upwards():
-    p = AdaptiveTau(0.0, 1.5, AdaptiveSettings(relax_rate=1.0, smoothing_s=0.0), metric="entropy")
-    assert p.tau == 0.0 and p.is_exact(p.tau)
+    p = AdaptiveThreshold(0.0, 1.5, AdaptiveSettings(relax_rate=1.0, smoothing_s=0.0), metric="entropy")
+    assert p.threshold == 0.0 and p.is_exact(p.threshold)
     run_trace(p, [(40, 8)] * 20)
-    assert p.tau == pytest.approx(1.5)
+    assert p.threshold == pytest.approx(1.5)
     assert p.for_request(None, verify=True) == 0.0
 
 

@@ -27,6 +27,7 @@ from contextlib import nullcontext
 
 import torch
 
+from mars import bench_cli
 from mars.evaluation.throughput import ARCH_PRESETS  # real Qwen2.5 shapes (random weights, no download)
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -125,34 +126,44 @@ def resolve_paths(text: str, device: str) -> list[str]:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="embedded:smollm2-135m")
-    p.add_argument("--arch-preset", choices=sorted(ARCH_PRESETS))
-    p.add_argument("--device", default="cpu")
+def build_parser() -> argparse.ArgumentParser:
+    p = bench_cli.parser("python -m mars.train_bench", __doc__)
+    bench_cli.add_model(p, checkpoint=False)
+    p.add_argument("--arch-preset", choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes")
+    bench_cli.add_device(p)
     p.add_argument(
         "--paths",
         default="bf16-mixed,auto",
         help="precisions to compare, the first is the reference (auto = trainer.precision=auto here)",
     )
-    p.add_argument("--objectives", default="ar,mars")
-    p.add_argument("--attn", nargs="+", default=["sdpa"])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--length", type=int, default=320)
-    p.add_argument("--block", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--objectives", default="ar,mars", help="comma-separated, from ar, mars")
+    p.add_argument("--attn", nargs="+", default=["sdpa"], help="attention implementations")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--length", type=int, default=320, help="tokens per sequence")
+    p.add_argument("--block", type=int, default=4, help="MARS training block size")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--precision", help=argparse.SUPPRESS)  # child process mode
     p.add_argument("--objective", choices=["ar", "mars"], help=argparse.SUPPRESS)
-    p.add_argument("--json-out")
-    args = p.parse_args(argv)
+    p.add_argument("--json-out", help="also write the rows as JSON here")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.objective:
         args.attn = args.attn[0]
         print("RESULT " + json.dumps(one_run(args)), flush=True)
         return
     paths = resolve_paths(args.paths, args.device)
-    objectives = [o for o in args.objectives.split(",") if o]
+    objectives = bench_cli.comma_list(args.objectives, "--objectives", allowed=("ar", "mars"))
+    rows = run_children(args, argv, paths, objectives)
+    report(args, rows, paths)
+
+
+def run_children(args, argv, paths: list[str], objectives: list[str]) -> list[dict]:
+    """One process per (attention, precision, objective): its peak memory is its own."""
     rows = []
     child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     for attn in args.attn:
@@ -177,6 +188,11 @@ def main(argv=None):
                     raise SystemExit(f"benchmark child failed: {' '.join(cmd)}")
                 rows.append(json.loads(line[len("RESULT ") :]))
                 print(f"  {precision} {objective} {attn}: {rows[-1]['median_s']:.2f} s/step", flush=True)
+    return rows
+
+
+def report(args, rows: list[dict], paths: list[str]) -> None:
+    """The table, with each row's ratios to the first precision path and to AR; ``--json-out``."""
     from mars.hardware import describe
 
     hw = describe()

@@ -6,10 +6,11 @@ Entry point::
     result = generate(model, tokenizer, ["Hello"], block_size=4, threshold=0.9, chat_template=True)
     result.texts[0], result.token_ids[0], result.stats.tokens_per_forward
 
-``generate(model, tokenizer, prompts, *, block_size=4, threshold=1.0, metric="probability",
-max_new_tokens=256, cache="cursor", cache_block=32, window=None, temperature=0.0, max_accept=None,
-stop=None, mask_token_id=None, chat_template=False, decoder="mars", seed=None, progress=False,
-full_window=False, verify=False, draft_length=None, draft_threshold=0.0, fallback="none", settings=None)``
+``generate(model, tokenizer, prompts, *, stop=None, mask_token_id=None, chat_template=False,
+progress=False, settings=None, **decoding)``: ``decoding`` is any field of :class:`DecodingSettings`
+(``block_size=4, threshold=1.0, metric="probability", max_new_tokens=256, cache="cursor", window=None,
+verify=False, draft_source="masks", lookup_ngram=3, ...``: each field's default and help are declared
+there, ``DecodingSettings.help()`` lists them), or ``settings=`` one such object, never both.
 
 - ``prompts``: list of strings or of token-id lists (ragged batches are fine); ``chat_template=True``
   wraps each string as one user turn with the generation prompt.
@@ -30,7 +31,7 @@ full_window=False, verify=False, draft_length=None, draft_threshold=0.0, fallbac
 - ``decoder``: ``mars`` (default), ``ar`` (``transformers`` ``generate``, KV cache, greedy) or
   ``jacobi`` (training-free Jacobi iteration on the same window), all with the same stop rules.
 - ``settings``: a :class:`DecodingSettings` instead of the keywords (one validated object shared with
-  the configs, the lm-eval adapter and the server).
+  the configs, the lm-eval adapter, the server and the benchmark CLIs); keywords beside it are refused.
 
 Returns a :class:`GenerationResult`: ``texts`` and ``token_ids`` (generated only, up to and including
 the EOS) per prompt in input order, ``finish_reasons`` (``eos`` | ``stop`` | ``length``) and ``stats``

@@ -3,15 +3,15 @@ model's confidence meets the threshold.  Pure tensor functions, vectorised over 
 
 Metrics (the confidence of the distribution at each window position):
 
-- ``probability``: probability of the chosen token (the top token under greedy decoding); accept while ``>= tau``.
-- ``entropy``: entropy of the distribution in nats; accept while ``<= tau``.
-- ``margin``: top-1 minus top-2 probability; accept while ``>= tau``.
+- ``probability``: probability of the chosen token (the top token under greedy decoding); accept while ``>= threshold``.
+- ``entropy``: entropy of the distribution in nats; accept while ``<= threshold``.
+- ``margin``: top-1 minus top-2 probability; accept while ``>= threshold``.
 
 The first position is always accepted (it is the exact AR prediction from the last real token), so
 every step makes progress; ``cap`` bounds the count (``max_accept``, the remaining token budget, a
 cache-block end, or 0 for a row that must wait).
 
-Exact-AR thresholds: ``tau >= 1.0`` for probability/margin and ``tau <= 0`` for entropy mean "accept
+Exact-AR thresholds: ``threshold >= 1.0`` for probability/margin and ``<= 0`` for entropy mean "accept
 only when certain", which in exact arithmetic is the greedy AR output.  In floating point a softmax can
 round to exactly 1.0 (entropy to 0.0) for a token the model is not truly certain of, so such rows are
 capped at one token per step: the output is then token-for-token greedy AR by construction.

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .acceptance import never_emitted, thresholds_list
+from .acceptance import never_emitted
 from .baselines import generate_ar
 from .engine import DecodeEngine
 from .forward import ModelRunner
@@ -89,61 +89,66 @@ def generate(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
-    block_size: int = 4,
-    threshold: float | Sequence[float] = 1.0,
-    metric: str = "probability",
-    max_new_tokens: int = 256,
-    cache: str = "cursor",
-    cache_block: int = 32,
-    window: int | str | None = None,
-    temperature: float = 0.0,
-    max_accept: int | None = None,
     stop: str | Sequence[str] | None = None,
     mask_token_id: int | None = None,
     chat_template: bool = False,
-    decoder: str = "mars",
-    seed: int | None = None,
     progress: bool = False,
-    full_window: bool = False,
-    verify: bool = False,
-    draft_length: int | None = None,
-    draft_threshold: float = 0.0,
-    fallback: str = "none",
-    draft_source: str = "masks",
-    draft_model: str | None = None,
-    lookup_ngram: int = 3,
-    ar_cache: str = "dynamic",
     settings: DecodingSettings | None = None,
+    **decoding: Any,
 ) -> GenerationResult:
     """Generate continuations of ``prompts``; see the package docstring for every argument.
 
-    The decoding keywords build one :class:`DecodingSettings` (validated before any model work);
-    ``settings=`` passes such an object directly and then replaces them.  ``threshold`` may be one
-    number or one per prompt.  A threshold of 1.0 (probability/margin) or 0 (entropy) caps that row
+    How to decode is one :class:`DecodingSettings`: pass it as ``settings=``, or pass its fields as
+    keywords (``block_size=4, threshold=0.9, ...``; every field of the dataclass is a keyword, with its
+    default and help text declared there), which build it once, validated before any model work.  Not
+    both: a keyword beside ``settings=`` is refused rather than silently ignored.  ``threshold`` may be
+    one number or one per prompt.  A threshold of 1.0 (probability/margin) or 0 (entropy) caps that row
     at one token per step, which makes the output exactly greedy AR.  ``verify=True`` drafts with the
     masks (or ``draft_source="model"``/``"lookup"``) and verifies in the next forward: the output is
     exactly greedy AR at more than one token per forward.  ``decoder="ar"`` runs ``transformers``
-    ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the training-free Jacobi iteration, all under
-    the same stop rules and statistics.  ``full_window=True`` appends the masks even when no row can
-    accept them.
+    ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the training-free Jacobi iteration, all
+    under the same stop rules and statistics.  ``full_window=True`` appends the masks even when no row
+    can accept them.
     """
+    threshold = decoding.get("threshold", settings.threshold if settings is not None else 1.0)
     per_row = isinstance(threshold, (list, tuple))
-    if settings is None:  # every keyword named like a settings field is that field
-        keywords = {name: value for name, value in locals().items() if name in DecodingSettings.field_names()}
-        if per_row:  # per-prompt thresholds go to the requests; the settings keep the reference
-            keywords["threshold"] = reference_threshold(metric)
-        settings = DecodingSettings(**keywords)
+    settings = _one_settings(settings, decoding, per_row)
     row_thresholds = threshold if per_row else settings.threshold
-    ids, thresholds, mask_token_id, eos_ids, stops = _prepare(
+    ids, rows, mask_token_id, eos_ids, stops = _prepare(
         model, tokenizer, prompts, settings, row_thresholds, mask_token_id, chat_template, stop
     )
     if settings.decoder == "ar":
         raw, reasons, masks, stats = _run_ar(model, tokenizer, ids, settings, mask_token_id, eos_ids, stops)
     else:
         raw, reasons, masks, stats = _run_engine(
-            model, tokenizer, ids, thresholds, settings, mask_token_id, eos_ids, stops, progress
+            model, tokenizer, ids, rows, settings, mask_token_id, eos_ids, stops, progress
         )
     return _result(raw, reasons, masks, stats, settings, eos_ids, stops, row_thresholds)
+
+
+def _one_settings(settings: DecodingSettings | None, decoding: dict[str, Any], per_row: bool) -> DecodingSettings:
+    """``settings=`` as given, else the decoding keywords as one validated object; never both.  A
+    per-prompt threshold list stays beside either (the settings keep the reference threshold)."""
+    unknown = sorted(set(decoding) - set(DecodingSettings.field_names()))
+    if unknown:
+        raise TypeError(
+            f"generate() got unexpected keyword(s) {unknown}; decoding keywords are the fields of "
+            f"DecodingSettings: {sorted(DecodingSettings.field_names())}"
+        )
+    if settings is not None:
+        if not isinstance(settings, DecodingSettings):
+            raise ValueError(f"settings must be a DecodingSettings, got {type(settings).__name__}")
+        given = sorted(k for k in decoding if not (k == "threshold" and per_row))
+        if given:
+            raise ValueError(
+                f"generate() got settings= and the decoding keyword(s) {given}: pass one or the other "
+                f"(e.g. settings.replace({given[0]}=...))"
+            )
+        return settings
+    keywords = dict(decoding)
+    if per_row:
+        keywords["threshold"] = reference_threshold(keywords.get("metric", "probability"))
+    return DecodingSettings(**keywords)
 
 
 def _prepare(model, tokenizer, prompts, s: DecodingSettings, thresholds, mask_token_id, chat_template, stop):
@@ -152,12 +157,22 @@ def _prepare(model, tokenizer, prompts, s: DecodingSettings, thresholds, mask_to
     if s.draft_source != "masks" and not s.verify:  # (a server verifies per request: the settings allow it)
         raise ValueError(f"draft_source={s.draft_source!r} proposes drafts to verify: it needs verify=True")
     ids = encode_prompts(tokenizer, prompts, chat_template)
-    thresholds = thresholds_list(thresholds, len(ids), s.metric)
+    rows = _row_settings(s, thresholds, len(ids))
     mask_token_id = _mask_token(model, tokenizer, s, mask_token_id)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = model.get_input_embeddings().weight.shape[0]
     check_prompts(ids, vocab, getattr(config, "max_position_embeddings", None), s.max_new_tokens)
-    return ids, thresholds, mask_token_id, eos_token_ids(model, tokenizer), StopStrings(tokenizer, stop)
+    return ids, rows, mask_token_id, eos_token_ids(model, tokenizer), StopStrings(tokenizer, stop)
+
+
+def _row_settings(s: DecodingSettings, thresholds, batch: int) -> list[DecodingSettings]:
+    """One settings object per prompt: ``s`` itself, or with a per-prompt threshold each (validated there,
+    once: the engine takes them as they are)."""
+    if not isinstance(thresholds, (list, tuple)):
+        return [s] * batch
+    if len(thresholds) != batch:
+        raise ValueError(f"got {len(thresholds)} thresholds for {batch} prompts; give one number or one per prompt")
+    return [s.replace(threshold=t) for t in thresholds]
 
 
 def _run_ar(model, tokenizer, ids, s: DecodingSettings, mask_token_id, eos_ids, stops):
@@ -207,13 +222,13 @@ def _result(raw, reasons, masks, stats, s: DecodingSettings, eos_ids, stops, thr
     return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish, from_mask=from_mask)
 
 
-def _run_engine(model, tokenizer, ids, thresholds, s: DecodingSettings, mask_token_id, eos_ids, stops, progress):
+def _run_engine(model, tokenizer, ids, row_settings, s: DecodingSettings, mask_token_id, eos_ids, stops, progress):
     """Admit every prompt, step until all rows finished; raw ids, engine reasons and statistics."""
     runner = ModelRunner(model)
     mask = mask_token_id if mask_token_id is not None else eos_ids[0]
     engine = DecodeEngine(runner, s, mask, eos_ids, tokenizer)
     start = time.perf_counter()
-    requests = [engine.make_request(p, threshold=t, stop=stops, seed=s.seed) for p, t in zip(ids, thresholds)]
+    requests = [engine.make_request(p, stop=stops, settings=r) for p, r in zip(ids, row_settings)]
     engine.admit(requests)
     finished = {}
     bar = tqdm(total=len(requests), desc=f"{s.decoder}[{s.cache}]", leave=False, disable=not progress)

@@ -76,6 +76,10 @@ class PromptLookup(DraftSource):
     def __init__(self, ngram: int):
         self.ngram = int(ngram)
 
+    def _ngram(self, request) -> int:
+        """The request's own n-gram size (a per-request setting), else the source's."""
+        return request.settings.lookup_ngram if request.settings is not None else self.ngram
+
     def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> None:
         host, records = rows.host, rows.records
         found_any = []
@@ -83,7 +87,7 @@ class PromptLookup(DraftSource):
             carried = int(host.draft_count[i])
             text = [records.requests[i].prompt_ids, records.outputs[i], host.drafts[i, :carried]]
             context = np.concatenate([np.asarray(part, dtype=np.int64) for part in text])
-            found = lookup_continuation(context, self.ngram, int(room[i]) - carried)
+            found = lookup_continuation(context, self._ngram(records.requests[i]), int(room[i]) - carried)
             if len(found):
                 host.drafts[i, carried : carried + len(found)] = found
                 host.draft_count[i] = carried + len(found)

@@ -186,26 +186,17 @@ class DecodeEngine:
         self,
         prompt_ids: Sequence[int],
         *,
-        threshold: float | None = None,
-        max_new_tokens: int | None = None,
         stop: str | Sequence[str] | StopStrings | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-        verify: bool | None = None,
         id=None,
+        settings: DecodingSettings | None = None,
+        **options,
     ) -> Request:
-        """A request with this engine's defaults for every knob not given (validated)."""
-        s = self.settings
-        thr = validate_threshold(s.threshold if threshold is None else threshold, s.metric)
-        verify = s.verify if verify is None else bool(verify)
-        if verify:  # the same rules as the settings object (threshold, decoder, max_accept, window)
-            s.replace(verify=True, threshold=thr)
-        budget = s.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {budget!r}")
-        temp = s.temperature if temperature is None else float(temperature)
-        if not temp >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        """A request decoded with ``options``, the per-request fields of :class:`DecodingSettings`
+        (``threshold``, ``max_new_tokens``, ``temperature``, ``seed``, ``verify``, ``lookup_ngram``: see
+        ``DecodingSettings.per_request_fields()``; ``None`` or absent = this engine's), validated once
+        together with the engine's settings; or with ``settings``, a request's settings validated already
+        (``generate``'s per-prompt thresholds), which may differ from the engine's in those fields only."""
+        s = self._request_settings(settings, options)
         if not isinstance(stop, StopStrings) and stop is not None:
             if self.tokenizer is None:
                 raise ValueError("stop strings need the engine's tokenizer")
@@ -215,15 +206,33 @@ class DecodeEngine:
         kwargs = {} if id is None else {"id": id}
         return Request(
             prompt_ids=[int(t) for t in prompt_ids],
-            threshold=thr,
-            max_new_tokens=budget,
+            threshold=s.threshold,
+            max_new_tokens=s.max_new_tokens,
             stops=stop,
-            temperature=temp,
-            seed=s.seed if seed is None else seed,
-            verify=verify,
-            exact=is_exact_threshold(thr, s.metric),
+            temperature=s.temperature,
+            seed=s.seed,
+            verify=s.verify,
+            exact=is_exact_threshold(s.threshold, s.metric),
+            settings=s,
             **kwargs,
         )
+
+    def _request_settings(self, settings: DecodingSettings | None, options: dict) -> DecodingSettings:
+        allowed = DecodingSettings.per_request_fields()
+        if settings is not None:
+            if options:
+                raise ValueError(f"make_request got settings= and {sorted(options)}: pass one or the other")
+            fixed = [k for k in DecodingSettings.field_names() if k not in allowed]
+            differ = [k for k in fixed if getattr(settings, k) != getattr(self.settings, k)]
+            if differ:
+                raise ValueError(f"a request may not change the engine's {differ}; per request: {list(allowed)}")
+            return settings
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(f"{unknown} cannot be set per request; per-request settings: {list(allowed)}")
+        given = {k: v for k, v in options.items() if v is not None}
+        # one validation for the request: the threshold for the metric, what verify allows, the budget...
+        return self.settings.replace(**given) if given else self.settings
 
     def admit(self, requests: Sequence[Request]) -> None:
         """Add requests to the batch.  With the cursor cache, requests joining rows that are already
@@ -259,7 +268,7 @@ class DecodeEngine:
 
     def set_threshold(self, request_id, threshold: float) -> bool:
         """Change a live request's threshold (a server's load-adaptive knob); it applies from the next step."""
-        thr = validate_threshold(threshold, self.settings.metric)
+        thr = validate_threshold(threshold, self.settings.metric)  # one number, not a request's settings
         for r in self.joining:
             if r.id == request_id:
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)

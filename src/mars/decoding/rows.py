@@ -40,6 +40,7 @@ class Request:
     seed: int | None = None
     verify: bool = False
     exact: bool = False  # capped at one token per step (threshold 1.0): greedy AR by construction
+    settings: Any = None  # the request's DecodingSettings (the engine's with its per-request fields)
     id: Any = field(default_factory=lambda: next(_ids))
     # filled by the engine
     cancelled: bool = False

@@ -59,8 +59,12 @@ def is_exact_threshold(threshold: float, metric: str) -> bool:
     return threshold <= 0 if metric == "entropy" else threshold >= 1.0
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, choices: tuple[str, ...] | None = None, per_request: bool = False) -> dict[str, Any]:
+    """A field's metadata, the one place its help text, allowed values and reach are declared: the CLI
+    flags (``mars.cli.options``) and the server's per-request options (``mars.serving.schemas``) are
+    derived from it.  ``per_request``: a client may set it on one request (the server's settings give the
+    default)."""
+    return {"help": text, "choices": choices, "per_request": per_request}
 
 
 @dataclass(frozen=True)
@@ -70,23 +74,29 @@ class DecodingSettings:
     decoder: str = field(
         default="mars",
         metadata=_help(
-            "mars (multi-token), ar (transformers generate with its KV cache) or jacobi (training-free baseline)"
+            "mars (multi-token), ar (transformers generate with its KV cache) or jacobi (training-free baseline)",
+            DECODERS,
         ),
     )
     block_size: int = field(default=4, metadata=_help("MARS block size B: predictions per step by default"))
     threshold: float = field(
         default=1.0,
-        metadata=_help("accept left to right while the confidence meets it; 1.0 (0 for entropy) is exactly greedy AR"),
+        metadata=_help(
+            "accept left to right while the confidence meets it; 1.0 (0 for entropy) is exactly greedy AR",
+            per_request=True,
+        ),
     )
     metric: str = field(
         default="probability",
-        metadata=_help("probability (>= tau), entropy (<= tau nats) or margin (top1 - top2 >= tau)"),
+        metadata=_help(
+            "probability (>= threshold), entropy (<= threshold nats) or margin (top1 - top2 >= threshold)", METRICS
+        ),
     )
-    max_new_tokens: int = field(default=256, metadata=_help("generated tokens per row at most"))
+    max_new_tokens: int = field(default=256, metadata=_help("generated tokens per row at most", per_request=True))
     cache: str = field(
         default="cursor",
         metadata=_help(
-            "none (full forward per step), block (the paper's block-level cache), cursor (per-row KV cursor)"
+            "none (full forward per step), block (the paper's block-level cache), cursor (per-row KV cursor)", CACHES
         ),
     )
     cache_block: int = field(default=32, metadata=_help("Bcache of cache=block"))
@@ -95,13 +105,14 @@ class DecodingSettings:
         metadata=_help("predictions per step: None (= block_size), an integer, or 'cache_block' (cache=block only)"),
     )
     max_accept: int | None = field(default=None, metadata=_help("cap on tokens accepted per step"))
-    temperature: float = field(default=0.0, metadata=_help("0 is greedy; > 0 samples"))
-    seed: int | None = field(default=None, metadata=_help("random seed of sampling"))
+    temperature: float = field(default=0.0, metadata=_help("0 is greedy; > 0 samples", per_request=True))
+    seed: int | None = field(default=None, metadata=_help("random seed of sampling", per_request=True))
     verify: bool = field(
         default=False,
         metadata=_help(
             "lossless self-speculation: the masks' predictions are drafts verified by the next forward; "
-            "output identical to greedy AR (exact sampling at temperature > 0)"
+            "output identical to greedy AR (exact sampling at temperature > 0)",
+            per_request=True,
         ),
     )
     draft_length: int | None = field(
@@ -121,7 +132,8 @@ class DecodingSettings:
         default="none",
         metadata=_help(
             "verify=True, after a rejected draft: none (the next step drafts from its masks) or jacobi "
-            "(the unverified AR predictions become the next drafts)"
+            "(the unverified AR predictions become the next drafts)",
+            FALLBACKS,
         ),
     )
     draft_source: str = field(
@@ -129,7 +141,8 @@ class DecodingSettings:
         metadata=_help(
             "where verified rows' drafts come from: masks (the checkpoint's own mask predictions), model (a draft "
             "model, draft_model=) or lookup (n-grams of the prompt and the output so far); the masks' predictions "
-            "extend the drafts of the other two (window=1: none, plain speculative decoding)"
+            "extend the drafts of the other two (window=1: none, plain speculative decoding)",
+            DRAFT_SOURCES,
         ),
     )
     draft_model: str | None = field(
@@ -143,7 +156,8 @@ class DecodingSettings:
         default=3,
         metadata=_help(
             "draft_source=lookup: the last n tokens are looked up earlier in the prompt and output; the tokens "
-            "that followed their latest occurrence are the drafts"
+            "that followed their latest occurrence are the drafts",
+            per_request=True,
         ),
     )
     full_window: bool = field(
@@ -152,7 +166,9 @@ class DecodingSettings:
     )
     ar_cache: str = field(
         default="dynamic",
-        metadata=_help("decoder=ar: transformers' KV cache, dynamic (grows per step) or static (fixed-shape buffers)"),
+        metadata=_help(
+            "decoder=ar: transformers' KV cache, dynamic (grows per step) or static (fixed-shape buffers)", AR_CACHES
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -255,6 +271,11 @@ class DecodingSettings:
     @classmethod
     def help(cls) -> dict[str, str]:
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def per_request_fields(cls) -> tuple[str, ...]:
+        """The fields one request may override (declared by ``per_request=True`` in their metadata)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("per_request"))
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None, **overrides: Any) -> DecodingSettings:

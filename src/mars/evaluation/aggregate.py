@@ -5,19 +5,19 @@ decoder statistics are summed over the leaves; its documents are pooled (keyed b
 the intervals.  Every point carries, besides the paper's accuracy and tokens per forward:
 
 - 95% intervals (:mod:`mars.evaluation.agreement`): accuracy (Wilson for 0/1 scores, else bootstrap),
-  its change from tau = 1.0 as a *paired* bootstrap over the same documents (``accuracy_delta_lo/hi``),
+  its change from threshold 1.0 as a *paired* bootstrap over the same documents (``accuracy_delta_lo/hi``),
   tokens per forward over requests;
-- agreement with the same run's tau = 1.0 output of the same prompt: ``agreement`` (identical text),
+- agreement with the same run's threshold 1.0 output of the same prompt: ``agreement`` (identical text),
   ``agreement_chrf``, ``agreement_token_f1``, and from the decoder's per-sample ``fidelity`` record the
   share of mask-accepted tokens equal to the model's own greedy AR choice (``fidelity``), the same over
   all tokens (``ar_equal``) and the share of tokens taken from masks (``mask_share``), each with ``_lo/_hi``;
 - for each folder in ``compare``, the paired difference against that run on the same documents, at the
-  same threshold (``compare_delta``) and against its tau = 1.0 point (``compare_ar_delta``): e.g. MARS at
+  same threshold (``compare_delta``) and against its threshold 1.0 point (``compare_ar_delta``): e.g. MARS at
   0.9 against the AR-SFT model trained for as many steps.  points.json lists every compared run under
   ``compare``; points.csv has the first one's columns.
 
 A suite entry may say ``score: chrf`` (or ``token_f1``, ``exact``): its accuracy is then that similarity
-to the tau = 1.0 output rather than lm-eval's metric (the held-out prompts have no gold answer), and it is
+to the threshold 1.0 output rather than lm-eval's metric (the held-out prompts have no gold answer), and it is
 left out of the Average's accuracy.  The ``Average`` row is the unweighted mean over the suite's entries
 (accuracy over the metric-scored ones), as in the paper's Avg column; its intervals come from a stratified
 bootstrap for the paired changes and the entries' own intervals combined for the rest.

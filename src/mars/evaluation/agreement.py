@@ -1,6 +1,6 @@
 """Statistics for judging a threshold's quality cost: intervals, paired differences and agreement.
 
-Why paired: at a threshold below 1.0 most outputs of a MARS checkpoint are identical to its tau = 1.0
+Why paired: at a threshold below 1.0 most outputs of a MARS checkpoint are identical to its threshold 1.0
 (greedy AR) outputs, so per-document differences are mostly zero and a paired bootstrap over the same
 documents resolves a change of a point or two where two independent intervals would overlap widely.
 
@@ -340,7 +340,7 @@ def agreement_figures(
     ``fidelity`` (mask-accepted tokens equal to the AR choice / mask-accepted tokens, over outputs),
     ``ar_equal`` (the same over every generated token) and ``mask_share`` (tokens accepted from masks /
     generated tokens).  A figure with nothing to measure (no fidelity recorded, no mask token accepted
-    at tau = 1.0) is ``value=None``.
+    at threshold 1.0) is ``value=None``.
     """
     kw = {"confidence": confidence, "iterations": iterations, "seed": seed}
     out: dict[str, Estimate] = {

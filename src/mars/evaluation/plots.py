@@ -2,8 +2,8 @@
 
 One curve per model/block label (this run, plus the runs named in ``compare``), each point labelled
 with its threshold and drawn with 95% intervals on both axes: tokens per forward, bootstrap over requests;
-accuracy, for the tau = 1.0 point its own interval (Wilson or bootstrap) and for the other points the
-paired interval of their change from tau = 1.0 placed around them.  Each curve's tau = 1.0 (AR) accuracy
+accuracy, for the threshold 1.0 point its own interval (Wilson or bootstrap) and for the other points the
+paired interval of their change from threshold 1.0 placed around them.  Each curve's threshold 1.0 (AR) accuracy
 is a dashed line inside a shaded band (that point's own interval): a bar that stays clear of the dashed
 line is a change beyond noise on the same documents.  The figure says which intervals it draws (a caption
 under the axes), has one legend entry per drawn curve plus one for the reference lines, and keeps every

@@ -14,7 +14,6 @@ picture with intervals use ``python evaluate.py checkpoint=... benchmarks=qualit
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mars import bench_cli
 from mars.checkpoint_meta import decoding_block_size
 from mars.paths import data_dir
 
@@ -48,55 +48,61 @@ def load(checkpoint: str, base: str | None, dtype: str):
     return loaded, int(cfg.get("block", 4))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from mars.decoding import generate
-    from mars.decoding.fidelity import ar_predictions, token_fidelity
+# The decoding settings a probe may change (the threshold sweep and the greedy reference are its own).
+DECODING_FLAGS = ("block_size", "max_new_tokens", "cache", "cache_block", "window", "max_accept")
 
-    p = argparse.ArgumentParser(prog="python -m mars.evaluation.probe", description=__doc__.split("\n\n")[0])
+
+def build_parser():
+    p = bench_cli.parser("python -m mars.evaluation.probe", __doc__)
     p.add_argument("--checkpoint", required=True, help="an exported HF folder or a Lightning .ckpt")
     p.add_argument("--base", help="base model of a .ckpt (default: from the run's config.yaml)")
-    p.add_argument("--prompts", default=str(data_dir() / "prompts" / "heldout.jsonl"))
-    p.add_argument("--n", type=int, default=48)
-    p.add_argument("--thresholds", default="1.0,0.9,0.8")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompts", default=str(data_dir() / "prompts" / "heldout.jsonl"), help="JSONL, 'prompt' field")
+    p.add_argument("--n", type=int, default=48, help="the first n prompts")
+    p.add_argument("--thresholds", default="1.0,0.9,0.8", help="comma-separated (1.0, the reference, is added)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--out", help="also write the result as JSON here")
-    args = p.parse_args(argv)
+    bench_cli.add_dtype(p, default="float32")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    bench_cli.add_out(p, None, help="also write the result as JSON here")
+    names = bench_cli.add_decoding(
+        p,
+        include=DECODING_FLAGS,
+        defaults={"max_new_tokens": 96, "block_size": None},  # None: the checkpoint's
+    )
+    p.set_defaults(decoding_fields=names)
+    return p
+
+
+def parse_args(argv: list[str] | None):
+    """The flags, the thresholds and the decoding settings checked before any model loads."""
+    args = build_parser().parse_args(argv)
+    thresholds = sorted(set(bench_cli.comma_list(args.thresholds, "--thresholds", float)) | {1.0}, reverse=True)
+    settings = bench_cli.check_settings("decoding flags", **bench_cli.decoding_values(args, args.decoding_fields))
+    for t in thresholds:
+        bench_cli.check_settings("--thresholds", **{**settings.as_dict(), "threshold": t})
+    return args, thresholds
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mars.decoding.fidelity import ar_predictions, token_fidelity
+
+    args, thresholds = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {1.0}, reverse=True)
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.n]
     prompts = [r["prompt"] for r in rows]
     loaded, block = load(args.checkpoint, args.base, args.dtype)
     model, tok = loaded.model.eval(), loaded.tokenizer
+    values = bench_cli.decoding_values(args, args.decoding_fields)
+    settings = bench_cli.check_settings("decoding flags", **{**values, "block_size": values["block_size"] or block})
     ids = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in prompts
     ]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     results, reference = [], None
     for thr in thresholds:
-        outs: list = [None] * len(ids)
-        flags: list = [None] * len(ids)
-        rates: list = [None] * len(ids)
         start = time.perf_counter()
-        for b in range(0, len(order), args.batch_size):
-            batch = order[b : b + args.batch_size]
-            res = generate(
-                model,
-                tok,
-                [ids[i] for i in batch],
-                threshold=thr,
-                block_size=block,
-                max_new_tokens=args.max_new_tokens,
-                mask_token_id=loaded.mask.id,
-            )
-            for j, i in enumerate(batch):
-                outs[i], flags[i] = res.token_ids[j], res.from_mask[j]
-                rates[i] = res.stats.per_row_tokens[j] / max(1, res.stats.per_row_forwards[j])
+        outs, flags, rates = decode(model, tok, ids, settings.replace(threshold=thr), loaded.mask.id, args.batch_size)
         seconds = time.perf_counter() - start
         if reference is None:
             reference = outs
@@ -116,15 +122,32 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1]), flush=True)
     summary = {
         "checkpoint": args.checkpoint,
-        "block_size": block,
+        "block_size": settings.block_size,
         "prompts": len(prompts),
         "dtype": args.dtype,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": settings.max_new_tokens,
         "results": results,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def decode(model, tok, ids: list[list[int]], settings, mask_token_id: int, batch_size: int):
+    """Every prompt decoded (longest first, in batches): its ids, mask flags and tokens per forward."""
+    from mars.decoding import generate
+
+    outs: list = [None] * len(ids)
+    flags: list = [None] * len(ids)
+    rates: list = [None] * len(ids)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    for b in range(0, len(order), batch_size):
+        batch = order[b : b + batch_size]
+        res = generate(model, tok, [ids[i] for i in batch], mask_token_id=mask_token_id, settings=settings)
+        for j, i in enumerate(batch):
+            outs[i], flags[i] = res.token_ids[j], res.from_mask[j]
+            rates[i] = res.stats.per_row_tokens[j] / max(1, res.stats.per_row_forwards[j])
+    return outs, flags, rates
 
 
 if __name__ == "__main__":

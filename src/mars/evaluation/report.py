@@ -1,7 +1,7 @@
 """The markdown table, laid out like the paper's Tables 4/8: one column per benchmark plus the average;
-per threshold the accuracy with its change from tau = 1.0, the 95% intervals of both (the change as a
+per threshold the accuracy with its change from threshold 1.0, the 95% intervals of both (the change as a
 paired bootstrap over the same documents), the tokens per forward with its interval, and the agreement
-with the tau = 1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
+with the threshold 1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
 with its interval), the paired comparisons with the runs named in ``compare``, and throughput."""
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ interleaved in one process so that their ratios hold on a shared machine.  Write
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -28,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from mars import bench_cli
 from mars.threads import apply_process_defaults
 
 apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp
@@ -35,16 +35,6 @@ apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp
 import torch  # noqa: E402
 
 PATHS = ("fast", "eager")
-
-
-def parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError as err:
-        raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}")
-    return values
 
 
 def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -125,50 +115,60 @@ def run(args) -> list[dict]:
                 flush=True,
             )
         for batch in args.batch_sizes:
-            times: dict[tuple[int, str, int], list[float]] = {}
-            keys = [(t, p, c) for t in args.threads for p in args.paths for c in args.columns]
-            benches = {
-                (p, c): StepBench(model, batch, c, args.context, p == "fast") for p in args.paths for c in args.columns
-            }
-            for t in args.threads:
-                torch.set_num_threads(t)
-                for bench in benches.values():
-                    for _ in range(args.warmup):
-                        bench()
-            for _ in range(args.repeats):  # every (threads, path, columns) once per round: drift hits all alike
-                for t, p, c in keys:
-                    torch.set_num_threads(t)
-                    start = time.perf_counter()
-                    benches[(p, c)]()
-                    times.setdefault((t, p, c), []).append(time.perf_counter() - start)
-            for t in args.threads:
-                for path in args.paths:
-                    base = statistics.median(times[(t, path, args.columns[0])])
-                    for c in args.columns:
-                        sample = times[(t, path, c)]
-                        ms = statistics.median(sample)
-                        rows.append(
-                            dict(
-                                threads=t,
-                                path=path,
-                                batch=batch,
-                                columns=c,
-                                ms=ms * 1e3,
-                                ms_min=min(sample) * 1e3,
-                                ratio=ms / base,
-                                gb_s=weight_bytes / ms / 1e9,
-                                gflop_s=2 * params * c * batch / ms / 1e9,
-                                bandwidth_gb_s=bounds[t]["bandwidth"],
-                                peak_gflop_s=bounds[t]["peak"],
-                            )
-                        )
-                        print(
-                            f"batch {batch} threads {t} {path:5s} {c} columns: {ms * 1e3:.1f} ms ({ms / base:.2f}x), "
-                            f"{weight_bytes / ms / 1e9:.1f} GB/s, {2 * params * c * batch / ms / 1e9:.1f} GFLOP/s",
-                            flush=True,
-                        )
-            del benches
+            times = time_steps(model, args, batch)
+            rows += summarise(times, args, batch, bounds, params, weight_bytes)
     return rows, dict(weight_bytes=weight_bytes, params=params, bounds_by_threads=bounds)
+
+
+def time_steps(model, args, batch: int) -> dict[tuple[int, str, int], list[float]]:
+    """Seconds per step for each (threads, path, columns), every one once per round: drift hits all alike."""
+    times: dict[tuple[int, str, int], list[float]] = {}
+    keys = [(t, p, c) for t in args.threads for p in args.paths for c in args.columns]
+    benches = {(p, c): StepBench(model, batch, c, args.context, p == "fast") for p in args.paths for c in args.columns}
+    for t in args.threads:
+        torch.set_num_threads(t)
+        for bench in benches.values():
+            for _ in range(args.warmup):
+                bench()
+    for _ in range(args.repeats):
+        for t, p, c in keys:
+            torch.set_num_threads(t)
+            start = time.perf_counter()
+            benches[(p, c)]()
+            times.setdefault((t, p, c), []).append(time.perf_counter() - start)
+    return times
+
+
+def summarise(times: dict, args, batch: int, bounds: dict, params: int, weight_bytes: int) -> list[dict]:
+    """One row per (threads, path, columns): median ms, ratio to the first column count, GB/s, GFLOP/s."""
+    rows = []
+    for t in args.threads:
+        for path in args.paths:
+            base = statistics.median(times[(t, path, args.columns[0])])
+            for c in args.columns:
+                sample = times[(t, path, c)]
+                ms = statistics.median(sample)
+                rows.append(
+                    dict(
+                        threads=t,
+                        path=path,
+                        batch=batch,
+                        columns=c,
+                        ms=ms * 1e3,
+                        ms_min=min(sample) * 1e3,
+                        ratio=ms / base,
+                        gb_s=weight_bytes / ms / 1e9,
+                        gflop_s=2 * params * c * batch / ms / 1e9,
+                        bandwidth_gb_s=bounds[t]["bandwidth"],
+                        peak_gflop_s=bounds[t]["peak"],
+                    )
+                )
+                print(
+                    f"batch {batch} threads {t} {path:5s} {c} columns: {ms * 1e3:.1f} ms ({ms / base:.2f}x), "
+                    f"{weight_bytes / ms / 1e9:.1f} GB/s, {2 * params * c * batch / ms / 1e9:.1f} GFLOP/s",
+                    flush=True,
+                )
+    return rows
 
 
 def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
@@ -209,26 +209,26 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="embedded:smollm2-135m")
+def build_parser():
+    p = bench_cli.parser("python -m mars.evaluation.step_cost", __doc__)
+    bench_cli.add_model(p, checkpoint=False)
     p.add_argument("--columns", default="1,2,4,7,8", help="new columns per row (comma-separated; first is the base)")
-    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
     p.add_argument("--context", type=int, default=100, help="tokens already in each row's KV cache")
     p.add_argument("--paths", default="fast,eager", help=f"comma-separated, from {list(PATHS)}")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
+    bench_cli.add_timing(p, repeats=15, warmup=3)
     p.add_argument(
         "--threads", default="auto", help="torch threads, comma-separated to compare (auto: mars.threads' choice)"
     )
-    p.add_argument("--out", default="outputs/step_cost")
-    args = p.parse_args(argv)
-    args.columns = parse_ints(args.columns, "--columns")
-    args.batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes")
-    args.paths = [x for x in args.paths.split(",") if x]
-    bad = [x for x in args.paths if x not in PATHS]
-    if bad or not args.paths:
-        raise SystemExit(f"--paths: unknown {bad or args.paths}; choose from {list(PATHS)}")
+    bench_cli.add_out(p, "outputs/step_cost")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.columns = bench_cli.positive_ints(args.columns, "--columns")
+    args.batch_sizes = bench_cli.positive_ints(args.batch_sizes, "--batch-sizes")
+    args.paths = bench_cli.comma_list(args.paths, "--paths", allowed=PATHS)
     if args.repeats < 1 or args.context < 1:
         raise SystemExit(f"--repeats and --context must be >= 1, got {args.repeats} and {args.context}")
     from mars.threads import available_cpus, resolve_threads

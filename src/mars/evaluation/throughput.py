@@ -15,6 +15,11 @@ Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), 
 qwen2.5-0.5b|qwen2.5-7b``: a model with the real Qwen2.5 shapes and random weights built from a config
 (no download; timing only), with the embedded tokenizer.
 
+Decoding flags (``--max-new-tokens``, ``--metric``, ``--block-size``, ``--cache-block``, ``--lookup-ngram``,
+``--draft-model``, ``--max-accept``, ...) are the fields of :class:`~mars.decoding.settings.DecodingSettings`
+that the timed decoders do not set themselves, derived by :mod:`mars.bench_cli` (help and defaults from the
+dataclass); every decoder runs with one DecodingSettings built from them.
+
 Draft sources (``--draft-sources lookup,lookup+masks,model,model+masks``): verified decoding whose drafts come
 from prompt lookup or a draft model (``--draft-model``, e.g. ``self:8``, the target's first 8 layers), alone
 (plain speculative decoding) or extended by the checkpoint's masks; lossless, listed like the other decoders::
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mars import bench_cli
+from mars.bench_cli import check_settings, comma_list, decoding_values, positive_ints
 from mars.checkpoint_meta import decoding_block_size
 from mars.decoding.settings import DecodingSettings
 from mars.threads import apply_process_defaults
@@ -170,18 +177,18 @@ def draft_variant(entry: str, args) -> Variant:
     """A verified decoder drafting from prompt lookup or a draft model: ``lookup``/``model`` alone (window 1,
     plain speculative decoding) or ``+masks`` (the checkpoint's masks extend the drafts)."""
     source = entry.split("+")[0]
-    kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_source=source, draft_length=args.draft_length)
+    kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_source=source)
     if source == "model":
         kwargs["draft_model"] = args.draft_model
-    else:
-        kwargs["lookup_ngram"] = args.lookup_ngram
     if not entry.endswith("+masks"):
         kwargs["window"] = 1
     return Variant(f"verify-{entry}", kwargs, fixed_threshold=1.0)
 
 
 def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Variant, threshold: float):
-    """Decode ``prompts`` in batches of ``batch``; totals over the batches."""
+    """Decode ``prompts`` in batches of ``batch``; totals over the batches.  ``common`` holds the run's
+    ``settings`` (one DecodingSettings from the flags) and ``chat_template``; the variant replaces its
+    fields in it."""
     from mars.decoding import generate
 
     tokens = forwards = 0
@@ -189,12 +196,12 @@ def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Varian
     ids: list[list[int]] = []
     row_rates: list[float] = []
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
+    settings = common["settings"].replace(**variant.kwargs, threshold=threshold)
     drafts = [0, 0]
     for start in range(0, len(prompts), batch):
         with fast_path_off(variant.eager):
-            res = generate(
-                model, tokenizer, prompts[start : start + batch], threshold=threshold, **common, **variant.kwargs
-            )
+            batch_prompts = prompts[start : start + batch]
+            res = generate(model, tokenizer, batch_prompts, chat_template=common["chat_template"], settings=settings)
         extra = res.stats.extra
         if extra.get("drafts_proposed"):
             drafts[0] += sum(extra["drafts_proposed"])
@@ -249,14 +256,10 @@ def fmt(x: float, nd: int = 2) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, batch_sizes, thresholds = parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    model, tokenizer, metadata = load(args, dtype)
+    model, tokenizer, metadata = load(args, getattr(torch, args.dtype))
     block_size = decoding_block_size(args.block_size or None, metadata)
     common = dict(
-        max_new_tokens=args.max_new_tokens,
-        block_size=block_size,
-        cache_block=args.cache_block,
-        metric=args.metric,
+        settings=base_settings(args, block_size),
         chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
     )
     vs = variants(args)
@@ -270,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     pool = load_prompts(args.prompts_file)
+    warm = {**common, "settings": common["settings"].replace(max_new_tokens=8)}
     for v in vs:  # warm-up: allocator, kernels, tokenizer caches
         for _ in range(args.warmup):
-            run_one(model, tokenizer, pool[:2], 2, {**common, "max_new_tokens": 8}, v, thresholds[0])
+            run_one(model, tokenizer, pool[:2], 2, warm, v, thresholds[0])
     rows = []
     for batch in batch_sizes:
         n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
@@ -284,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         write_tables(rows, out_dir, config)
     print((out_dir / "throughput.md").read_text())
     return 0
+
+
+def base_settings(args, block_size: int | None = None) -> DecodingSettings:
+    """The run's DecodingSettings from the decoding flags (every variant replaces its own fields in it;
+    ``--draft-model`` is read by the ``model`` draft rows only)."""
+    values = decoding_values(args, args.decoding_fields)
+    values.pop("draft_model")
+    if block_size is not None:
+        values["block_size"] = block_size
+    return check_settings("decoding flags", **values)
 
 
 def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repeats) -> dict[float, dict]:
@@ -303,7 +317,7 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
             for t in sweep:
                 runs[t][v.name].append(r)
             print(
-                f"  tau={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
+                f"  threshold={threshold} batch={batch} rep={rep} {v.name}: {r['tokens']} tok "
                 f"{r['tokens'] / r['seconds']:.1f} tok/s {r['tokens'] / r['forwards']:.2f} tok/fwd",
                 flush=True,
             )
@@ -333,34 +347,23 @@ def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, An
 def parse_args(argv: list[str] | None):
     """The command line, checked before any model loads; threads and the fast-path switch applied."""
     args = build_parser().parse_args(argv)
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-        thresholds = [float(t) for t in args.thresholds.split(",") if t]
-    except ValueError as err:
-        raise SystemExit(f"--batch-sizes and --thresholds take comma-separated numbers: {err}") from err
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise SystemExit(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+    batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
+    thresholds = comma_list(args.thresholds, "--thresholds", float)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
-    args.caches = [c for c in args.caches.split(",") if c]
-    args.verify_fallbacks = [f for f in args.verify_fallbacks.split(",") if f]
-    args.draft_sources = [d for d in args.draft_sources.split(",") if d]
     from mars.decoding import CACHES
-    from mars.decoding.acceptance import validate_threshold
 
-    for c in args.caches:
-        if c not in CACHES:
-            raise SystemExit(f"unknown cache {c!r} in --caches; choose from {list(CACHES)}")
+    args.caches = comma_list(args.caches, "--caches", allowed=CACHES)
+    args.verify_fallbacks = comma_list(args.verify_fallbacks, "--verify-fallbacks")
+    args.draft_sources = [d for d in args.draft_sources.split(",") if d]
     for d in args.draft_sources:
         if d not in DRAFT_SOURCE_ROWS:
             raise SystemExit(f"unknown draft source {d!r} in --draft-sources; choose from {list(DRAFT_SOURCE_ROWS)}")
-    for v in [draft_variant(d, args) for d in args.draft_sources]:  # the decoding settings, checked now
-        try:
-            DecodingSettings(**v.kwargs)
-        except ValueError as err:
-            raise SystemExit(f"--draft-sources {v.name}: {err}") from err
+    base = base_settings(args)  # the decoding settings, checked now: the base, each threshold, each variant
     for t in thresholds:
-        validate_threshold(t, args.metric)
+        check_settings("--thresholds", **{**base.as_dict(), "threshold": t})
+    for v in variants(args):
+        check_settings(f"decoder {v.name}", **{**base.as_dict(), **v.kwargs})
     from mars.threads import configure_threads
 
     try:
@@ -375,34 +378,28 @@ def parse_args(argv: list[str] | None):
     return args, batch_sizes, thresholds
 
 
+# The decoding settings each timed decoder sets itself (its row name says which); every other field of
+# DecodingSettings is a flag of this command, with its help and default declared in the dataclass.
+VARIANT_FIELDS = ("decoder", "cache", "window", "verify", "fallback", "draft_source", "full_window", "ar_cache")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mars.evaluation.throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded:smollm2-135m")
-    p.add_argument("--checkpoint", default=None, help="MARS checkpoint directory (overrides --model)")
+    p = bench_cli.parser("python -m mars.evaluation.throughput", __doc__)
+    bench_cli.add_model(p)
     p.add_argument(
         "--arch-preset", default=None, choices=sorted(ARCH_PRESETS), help="random-weight model with real shapes"
     )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32",
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--batch-sizes", default="1,4,8,16")
+    bench_cli.add_dtype(p)
+    bench_cli.add_device(p)
+    p.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated")
     p.add_argument(
         "--num-prompts",
         type=int,
         default=0,
         help="prompts per configuration, at least the batch size (8: the same 8 prompts at batch 1, 4, 8)",
     )
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per decoder before timing")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--thresholds", default="1.0")
-    p.add_argument("--metric", default="probability")
-    p.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's, else 4")
-    p.add_argument("--cache-block", type=int, default=32)
+    bench_cli.add_timing(p, repeats=3, warmup=1)
+    p.add_argument("--thresholds", default="1.0", help="comma-separated: the MARS decoders run at each")
     p.add_argument(
         "--prompts-file",
         default=None,
@@ -413,14 +410,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
     )
-    p.add_argument("--out", default="results/throughput")
+    bench_cli.add_out(p, "results/throughput")
     add_decoder_arguments(p)
+    p.set_defaults(
+        decoding_fields=bench_cli.add_decoding(
+            p,
+            exclude=("threshold", *VARIANT_FIELDS),
+            # short outputs, the checkpoint's block size (else 4), a draft model that needs no download
+            defaults={"max_new_tokens": 64, "block_size": None, "draft_model": "self:8"},
+        )
+    )
     return p
 
 
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     """Which decoders run beside the AR baselines."""
-    p.add_argument("--caches", default="none,block,cursor")
+    p.add_argument("--caches", default="none,block,cursor", help="MARS decoders to time, one per cache strategy")
     p.add_argument("--block-window", action="store_true", help="also time cache=block with window='cache_block'")
     p.add_argument(
         "--full-window",
@@ -434,7 +439,6 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)",
     )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
-    help_sources = DecodingSettings.help()
     p.add_argument(
         "--draft-sources",
         default="",
@@ -442,9 +446,6 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         "(`lookup`: prompt-lookup drafts, `model`: a draft model; alone they are plain speculative decoding, "
         "with `+masks` the checkpoint's masks extend the drafts); rows `verify-<entry>`",
     )
-    p.add_argument("--draft-model", default="self:8", help=help_sources["draft_model"])
-    p.add_argument("--lookup-ngram", type=int, default=3, help=help_sources["lookup_ngram"])
-    p.add_argument("--draft-length", type=int, default=None, help=help_sources["draft_length"])
     p.add_argument(
         "--ar-static",
         action="store_true",

@@ -3,7 +3,7 @@ load-adaptive threshold (``python serve.py``; see docs/serving.md).
 
 Modules, one job each: :mod:`~mars.serving.config` (serve.yaml -> checked config -> state),
 :mod:`~mars.serving.app` (FastAPI routes), :mod:`~mars.serving.scheduler` (the engine loop thread),
-:mod:`~mars.serving.policy` (fixed / adaptive tau), :mod:`~mars.serving.metrics` (Prometheus),
+:mod:`~mars.serving.policy` (fixed / adaptive threshold), :mod:`~mars.serving.metrics` (Prometheus),
 :mod:`~mars.serving.schemas` (request bodies, errors), :mod:`~mars.serving.textstream` (streamed text),
 :mod:`~mars.serving.ui` (the page at ``/``), :mod:`~mars.serving.server` (uvicorn),
 :mod:`~mars.serving.loadtest` (the bounded load generator behind benchmarks/serving/).
@@ -18,8 +18,8 @@ _LAZY = {
     "ServingState": ".app",
     "EngineLoop": ".scheduler",
     "Job": ".scheduler",
-    "AdaptiveTau": ".policy",
-    "FixedTau": ".policy",
+    "AdaptiveThreshold": ".policy",
+    "FixedThreshold": ".policy",
     "LoadSample": ".policy",
     "build_policy": ".policy",
     "BackgroundServer": ".server",

@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
-from mars.decoding.settings import DecodingSettings, validate_threshold
+from mars.decoding.settings import DecodingSettings
 
 from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
@@ -46,6 +46,7 @@ from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     _Common,
+    decoding_overrides,
     from_validation_error,
 )
 from .ui import PAGE
@@ -185,7 +186,7 @@ def _add_status_routes(app: FastAPI, state: ServingState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         snap = state.loop.snapshot()
-        state.metrics.refresh(queued=snap["queued"], running=snap["running"], tau=state.policy.tau)
+        state.metrics.refresh(queued=snap["queued"], running=snap["running"], threshold=state.policy.threshold)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
@@ -370,34 +371,39 @@ def _too_long(n: int, state: ServingState, param: str) -> APIError:
     )
 
 
-def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float]:
-    """The request's threshold and temperature under the server's decoding rules (checked before any
-    tokenization): ``validate_threshold`` for the metric, and what ``verify`` allows."""
+def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float, dict]:
+    """The request's DecodingSettings overrides under the server's decoding rules, checked before any
+    tokenization by one DecodingSettings (the threshold for the metric, what ``verify`` allows, each
+    per-request field's range): its threshold, its temperature and the other per-request fields."""
     s = state.settings
-    threshold = body.threshold
-    if threshold is not None:
-        try:
-            threshold = validate_threshold(threshold, s.metric)
-        except ValueError as err:
-            raise APIError(400, str(err), "threshold") from None
-    if body.verify:
-        try:
-            s.replace(verify=True, threshold=threshold if threshold is not None else s.reference)
-        except ValueError as err:
-            raise APIError(400, str(err), "threshold" if "threshold" in str(err) else "verify") from None
-    temperature = s.temperature if body.temperature is None else float(body.temperature)
-    return threshold, temperature
+    overrides = decoding_overrides(body)
+    overrides.pop("seed", None)  # range-checked by the schema; the sampler's generator takes any such seed
+    if overrides.get("verify"):
+        overrides.setdefault("threshold", s.reference)
+    try:
+        checked = s.replace(**overrides)
+    except ValueError as err:
+        raise APIError(400, str(err), _param(str(err), overrides)) from None
+    threshold = checked.threshold if body.threshold is not None else None  # None: the server's policy decides
+    options = {k: getattr(checked, k) for k in overrides if k not in ("threshold", "verify", "temperature")}
+    return threshold, checked.temperature, options
+
+
+def _param(message: str, overrides: dict) -> str | None:
+    """The request field a settings error is about: the first one it names (the threshold when verify's)."""
+    named = [k for k in overrides if k in message]
+    return named[0] if named else next(iter(overrides), None)
 
 
 def _jobs(
     state: ServingState,
     body: _Common,
-    knobs: tuple[float | None, float],
+    knobs: tuple[float | None, float, dict],
     ids: list[list[int]],
     budget: int | None,
     budget_field: str,
 ) -> list[Job]:
-    threshold, temperature = knobs
+    threshold, temperature, options = knobs
     jobs = []
     for i, prompt in enumerate(ids):
         room = state.context_length - len(prompt)
@@ -422,7 +428,8 @@ def _jobs(
                 stop=body.stop,
                 temperature=temperature,
                 seed=body.seed,
-                verify=body.verify,
+                verify=bool(body.verify),
+                options=options,
                 index=i,
             )
         )
@@ -496,14 +503,14 @@ def _mars(state: ServingState, jobs: list[Job]) -> dict:
         jobs[0].stats()
         if len(jobs) == 1
         else {
-            "threshold": [j.served_tau for j in jobs],
+            "threshold": [j.served_threshold for j in jobs],
             "forwards": forwards,
             "completion_tokens": tokens,
             "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
             "choices": [j.stats() for j in jobs],
         }
     )
-    out.update(server_tau=round(state.policy.tau, 4), tau_policy=state.policy.name)
+    out.update(server_tau=round(state.policy.threshold, 4), tau_policy=state.policy.name)
     return out
 
 
@@ -612,11 +619,13 @@ def _event_mars(state: ServingState, event: JobEvent, token_ids: bool) -> dict:
     """The ``mars`` figures of one streamed event: tokens and forward so far and the threshold served; the
     last event of a choice adds the job's statistics and the server's current threshold."""
     job = event.job
-    mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_tau}
+    mars = {"tokens": event.tokens, "forward": event.forward, "threshold": job.served_threshold}
     if token_ids:
         mars["token_ids"] = event.token_ids
     if event.done:
-        mars.update(job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.tau, 4))
+        mars.update(
+            job.stats(), tokens=event.tokens, forward=event.forward, server_tau=round(state.policy.threshold, 4)
+        )
         if token_ids:
             mars["token_ids"] = event.token_ids
     return mars
@@ -632,7 +641,7 @@ def _model_card(state: ServingState) -> dict:
         "mars": {
             **state.info,
             "tau_policy": state.policy.name,
-            "tau_min": state.policy.tau_min,
-            "tau_max": state.policy.tau_max,
+            "tau_min": state.policy.threshold_min,
+            "tau_max": state.policy.threshold_max,
         },
     }

@@ -1,7 +1,7 @@
 """``conf/serve.yaml`` -> a checked :class:`ServeConfig` (before any model loads) -> a :class:`ServingState`.
 
 Everything that can be wrong with the configuration fails here with a message naming the key: the
-tau policy and its bounds, the decoding settings (the server needs the step-wise engine: decoder
+threshold policy (tau_policy) and its bounds, the decoding settings (the server needs the step-wise engine: decoder
 ``mars`` or ``jacobi``, cache ``cursor`` or ``none``; ``block`` cannot take requests mid-run), the
 limits, the host and port, the allowed Host names and the API key (``api_key``, else the
 ``MARS_API_KEY`` environment variable, which keeps the key out of the run folder's saved config).
@@ -60,7 +60,7 @@ class ServeConfig(OpenSection):
     checkpoint_meta: dict[str, Any] | None = None  # derived: the checkpoint's mars_config.json
     decoding: dict[str, Any]  # checked by DecodingSettings (``settings``)
     tau_policy: Literal[POLICIES]
-    threshold: float  # the tau bounds and the adaptive settings: checked by the policy
+    threshold: float  # the bounds (tau_min, tau_max) and the adaptive settings: checked by the policy
     tau_min: float
     tau_max: float
     adaptive: dict[str, Any]

@@ -1,5 +1,6 @@
 """Bounded load test of ``serve.py`` over loopback: throughput, latency and time to first token against
-offered load for several tau policies, the quality cost of lowering tau, and a burst past the queue limit.
+offered load for several threshold policies, the quality cost of lowering the threshold, and a burst past the
+queue limit.
 
     python -m mars.serving.loadtest --out benchmarks/serving              # the committed benchmark
     python -m mars.serving.loadtest --rates 0.1,0.3 --duration 20 --policies tau1.0,adaptive --out /tmp/lt
@@ -13,9 +14,9 @@ bounded: request counts, durations, per-request timeouts, the burst size.
 
 Measured per (policy, offered rate): completed requests/s and generated tokens/s (over the span from the
 first arrival to the last completion, so a backlog's drain is included), p50/p95 latency and TTFT (seen
-by the client), rejected (429/503) and failed requests, the mean served tau and tokens per forward, and
-the agreement of each output with the tau=1.0 output of the same prompt (identical outputs; shared
-token prefix), since tau=1.0 outputs do not depend on the load.  The burst sends 4x the queue limit at
+by the client), rejected (429/503) and failed requests, the mean served threshold and tokens per forward,
+and the agreement of each output with the threshold 1.0 output of the same prompt (identical outputs;
+shared token prefix), since threshold 1.0 outputs do not depend on the load.  The burst sends 4x the queue limit at
 once and checks that every request gets 200 or 429/503, the server stays up and its memory stays bounded.
 
 Writes ``levels.csv``, ``requests.csv``, ``outputs.jsonl``, ``burst.json``, ``table.md``, ``serving_load.png``
@@ -24,7 +25,6 @@ and ``config.json`` (arguments, machine, git commit).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import csv
 import json
@@ -60,7 +60,7 @@ class Result:
     status: int = 0  # HTTP status; 0 = no answer (timeout / cut at the level's limit)
     completion_tokens: int = 0
     forwards: int = 0
-    served_tau: float | None = None
+    served_threshold: float | None = None
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
@@ -177,7 +177,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, r: Resul
                         r.finish_reason = ch.choices[0].finish_reason
                         r.completion_tokens = mars.get("completion_tokens", len(r.token_ids))
                         r.forwards = mars.get("forwards", 0)
-                        r.served_tau = mars.get("threshold")
+                        r.served_threshold = mars.get("threshold")
         r.status = 200
     except openai.APIStatusError as err:
         r.status, r.error = err.status_code, str(err)[:200]
@@ -351,7 +351,7 @@ def summarise(results: list[Result], reference: dict[int, list[int]]) -> dict:
     compared = [r for r in ok if r.prompt in reference]
     exact = [r.token_ids == reference[r.prompt] for r in compared]
     prefix = [common_prefix(r.token_ids, reference[r.prompt]) / max(1, len(reference[r.prompt])) for r in compared]
-    taus = [r.served_tau for r in ok if r.served_tau is not None]
+    thresholds = [r.served_threshold for r in ok if r.served_threshold is not None]
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -363,7 +363,7 @@ def summarise(results: list[Result], reference: dict[int, list[int]]) -> dict:
         "latency_p95": pct([r.latency for r in ok], 95),
         "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 50),
         "ttft_p95": pct([r.ttft for r in ok if r.ttft is not None], 95),
-        "mean_tau": sum(taus) / len(taus) if taus else None,
+        "mean_tau": sum(thresholds) / len(thresholds) if thresholds else None,
         "tokens_per_forward": tokens / forwards if forwards else None,
         "mean_completion_tokens": tokens / len(ok) if ok else None,
         "agreement_exact": sum(exact) / len(exact) if exact else None,
@@ -386,30 +386,43 @@ def write_outputs(
     consistency: dict,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    keys = list(rows[0])
     with open(out / "levels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    write_requests(out, results)
+    (out / "burst.json").write_text(json.dumps(bursts, indent=2) + "\n")
+    (out / "traces.json").write_text(json.dumps(traces) + "\n")
+    (out / "config.json").write_text(
+        json.dumps({"args": vars(args), "machine": machine, "tau1_consistency": consistency}, indent=2) + "\n"
+    )
+    (out / "table.md").write_text(table_md(rows, bursts, args, machine, consistency))
+    plot(out / "serving_load.png", rows, traces)
+
+
+# requests.csv columns (file keys kept as published: served_tau is the served threshold)
+REQUEST_COLUMNS = (
+    "policy",
+    "offered_rps",
+    "k",
+    "prompt",
+    "offset_s",
+    "status",
+    "latency_s",
+    "ttft_s",
+    "completion_tokens",
+    "forwards",
+    "served_tau",
+    "finish_reason",
+    "error",
+)
+
+
+def write_requests(out: Path, results: list[Result]) -> None:
+    """``requests.csv`` (every request) and ``outputs.jsonl`` (the answered ones' tokens and text)."""
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(
-            [
-                "policy",
-                "offered_rps",
-                "k",
-                "prompt",
-                "offset_s",
-                "status",
-                "latency_s",
-                "ttft_s",
-                "completion_tokens",
-                "forwards",
-                "served_tau",
-                "finish_reason",
-                "error",
-            ]
-        )
+        w.writerow(REQUEST_COLUMNS)
         for r in results:
             w.writerow(
                 [
@@ -423,7 +436,7 @@ def write_outputs(
                     fmt(r.ttft, 3),
                     r.completion_tokens,
                     r.forwards,
-                    r.served_tau,
+                    r.served_threshold,
                     r.finish_reason,
                     r.error,
                 ]
@@ -431,26 +444,8 @@ def write_outputs(
     with open(out / "outputs.jsonl", "w") as f:
         for r in results:
             if r.status == 200:
-                f.write(
-                    json.dumps(
-                        {
-                            "policy": r.policy,
-                            "offered_rps": r.rate,
-                            "prompt": r.prompt,
-                            "served_tau": r.served_tau,
-                            "token_ids": r.token_ids,
-                            "text": r.text,
-                        }
-                    )
-                    + "\n"
-                )
-    (out / "burst.json").write_text(json.dumps(bursts, indent=2) + "\n")
-    (out / "traces.json").write_text(json.dumps(traces) + "\n")
-    (out / "config.json").write_text(
-        json.dumps({"args": vars(args), "machine": machine, "tau1_consistency": consistency}, indent=2) + "\n"
-    )
-    (out / "table.md").write_text(table_md(rows, bursts, args, machine, consistency))
-    plot(out / "serving_load.png", rows, traces)
+                row = {"policy": r.policy, "offered_rps": r.rate, "prompt": r.prompt, "served_tau": r.served_threshold}
+                f.write(json.dumps({**row, "token_ids": r.token_ids, "text": r.text}) + "\n")
 
 
 def saturation_check(rows: list[dict]) -> str:
@@ -474,6 +469,29 @@ def saturation_check(rows: list[dict]) -> str:
     return " ".join(lines)
 
 
+def table_cells(r: dict) -> list[str]:
+    """One level's row of ``table.md``."""
+    return [
+        r["policy"],
+        f"{r['offered_rps']:g}",
+        str(r["requests"]),
+        str(r["completed"]),
+        str(r["rejected"]),
+        str(r["failed"]),
+        fmt(r["achieved_rps"], 3),
+        fmt(r["tokens_per_s"], 1),
+        fmt(r["latency_p50"], 1),
+        fmt(r["latency_p95"], 1),
+        fmt(r["ttft_p50"], 2),
+        fmt(r["ttft_p95"], 2),
+        fmt(r["mean_tau"], 3),
+        fmt(r["tokens_per_forward"], 2),
+        fmt(r["mean_completion_tokens"], 1),
+        fmt(None if r["agreement_exact"] is None else 100 * r["agreement_exact"], 0) + "%",
+        fmt(None if r["agreement_prefix"] is None else 100 * r["agreement_prefix"], 0) + "%",
+    ]
+
+
 def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: dict) -> str:
     head = (
         "| policy | offered req/s | requests | done | 429/503 | failed | req/s | tokens/s | p50 latency s | "
@@ -481,32 +499,7 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         "shared prefix |"
     )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
-    for r in rows:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["policy"],
-                    f"{r['offered_rps']:g}",
-                    str(r["requests"]),
-                    str(r["completed"]),
-                    str(r["rejected"]),
-                    str(r["failed"]),
-                    fmt(r["achieved_rps"], 3),
-                    fmt(r["tokens_per_s"], 1),
-                    fmt(r["latency_p50"], 1),
-                    fmt(r["latency_p95"], 1),
-                    fmt(r["ttft_p50"], 2),
-                    fmt(r["ttft_p95"], 2),
-                    fmt(r["mean_tau"], 3),
-                    fmt(r["tokens_per_forward"], 2),
-                    fmt(r["mean_completion_tokens"], 1),
-                    fmt(None if r["agreement_exact"] is None else 100 * r["agreement_exact"], 0) + "%",
-                    fmt(None if r["agreement_prefix"] is None else 100 * r["agreement_prefix"], 0) + "%",
-                ]
-            )
-            + " |"
-        )
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
     b = bursts
     text = [
         f"# Serving load test ({args.model}{', checkpoint ' + args.checkpoint if args.checkpoint else ''})",
@@ -518,7 +511,7 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"chat requests of at most {args.max_tokens} new tokens, greedy, prompts from data/prompts/heldout.jsonl of at "
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
         "tokens/s are completed work over the span from the first arrival to the last completion. "
-        f"Adaptive: tau between {args.tau_min} and 1.0, {args.adaptive_signal} signal, target_queue "
+        f"Adaptive: tau between {args.threshold_min} and 1.0, {args.adaptive_signal} signal, target_queue "
         f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults).",
         "",
         *lines,
@@ -583,21 +576,33 @@ def plot(path: Path, rows: list[dict], traces: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    from mars import bench_cli
+
+    p = bench_cli.parser("python -m mars.serving.loadtest", __doc__)
+    # passed to serve.py as Hydra overrides
+    bench_cli.add_model(
+        p,
+        default="smollm2-135m",
+        model_help="conf/model/ name (model=...)",
+        checkpoint_help="a train.py checkpoint folder (checkpoint=...)",
     )
-    p.add_argument("--model", default="smollm2-135m", help="conf/model/ name (model=...)")
-    p.add_argument("--checkpoint", default=None, help="a train.py checkpoint folder (checkpoint=...)")
     p.add_argument("--policies", default="tau1.0,tau0.9,adaptive", help=f"comma list of {list(POLICIES)}")
     p.add_argument("--rates", default="0.1,0.2,0.3,0.45,0.6", help="offered requests/s, increasing")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per level")
     p.add_argument("--level-limit", type=float, default=120.0, help="a level is cut this many seconds after it started")
     p.add_argument("--timeout", type=float, default=110.0, help="per-request client timeout (s)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-queue", type=int, default=16)
-    p.add_argument("--tau-min", type=float, default=0.9, help="the adaptive policy's lower bound")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request at most")
+    p.add_argument("--max-prompt-tokens", type=int, default=96, help="longer prompts are skipped")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's max_batch")
+    p.add_argument("--max-queue", type=int, default=16, help="the server's max_queue")
+    p.add_argument(
+        "--threshold-min",
+        "--tau-min",
+        dest="threshold_min",
+        type=float,
+        default=0.9,
+        help="the adaptive policy's lower bound (the server's tau_min)",
+    )
     p.add_argument("--adaptive-signal", default="queue", choices=["queue", "latency"])
     p.add_argument(
         "--target-queue",
@@ -607,28 +612,24 @@ def parse_args(argv=None):
         "and requests keep coming)",
     )
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--burst-max-tokens", type=int, default=16)
+    bench_cli.add_dtype(p)
+    p.add_argument("--burst-max-tokens", type=int, default=16, help="new tokens per request of the burst")
     p.add_argument("--no-burst", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", default=str(REPO / "data" / "prompts" / "heldout.jsonl"))
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "serving"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--prompts", default=str(REPO / "data" / "prompts" / "heldout.jsonl"), help="JSONL, 'prompt' field")
+    bench_cli.add_out(p, str(REPO / "benchmarks" / "serving"))
     args = p.parse_args(argv)
-    for name in args.policies.split(","):
-        if name not in POLICIES:
-            p.error(f"unknown policy {name!r}; choose from {list(POLICIES)}")
+    args.policies = bench_cli.comma_list(args.policies, "--policies", allowed=POLICIES)
+    args.rates = bench_cli.comma_list(args.rates, "--rates", float)
+    if args.threshold_min > 0.9 and "tau0.9" in args.policies:
+        raise SystemExit(
+            "--threshold-min must be <= 0.9 for the tau0.9 policy (the server's bounds hold its threshold)"
+        )
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    from mars.hardware import describe
-
-    out = Path(args.out)
-    rates = [float(x) for x in args.rates.split(",")]
-    policies = args.policies.split(",")
-    prompts = load_prompts(Path(args.prompts), args.max_prompt_tokens, limit=400)
-    Path(args.checkpoint).name if args.checkpoint else args.model
+def server_overrides(args) -> list[str]:
+    """The Hydra overrides every policy's server shares."""
     common = [
         f"model={args.model}",
         f"max_batch={args.max_batch}",
@@ -636,19 +637,19 @@ def main(argv=None) -> None:
         f"max_tokens={args.max_tokens}",
         f"threads={args.threads}",
         f"dtype={args.dtype}",
-        f"tau_min={args.tau_min}",
+        f"tau_min={args.threshold_min}",
         f"adaptive.signal={args.adaptive_signal}",
         f"adaptive.target_queue={args.target_queue or max(1, args.max_batch // 2)}",
     ]
-    if args.checkpoint:
-        common.append(f"checkpoint={args.checkpoint}")
-    if args.tau_min > 0.9 and "tau0.9" in policies:
-        raise SystemExit("--tau-min must be <= 0.9 for the tau0.9 policy (the server's bounds hold its threshold)")
-    policy_overrides = POLICIES
-    results: list[Result] = []
-    traces: dict[str, list] = {}
-    levels: list[tuple[str, float, list[Result]]] = []
-    bursts: dict = {}
+    return common + ([f"checkpoint={args.checkpoint}"] if args.checkpoint else [])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from mars.hardware import describe
+
+    out = Path(args.out)
+    prompts = load_prompts(Path(args.prompts), args.max_prompt_tokens, limit=400)
     started = time.monotonic()
 
     def say(msg: str) -> None:
@@ -657,65 +658,77 @@ def main(argv=None) -> None:
     # All servers run side by side (an idle one costs next to nothing) and the levels interleave the
     # policies, rate by rate, in rotating order: on a machine shared with other jobs, every policy then
     # meets the same background load.
-    servers = {p: ServerProcess(common + policy_overrides[p], out / "server_logs" / p) for p in policies}
+    common = server_overrides(args)
+    servers = {p: ServerProcess(common + POLICIES[p], out / "server_logs" / p) for p in args.policies}
     try:
-        names = {}
-        for p, server in servers.items():
-            server.wait_ready()
-            names[p] = _served_name(server.url)
-            say(f"{p}: serving {names[p]} at {server.url}")
-        for i, rate in enumerate(rates):
-            arrivals = schedule(rate, args.duration, args.seed)
-            for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
-                server = servers[policy]
-                # every level starts at the first prompt: tau=1.0 outputs of one prompt at different loads
-                # must be identical, and every policy is compared with them
-                res, trace = asyncio.run(
-                    run_level(
-                        server.url,
-                        names[policy],
-                        policy,
-                        rate,
-                        arrivals,
-                        prompts,
-                        0,
-                        args.max_tokens,
-                        args.level_limit,
-                        args.timeout,
-                    )
-                )
-                asyncio.run(wait_idle(server.url))
-                results += res
-                traces[f"{policy}@{rate:g}"] = trace
-                levels.append((policy, rate, res))
-                ok = [r for r in res if r.status == 200]
-                say(
-                    f"{policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, p95 {fmt(pct([r.latency for r in ok], 95), 1)} s"
-                )
-        if "tau1.0" in servers and not args.no_burst:
-            bursts = asyncio.run(
-                burst(servers["tau1.0"], names["tau1.0"], 4 * args.max_queue, args.burst_max_tokens, args.timeout)
-            )
-            say(f"burst: {bursts}")
+        levels, traces, bursts = run_levels(servers, args, prompts, say)
     finally:
         for p, server in servers.items():
             say(f"{p}: server stopped (exit {server.stop()})")
-    levels.sort(key=lambda x: (policies.index(x[0]), x[1]))
-    # tau=1.0 outputs are the reference (they do not depend on the load); check that they agree
+    results = [r for _, _, res in levels for r in res]  # in the order they ran
+    levels.sort(key=lambda x: (args.policies.index(x[0]), x[1]))
+    reference, consistency = reference_outputs(results)
+    rows = [{"policy": policy, "offered_rps": rate, **summarise(res, reference)} for policy, rate, res in levels]
+    write_outputs(out, rows, results, traces, bursts, args, describe() | {"server_threads": args.threads}, consistency)
+    print((out / "table.md").read_text())
+    say(f"wrote {out}")
+
+
+def run_levels(servers: dict, args, prompts: list[str], say) -> tuple[list, dict, dict]:
+    """Every (rate, policy) level, policies in rotating order per rate; then the burst (at threshold 1.0)."""
+    traces: dict[str, list] = {}
+    levels: list[tuple[str, float, list[Result]]] = []
+    names = {}
+    for p, server in servers.items():
+        server.wait_ready()
+        names[p] = _served_name(server.url)
+        say(f"{p}: serving {names[p]} at {server.url}")
+    policies = args.policies
+    for i, rate in enumerate(args.rates):
+        arrivals = schedule(rate, args.duration, args.seed)
+        for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
+            server = servers[policy]
+            # every level starts at the first prompt: threshold 1.0 outputs of one prompt at different loads
+            # must be identical, and every policy is compared with them
+            level = run_level(
+                server.url,
+                names[policy],
+                policy,
+                rate,
+                arrivals,
+                prompts,
+                0,
+                args.max_tokens,
+                args.level_limit,
+                args.timeout,
+            )
+            res, trace = asyncio.run(level)
+            asyncio.run(wait_idle(server.url))
+            traces[f"{policy}@{rate:g}"] = trace
+            levels.append((policy, rate, res))
+            ok = [r for r in res if r.status == 200]
+            say(f"{policy} @ {rate:g} req/s: {len(ok)}/{len(res)} ok, p95 {fmt(pct([r.latency for r in ok], 95), 1)} s")
+    bursts = {}
+    if "tau1.0" in servers and not args.no_burst:
+        tokens = args.burst_max_tokens
+        bursts = asyncio.run(burst(servers["tau1.0"], names["tau1.0"], 4 * args.max_queue, tokens, args.timeout))
+        say(f"burst: {bursts}")
+    return levels, traces, bursts
+
+
+def reference_outputs(results: list[Result]) -> tuple[dict[int, list[int]], dict]:
+    """Threshold 1.0 outputs are the reference (they do not depend on the load); whether they agree across
+    the levels where a prompt was served more than once."""
     reference: dict[int, list[int]] = {}
     seen: dict[int, set] = {}
+    served: dict[int, int] = {}
     for r in results:
         if r.policy == "tau1.0" and r.status == 200:
             reference.setdefault(r.prompt, r.token_ids)
             seen.setdefault(r.prompt, set()).add(tuple(r.token_ids))
-    multi = [
-        p for p in seen if sum(1 for r in results if r.policy == "tau1.0" and r.prompt == p and r.status == 200) > 1
-    ]
-    consistency = {"prompts": len(multi), "identical": sum(len(seen[p]) == 1 for p in multi)}
-    rows = [{"policy": policy, "offered_rps": rate, **summarise(res, reference)} for policy, rate, res in levels]
-    write_outputs(out, rows, results, traces, bursts, args, describe() | {"server_threads": args.threads}, consistency)
-    print((out / "table.md").read_text())
-    print(f"[{time.monotonic() - started:6.0f}s] wrote {out}")
+            served[r.prompt] = served.get(r.prompt, 0) + 1
+    multi = [p for p in seen if served[p] > 1]
+    return reference, {"prompts": len(multi), "identical": sum(len(seen[p]) == 1 for p in multi)}
 
 
 def _served_name(url: str) -> str:

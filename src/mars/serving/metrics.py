@@ -9,7 +9,7 @@ Names (all prefixed ``mars_``):
                                                   cancelled, error)
 ``queue_depth``                        gauge      requests waiting for a row
 ``running_batch_size``                 gauge      rows in the running batch
-``tau``                                gauge      the server's current threshold (policy output)
+``tau``                                gauge      the server's current threshold (named by its symbol)
 ``tokens_per_second``                  gauge      generated tokens per second over the last ``window_s``
 ``tokens_per_forward``                 gauge      generated tokens per row-forward over the last ``window_s``
                                                   (the per-request tokens-per-forward figure, pooled)
@@ -79,7 +79,7 @@ class ServerMetrics:
         self.finished = Counter("mars_requests_finished", "Decoded requests by finish reason", ["reason"], registry=r)
         self.queue_depth = Gauge("mars_queue_depth", "Requests waiting for a row", registry=r)
         self.running = Gauge("mars_running_batch_size", "Rows in the running batch", registry=r)
-        self.tau = Gauge("mars_tau", "The server's current threshold", registry=r)
+        self.threshold = Gauge("mars_tau", "The server's current threshold", registry=r)
         self.tokens_per_second = Gauge(
             "mars_tokens_per_second", "Generated tokens per second (recent window)", registry=r
         )
@@ -109,10 +109,10 @@ class ServerMetrics:
         self.generated_tokens.inc(tokens)
         self.recent.add(tokens, rows, now)
 
-    def refresh(self, *, queued: int, running: int, tau: float, now: float | None = None) -> None:
+    def refresh(self, *, queued: int, running: int, threshold: float, now: float | None = None) -> None:
         self.queue_depth.set(queued)
         self.running.set(running)
-        self.tau.set(tau)
+        self.threshold.set(threshold)
         tps, tpf = self.recent.rates(now)
         self.tokens_per_second.set(tps)
         self.tokens_per_forward.set(tpf)

@@ -1,7 +1,7 @@
-"""The server's threshold (tau) policy: fixed, or load-adaptive between configured bounds.
+"""The server's threshold policy: fixed, or load-adaptive between configured bounds.
 
 MARS trades quality for tokens per forward through one number per request, so a server can buy
-throughput under load without swapping models: lower tau when requests pile up, raise it again when
+throughput under load without swapping models: lower the threshold when requests pile up, raise it again when
 they drain.  The policy here is a small controller with no knowledge of the model:
 
 * The **load signal** is a ratio to a target, ``x = load / target``: with ``signal="queue"`` the
@@ -12,11 +12,11 @@ they drain.  The policy here is a small controller with no knowledge of the mode
   arrive at irregular times, so the weight depends on the time since the last update).
 * A **relax level** ``r`` in [0, 1] integrates the smoothed signal with a dead band: above ``high`` it
   grows at ``relax_rate`` per second, below ``low`` it shrinks at ``recover_rate`` per second, in
-  between it holds.  The band is the hysteresis: a load that sits near the target does not make tau
-  flap, and a short spike is damped by the average before it moves tau.
-* ``tau = strict + r * (relaxed - strict)``: the strict end is the bound that is closer to exact greedy
-  decoding (``tau_max`` for probability/margin, ``tau_min`` for entropy, where a *higher* number
-  relaxes), the relaxed end the other bound.
+  between it holds.  The band is the hysteresis: a load that sits near the target does not make the
+  threshold flap, and a short spike is damped by the average before it moves it.
+* ``threshold = strict + r * (relaxed - strict)``: the strict end is the bound that is closer to exact greedy
+  decoding (the bound ``tau_max`` for probability/margin, ``tau_min`` for entropy, where a *higher*
+  number relaxes), the relaxed end the other bound.
 
 A request's own threshold is honoured inside the server's bounds (clamped to them); a request with
 verification (``verify``) is served at the reference threshold, where it is lossless anyway.
@@ -68,70 +68,80 @@ class AdaptiveSettings:
             raise ValueError(f"adaptive.smoothing_s must be a number >= 0, got {self.smoothing_s!r}")
 
 
-class TauPolicy:
-    """Base: bounds, clamping of requested thresholds, and the current tau."""
+class ThresholdPolicy:
+    """Base: bounds, clamping of requested thresholds, and the current threshold."""
 
     name = "base"
 
-    def __init__(self, tau_min: float, tau_max: float, metric: str = "probability"):
-        lo = validate_threshold(tau_min, metric)
-        hi = validate_threshold(tau_max, metric)
-        if lo > hi:
-            raise ValueError(f"tau_min={tau_min} is above tau_max={tau_max}")
+    def __init__(self, threshold_min: float, threshold_max: float, metric: str = "probability"):
+        lo = validate_threshold(threshold_min, metric)
+        hi = validate_threshold(threshold_max, metric)
+        if lo > hi:  # the bounds' config keys are tau_min and tau_max
+            raise ValueError(f"tau_min={threshold_min} is above tau_max={threshold_max}")
         self.metric = metric
-        self.tau_min, self.tau_max = lo, hi
+        self.threshold_min, self.threshold_max = lo, hi
         # the end closer to exact greedy decoding, and the other one
         self.strict, self.relaxed = (lo, hi) if metric == "entropy" else (hi, lo)
-        self.tau = self.strict
+        self.threshold = self.strict
 
     @property
     def reference(self) -> float:
         return reference_threshold(self.metric)
 
     def clamp(self, threshold: float) -> float:
-        return min(max(float(threshold), self.tau_min), self.tau_max)
+        return min(max(float(threshold), self.threshold_min), self.threshold_max)
 
     def for_request(self, requested: float | None, verify: bool = False) -> float:
-        """The threshold a request is served at: its own (inside the bounds) or the current tau."""
+        """The threshold a request is served at: its own (inside the bounds) or the current one."""
         if verify:
             return self.reference
-        return self.tau if requested is None else self.clamp(requested)
+        return self.threshold if requested is None else self.clamp(requested)
 
-    def is_exact(self, tau: float) -> bool:
-        return is_exact_threshold(tau, self.metric)
+    def is_exact(self, threshold: float) -> bool:
+        return is_exact_threshold(threshold, self.metric)
 
     def update(self, sample: LoadSample) -> float:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def describe(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "tau_min": self.tau_min, "tau_max": self.tau_max}
+        # the /stats keys (read by the page and the load test) keep the config's names
+        return {
+            "policy": self.name,
+            "tau": self.threshold,
+            "tau_min": self.threshold_min,
+            "tau_max": self.threshold_max,
+        }
 
 
-class FixedTau(TauPolicy):
+class FixedThreshold(ThresholdPolicy):
     """One threshold for every request that does not bring its own."""
 
     name = "fixed"
 
-    def __init__(self, tau: float, tau_min: float, tau_max: float, metric: str = "probability"):
-        super().__init__(tau_min, tau_max, metric)
-        value = validate_threshold(tau, metric)
-        if not tau_min <= value <= tau_max:
-            raise ValueError(f"threshold={tau} lies outside [tau_min={tau_min}, tau_max={tau_max}]")
-        self.tau = value
+    def __init__(self, threshold: float, threshold_min: float, threshold_max: float, metric: str = "probability"):
+        super().__init__(threshold_min, threshold_max, metric)
+        value = validate_threshold(threshold, metric)
+        if not threshold_min <= value <= threshold_max:
+            raise ValueError(f"threshold={threshold} lies outside [tau_min={threshold_min}, tau_max={threshold_max}]")
+        self.threshold = value
 
     def update(self, sample: LoadSample) -> float:
-        return self.tau
+        return self.threshold
 
 
-class AdaptiveTau(TauPolicy):
-    """Load-adaptive tau; see the module docstring for the control law."""
+class AdaptiveThreshold(ThresholdPolicy):
+    """Load-adaptive threshold; see the module docstring for the control law."""
 
     name = "adaptive"
 
     def __init__(
-        self, tau_min: float, tau_max: float, settings: AdaptiveSettings | None = None, metric: str = "probability"
+        self,
+        threshold_min: float,
+        threshold_max: float,
+        settings: AdaptiveSettings | None = None,
+        metric: str = "probability",
     ):
-        super().__init__(tau_min, tau_max, metric)
+        super().__init__(threshold_min, threshold_max, metric)
         self.settings = settings or AdaptiveSettings()
         self.level = 0.0  # 0 = strict end, 1 = relaxed end
         self.smoothed = 0.0
@@ -163,8 +173,8 @@ class AdaptiveTau(TauPolicy):
             self.level = min(1.0, self.level + cfg.relax_rate * dt)
         elif self.smoothed < cfg.low:
             self.level = max(0.0, self.level - cfg.recover_rate * dt)
-        self.tau = self.strict + self.level * (self.relaxed - self.strict)
-        return self.tau
+        self.threshold = self.strict + self.level * (self.relaxed - self.strict)
+        return self.threshold
 
     def describe(self) -> dict:
         return {**super().describe(), "level": self.level, "load": self.smoothed, "signal": self.settings.signal}
@@ -178,10 +188,11 @@ def build_policy(
     tau_max: float,
     metric: str = "probability",
     adaptive: dict | None = None,
-) -> TauPolicy:
-    """``fixed`` (serves ``threshold``) or ``adaptive`` (moves between the bounds with the load)."""
+) -> ThresholdPolicy:
+    """``fixed`` (serves ``threshold``) or ``adaptive`` (moves between the bounds with the load); the
+    bounds keep their config keys' names (``tau_min``, ``tau_max``)."""
     if name == "fixed":
-        return FixedTau(threshold, tau_min, tau_max, metric)
+        return FixedThreshold(threshold, tau_min, tau_max, metric)
     if name == "adaptive":
         values = dict(adaptive or {})
         unknown = sorted(set(values) - set(AdaptiveSettings.__dataclass_fields__))
@@ -189,5 +200,5 @@ def build_policy(
             raise ValueError(
                 f"unknown adaptive setting(s) {unknown}; allowed: {sorted(AdaptiveSettings.__dataclass_fields__)}"
             )
-        return AdaptiveTau(tau_min, tau_max, AdaptiveSettings(**values), metric)
+        return AdaptiveThreshold(tau_min, tau_max, AdaptiveSettings(**values), metric)
     raise ValueError(f"tau_policy must be one of {list(POLICIES)}, got {name!r}")

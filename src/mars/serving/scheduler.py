@@ -1,7 +1,7 @@
 """The engine loop: one thread owns the model and the :class:`~mars.decoding.engine.DecodeEngine` and runs
 continuous batching; HTTP handlers only submit jobs and read their events.
 
-Each iteration: take cancellations and admit waiting jobs into free rows (at the threshold the tau
+Each iteration: take cancellations and admit waiting jobs into free rows (at the threshold the
 policy gives them *now*, not when they arrived, and running rows follow later changes of it), run one engine
 step (one batched forward), turn each
 row's accepted tokens into a text delta and hand it to the job's sink (the handler's asyncio queue),
@@ -36,7 +36,7 @@ import torch
 from mars.decoding.engine import DecodeEngine
 
 from .metrics import ServerMetrics
-from .policy import LoadSample, TauPolicy
+from .policy import LoadSample, ThresholdPolicy
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,12 @@ class Job:
 
     prompt_ids: list[int]
     max_new_tokens: int
-    threshold: float | None = None  # requested; None = the server's current tau
+    threshold: float | None = None  # requested; None = the server's current one
     stop: list[str] | None = None
     temperature: float = 0.0
     seed: int | None = None
     verify: bool = False
+    options: dict = field(default_factory=dict)  # other per-request DecodingSettings fields (lookup_ngram, ...)
     index: int = 0  # choice index in the response
     streaming: bool = True  # per-forward events (False: only the final one)
     sink: Callable[[JobEvent], None] | None = None  # called on the loop thread; must not block
@@ -89,7 +90,7 @@ class Job:
     admitted: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    served_tau: float | None = None
+    served_threshold: float | None = None
     forwards: int = 0
     completion_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # final generated ids (set when it finishes)
@@ -103,7 +104,7 @@ class Job:
     def stats(self) -> dict:
         end = self.finished if self.finished is not None else time.monotonic()
         return {
-            "threshold": self.served_tau,
+            "threshold": self.served_threshold,
             "verify": self.verify,
             "forwards": self.forwards,
             "completion_tokens": self.completion_tokens,
@@ -118,7 +119,7 @@ class EngineLoop:
     def __init__(
         self,
         make_engine: Callable[[], DecodeEngine],
-        policy: TauPolicy,
+        policy: ThresholdPolicy,
         metrics: ServerMetrics,
         tokenizer,
         eos_ids: Sequence[int],
@@ -230,7 +231,7 @@ class EngineLoop:
             except Exception:  # never let the loop die: fail what is running, start over
                 log.exception("engine loop iteration failed; failing the running requests and rebuilding the engine")
                 self._fail_running(500, "internal error in the engine loop")
-        self.metrics.refresh(queued=0, running=0, tau=self.policy.tau)
+        self.metrics.refresh(queued=0, running=0, threshold=self.policy.threshold)
 
     def _iteration(self) -> bool:
         with self._lock:
@@ -247,7 +248,7 @@ class EngineLoop:
             self.engine.cancel(job_id)
         in_system = list(self.live.values()) + admit
         oldest = min((j.created for j in in_system), default=None)
-        tau = self.policy.update(
+        threshold = self.policy.update(
             LoadSample(
                 now,
                 waiting=waiting + len(admit),
@@ -256,9 +257,9 @@ class EngineLoop:
                 oldest_age_s=None if oldest is None else now - oldest,
             )
         )
-        self._retune(tau)
+        self._retune(threshold)
         self._admit(admit, now)
-        self.metrics.refresh(queued=waiting, running=self.engine.live, tau=tau, now=now)
+        self.metrics.refresh(queued=waiting, running=self.engine.live, threshold=threshold, now=now)
         if not self.engine.live:
             self._wake.wait(self.idle_wait_s)
             self._wake.clear()
@@ -266,30 +267,31 @@ class EngineLoop:
         self._step()
         return True
 
-    def _retune(self, tau: float) -> None:
-        """A new server tau reaches the running rows that follow it (no threshold of their own, not verified)
+    def _retune(self, threshold: float) -> None:
+        """A new server threshold reaches the running rows that follow it (no threshold of their own, not verified)
         from their next step, so a load spike speeds up the requests already decoding, not only new ones."""
         for job in self.live.values():
             if job.threshold is not None or job.verify or job.failed:
                 continue
             served = self.policy.for_request(None, False)
-            if served != job.served_tau and self.engine.set_threshold(job.id, served):
-                job.served_tau = served
+            if served != job.served_threshold and self.engine.set_threshold(job.id, served):
+                job.served_threshold = served
 
     def _admit(self, jobs: list[Job], now: float) -> None:
         requests = []
         for job in jobs:
             try:
-                job.served_tau = self.policy.for_request(job.threshold, job.verify)
+                job.served_threshold = self.policy.for_request(job.threshold, job.verify)
                 req = self.engine.make_request(
                     job.prompt_ids,
-                    threshold=job.served_tau,
+                    threshold=job.served_threshold,
                     max_new_tokens=job.max_new_tokens,
                     stop=job.stop or None,
                     temperature=job.temperature,
                     seed=job.seed,
                     verify=job.verify,
                     id=job.id,
+                    **job.options,
                 )
                 _check_sampler(req.seed, req.temperature)
                 job.stream = TextStream(self.tokenizer, self.eos_ids, req.stops, job.max_new_tokens)

@@ -12,17 +12,23 @@ not a threshold), an integer is a JSON integer (``true`` is not a budget), a fla
 ``seed`` is range-checked against what the sampler's ``torch.Generator.manual_seed`` accepts, so a seed
 that would raise inside the batched step is a 400 here instead.
 
-MARS extras: ``threshold`` (the request's own tau, honoured inside the server's bounds), ``verify``
-(lossless self-speculative decoding: exactly greedy output at more than one token per forward) and
-``return_token_ids`` (the generated ids with each choice and each streamed chunk).
+MARS extras: the per-request fields of :class:`~mars.decoding.settings.DecodingSettings`
+(:class:`RequestOptions`, derived from the dataclass: ``threshold``, the request's own threshold,
+honoured inside the server's bounds; ``verify``, lossless self-speculative decoding: exactly greedy output
+at more than one token per forward; ``lookup_ngram``; and whatever field is declared ``per_request``
+there) and ``return_token_ids`` (the generated ids with each choice and each streamed chunk).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from mars.decoding.settings import DecodingSettings
 
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64 - 1] (negative ones are mapped to
 # 2**64 + seed) and raises outside it; the sampler of a row is seeded with the request's seed.
@@ -153,12 +159,40 @@ def check_stop(value: Any) -> list[str] | None:
     return stops
 
 
+# Per-request settings the OpenAI API already names (with its own bounds): its name for each.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+
+
+def request_options_model(settings_cls: type = DecodingSettings) -> type[BaseModel]:
+    """The per-request override type of ``settings_cls``: its fields declared ``per_request`` (and not named
+    by the OpenAI API), each optional (``null``: the server's setting), strict, typed and described as the
+    dataclass declares them.  Their ranges are checked by the settings class itself, once."""
+    hints = typing.get_type_hints(settings_cls)
+    fields = {
+        f.name: (hints[f.name] | None, Field(default=None, description=f.metadata.get("help")))
+        for f in dataclasses.fields(settings_cls)
+        if f.metadata.get("per_request") and f.name not in OPENAI_NAMES
+    }
+    return create_model("RequestOptions", __config__=STRICT, **fields)
+
+
+# The MARS per-request options: a field declared per_request in DecodingSettings is one here, no further code.
+RequestOptions = request_options_model()
+
+
+def decoding_overrides(body: BaseModel) -> dict[str, Any]:
+    """The request's DecodingSettings overrides, by field name (the OpenAI-named ones translated; the
+    budget is left to the caller, which checks it against the context)."""
+    names = {**{name: name for name in RequestOptions.model_fields}, "temperature": "temperature", "seed": "seed"}
+    return {field: getattr(body, attr) for attr, field in names.items() if getattr(body, attr, None) is not None}
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(RequestOptions):
     model_config = STRICT
 
     model: str | None = None
@@ -174,9 +208,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # MARS extras
-    threshold: float | None = None
-    verify: bool = False
+    # MARS extras: RequestOptions' fields (from DecodingSettings), and
     return_token_ids: bool = False  # add each choice's generated token ids (``token_ids``)
 
     @field_validator("stop")
