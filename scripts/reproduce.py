@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +209,7 @@ def run_throughput(stages: Stages, lay: Layout, args) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for the report
     lay = Layout(args.name, REPO / "outputs" / "reproduce" / args.name, REPO / "benchmarks" / f"reproduce_{args.name}")
     stages = Stages(lay.bench, args.dry_run, REPO)
     run_training(stages, lay, args)
@@ -346,8 +349,8 @@ def report(lay: Layout, args, tput: Path, stages: Stages) -> None:
         f"# MARS reference run: {args.name}",
         "",
         f"Machine: {platform.node()} ({_cpu()}), {time.strftime('%Y-%m-%d')}. Produced by "
-        f"`python scripts/reproduce.py --name {args.name} {' '.join(args.overrides)}`; stage times in "
-        "stages.json, how the recipe was chosen in RECIPE.md and benchmarks/recipe_search/.",
+        f"`python scripts/reproduce.py {shlex.join(args.argv)}`; stage times in stages.json, how the recipe "
+        "was chosen in benchmarks/recipe_search/FINDINGS.md.",
         "",
     ]
     summary = lay.bench / "train_train_summary.json"
