@@ -33,8 +33,12 @@ def write_points(folder, thresholds, tpf=1.3):
 
 
 def finished_training(folder):
-    (folder / "hf").mkdir(parents=True)
-    (folder / "hf" / "mars_config.json").write_text(json.dumps({"complete": True}))
+    from mars.checkpoint_meta import MarsMetadata, write_metadata
+
+    (folder / "hf").mkdir(parents=True)  # the metadata train.py writes beside a finished export
+    write_metadata(
+        folder / "hf", MarsMetadata(block_size=4, objective="mars", mask_token="<m>", mask_token_id=7, complete=True)
+    )
     summary = {"global_step": 40, "tokens_seen": 9000, "response_tokens_seen": 3000, "budget": {"used_minutes": 2.0}}
     (folder / "train_summary.json").write_text(json.dumps(summary))
 
