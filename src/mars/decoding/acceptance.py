@@ -26,22 +26,6 @@ import torch
 from .settings import METRICS, validate_metric, validate_threshold  # noqa: F401  (re-exported)
 
 
-def thresholds_list(threshold: float | Sequence[float], batch: int, metric: str) -> list[float]:
-    """One validated threshold per row (a scalar is broadcast), as Python floats: the values as given,
-    so that a message about a row's threshold never shows what float32 made of it (1e-300 -> 0.0)."""
-    values = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * batch
-    if len(values) != batch:
-        raise ValueError(f"got {len(values)} thresholds for {batch} prompts; give one number or one per prompt")
-    return [validate_threshold(value, metric) for value in values]
-
-
-def thresholds_tensor(
-    threshold: float | Sequence[float], batch: int, metric: str, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """One threshold per row (a scalar is broadcast), validated, as float32."""
-    return torch.tensor(thresholds_list(threshold, batch, metric), dtype=torch.float32, device=device)
-
-
 def never_emitted(mask_token_id: int | None, eos_ids: Sequence[int]) -> list[int]:
     """Token ids no decoder may output: the mask token, an input placeholder that is never text (an
     under-trained head can still rank it first).  Where a model has no mask token the engine pads with
