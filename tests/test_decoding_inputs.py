@@ -64,6 +64,8 @@ DECODERS = [
     dict(decoder="mars", threshold=0.5, cache="none"),
     dict(decoder="mars", verify=True),
     dict(decoder="mars", verify=True, temperature=1.0, seed=0),
+    dict(decoder="mars", verify=True, draft_source="lookup"),
+    dict(decoder="mars", verify=True, draft_source="model", draft_model="self:1"),
     dict(decoder="mars", threshold=0.5, temperature=1.0, seed=0),
     dict(decoder="jacobi"),
     dict(decoder="ar"),
