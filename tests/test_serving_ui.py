@@ -213,7 +213,9 @@ def test_the_page_streams_an_answer_with_shaded_forwards(tmp_path):
     from mars.serving.server import BackgroundServer
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="serve", overrides=["model=smollm2-135m", "max_tokens=64"])
+        # MARS_UI_CHECKPOINT=<trained checkpoint>: the committed screenshot is taken from a trained model
+        model = f"checkpoint={os.environ['MARS_UI_CHECKPOINT']}" if os.environ.get("MARS_UI_CHECKPOINT") else None
+        cfg = compose(config_name="serve", overrides=[model or "model=smollm2-135m", "max_tokens=64"])
     srv = BackgroundServer(build_state(ServeConfig.from_cfg(cfg))).start()
     proc, ws_url = launch(tmp_path / "chromium-profile")
     page = DevTools(ws_url)
