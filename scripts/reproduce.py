@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import shutil
@@ -241,6 +242,9 @@ def learning_curve(lay: Layout, args) -> list[dict]:
         out = curve_folder(lay, minutes, folder)
         meta_path = folder / "mars_config.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        summary = lay.train / "train_summary.json"  # the final export's counters are the run's summary
+        if folder == lay.hf and summary.is_file():
+            meta = {**json.loads(summary.read_text()), **meta}
         row = {"minutes": minutes, "global_step": meta.get("global_step"), "tokens_seen": meta.get("tokens_seen")}
         for t in CURVE_THRESHOLDS:
             p = _average(out, t) or {}
@@ -297,7 +301,9 @@ def curve_table(rows: list[dict]) -> str:
     def ci(r, key, scale=1.0, digits=2):
         if r.get(key) is None:
             return "–"
-        return f"{r[key] * scale:.{digits}f} [{r[key + '_lo'] * scale:.{digits}f}, {r[key + '_hi'] * scale:.{digits}f}]"
+        name, at = key.split("@")  # the interval's bounds are stored as <name>_lo@<threshold>
+        lo, hi = r[f"{name}_lo@{at}"], r[f"{name}_hi@{at}"]
+        return f"{r[key] * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
 
     lines = [
         "| budget min | steps | tokens | tok/fwd tau 0.9 | vs base tau 0.9 (pts) | vs base tau 1.0 (pts) | mask fidelity tau 0.9 |",
@@ -386,7 +392,7 @@ def _cpu() -> str:
         from mars.hardware import describe
 
         d = describe()
-        return f"{d['cuda'] or d['cpu']}, native bf16 {d['cpu_native_bf16']}, {d['threads']} threads"
+        return f"{d['cuda'] or d['cpu']}, {os.cpu_count()} CPUs, native bf16 {d['cpu_native_bf16']}"
     except Exception:  # the report must not fail on a description
         return platform.processor()
 
