@@ -45,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 THRESHOLDS = "[1.0,0.9,0.8]"
 CURVE_THRESHOLDS = [1.0, 0.9]
 SHIP_ADAPTER_BYTES = 10 * 2**20  # larger adapters (rank 32 on every layer: 39 MB) stay out of git
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "mars_adapter.json", "mars_config.json")
 
 
 @dataclass
@@ -85,13 +84,17 @@ def parse(argv: list[str] | None):
     return p.parse_args(argv)
 
 
+def recipe() -> dict:
+    """conf/experiment/reproduce.yaml as written (the settings a command-line override can replace)."""
+    return yaml.safe_load((REPO / "conf" / "experiment" / "reproduce.yaml").read_text())
+
+
 def budget_setting(overrides: list[str], key: str):
     """``budget.<key>`` of the recipe (conf/experiment/reproduce.yaml), or of a command-line override."""
     for o in overrides:
         if o.startswith(f"budget.{key}="):
             return yaml.safe_load(o.split("=", 1)[1])
-    recipe = yaml.safe_load((REPO / "conf" / "experiment" / "reproduce.yaml").read_text())
-    return (recipe.get("budget") or {}).get(key)
+    return (recipe().get("budget") or {}).get(key)
 
 
 def recipe_setting(overrides: list[str], group: str) -> str | None:
@@ -99,8 +102,7 @@ def recipe_setting(overrides: list[str], group: str) -> str | None:
     for o in overrides:
         if o.startswith(f"{group}="):
             return o.split("=", 1)[1]
-    recipe = yaml.safe_load((REPO / "conf" / "experiment" / "reproduce.yaml").read_text())
-    for entry in recipe.get("defaults") or []:
+    for entry in recipe().get("defaults") or []:
         if isinstance(entry, dict) and f"override /{group}" in entry:
             return entry[f"override /{group}"]
     return None
