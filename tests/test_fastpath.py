@@ -61,6 +61,49 @@ def test_custom_op_has_a_working_fake_for_compile():
     torch.library.opcheck(op, (torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)))
 
 
+@pytest.mark.parametrize("rank", [32, 5])
+def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(rank):
+    """One pass over q/k/v-like weights (with and without bias, one without an adapter) equals the separate
+    kernel calls, and its LoRA term at the given rows equals peft's ``y + B(A(x) * gate) * scaling``."""
+    op = kernel_or_skip()
+    fused = kernels.fused_linear_op()
+    g = torch.Generator().manual_seed(rank)
+    k = 72
+    weights = [torch.randn(n, k, generator=g) for n in (48, 16, 16)]
+    biases = [torch.randn(48, generator=g), None, torch.randn(16, generator=g)]
+    a = [torch.randn(rank, k, generator=g), None, torch.randn(rank, k, generator=g)]
+    b = [torch.randn(n, rank, generator=g) for n in (48, 16, 16)]
+    b[1] = None
+    scalings = [2.0, 0.0, 0.5]
+    for m in (1, 2, 3, 4, 7, 16):
+        x = torch.randn(m, k, generator=g)
+        plain = fused(x, weights, biases, [], [], [], None)
+        for y, w, bias in zip(plain, weights, biases):
+            assert torch.equal(y, op(x, w, bias))
+        rows = torch.arange(m)[m // 2 :]  # the last columns carry masks
+        gate = torch.zeros(m, 1)
+        gate[rows] = 1.0
+        gated = fused(x, weights, biases, a, b, scalings, rows)
+        for i, y in enumerate(gated):
+            expected = op(x, weights[i], biases[i])
+            if a[i] is not None:
+                expected = expected + op(op(x, a[i], None) * gate, b[i], None) * scalings[i]
+            assert torch.equal(y, expected), (m, i)
+        assert not torch.equal(gated[0][rows], plain[0][rows])  # the adapter acted at its rows only
+        assert torch.equal(gated[0][: m // 2], plain[0][: m // 2])
+
+
+def test_fused_linear_rejects_factors_that_do_not_fit():
+    kernel_or_skip()
+    fused = kernels.fused_linear_op()
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(5, 3)], [1.0], torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="one entry per weight"):
+        fused(x, [w, w], [None, None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([1]))
+    torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
+
+
 def test_build_key_changes_with_torch_version_and_source(monkeypatch, tmp_path):
     key = kernels.build_key()
     monkeypatch.setattr(torch, "__version__", "9.9.9+other")

@@ -109,9 +109,11 @@ def test_lean_forward_is_used_by_decode_steps(monkeypatch):
     assert calls == [1]
 
 
-def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit():
-    """A gated LoRA (mars.adapters) under the lean forward: the same logits as the model's own forward with
-    its peft layers and gate hooks, with mask columns in some rows and none in others."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
+    """A gated LoRA (mars.adapters) under the lean forward (one fused kernel pass per group of projections):
+    the same logits as the model's own forward with its peft layers and gate hooks, with mask columns in
+    some rows and none in others, and with a row's padding columns skipped."""
     from decoding_fixtures import MASK_ID
 
     from mars.adapters import AdapterSettings, attach_adapter
@@ -140,7 +142,12 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit():
                 if name == "hf":
                     runner._lean = False
                 columns = torch.arange(6, 9).expand(2, -1)
-                outputs[name, masked] = runner.logits_at(step, pos, mask, columns, None)
+                live = torch.ones(step.shape, dtype=torch.bool)
+                live[1, -2:] = not padded  # row 1's last two columns are padding when padded
+                live_preds = torch.tensor([[True, True, True], [True, not padded, not padded]])
+                outputs[name, masked] = runner.logits_at(
+                    step, pos, mask, columns, None, live=live, live_columns=live_preds
+                )
         assert torch.equal(outputs["lean", masked], outputs["hf", masked])
     assert not torch.equal(outputs["lean", True][0, 1:], outputs["lean", False][0, 1:])  # the adapter acted
     assert torch.equal(outputs["lean", True][1], outputs["lean", False][1])  # not on a row without masks

@@ -71,6 +71,17 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def usable(model: torch.nn.Module) -> bool:
+    """Whether the kernel can serve ``model`` (a CPU model with fp32 linears, the kernel built here); when
+    not, warns once naming why.  Walks the model's modules: callers decoding many steps keep the answer."""
+    if next(model.parameters()).device.type != "cpu":
+        return False
+    reason = unavailable_reason(model)
+    if reason is not None:
+        _warn_once(reason)
+    return reason is None
+
+
 def _warn_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
@@ -86,15 +97,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     op = small_linear_op()
     n, k = weight.shape
-    live = _live.get()
-    if live is not None and tuple(x.shape[:-1]) == live[0] and live[1].numel() <= MAX_COLUMNS:
-        index = live[1]
+    index = computed_rows(tuple(x.shape[:-1]))
+    if index is not None:
         y = x.new_zeros((*x.shape[:-1], n))
         y.view(-1, n).index_copy_(0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias))
         return y
     if x.numel() <= MAX_COLUMNS * k:
         return op(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def computed_rows(shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The flattened input rows the kernel computes for an input of leading shape ``shape`` inside an
+    :func:`only_columns` block (the live columns), or None when it computes all of them."""
+    live = _live.get()
+    if live is not None and tuple(shape) == live[0] and live[1].numel() <= MAX_COLUMNS:
+        return live[1]
+    return None
+
+
+def fused_linears(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    lora: tuple[list, list, list[float]] | None = None,
+    columns: torch.Tensor | None = None,
+) -> list[torch.Tensor] | None:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` in one pass of the kernel; with ``lora``
+    (``(A factors, B factors, scalings)``, None entries for weights without an adapter) each adapted output
+    also gets ``(B (A x)) * scaling`` at the flattened rows ``columns`` (of the rows computed, see
+    :func:`computed_rows`) -- a gated LoRA at mask columns.  Bit-identical to the separate calls.
+
+    None where the kernel does not apply (autograd, other dtypes, more than :data:`MAX_COLUMNS` rows):
+    the caller then runs the linears one by one."""
+    if x.dtype != torch.float32 or torch.is_grad_enabled() or any(w.dtype != torch.float32 for w in weights):
+        return None
+    from mars.kernels import fused_linear_op
+
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    rows = computed_rows(lead)
+    flat = x.reshape(-1, k)
+    if rows is None and flat.shape[0] > MAX_COLUMNS:
+        return None
+    a, b, scalings = lora if lora is not None else ([], [], [])
+    outputs = fused_linear_op()(
+        flat if rows is None else flat.index_select(0, rows), weights, biases, a, b, scalings, columns
+    )
+    if rows is None:
+        return [y.view(*lead, y.shape[-1]) for y in outputs]
+    full = []
+    for y in outputs:
+        z = y.new_zeros((flat.shape[0], y.shape[-1]))
+        z.index_copy_(0, rows, y)
+        full.append(z.view(*lead, y.shape[-1]))
+    return full
 
 
 def _fast_forward(module: torch.nn.Linear):
@@ -135,12 +191,7 @@ def fast_linear(model: torch.nn.Module, enabled: bool | None = None):
     if not enabled:
         yield False
         return
-    if next(model.parameters()).device.type != "cpu":
-        yield False
-        return
-    reason = unavailable_reason(model)
-    if reason is not None:
-        _warn_once(reason)
+    if not usable(model):
         yield False
         return
     patched = []

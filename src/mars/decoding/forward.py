@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .fastpath import fast_linear, only_columns
+from .fastpath import enabled_by_env, fast_linear, linear, only_columns, usable
 from .kv import RaggedKVCache
 from .lean import lean_decoder
 
@@ -41,6 +41,7 @@ class ModelRunner:
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(out.weight.shape[0]) if out is not None else int(config.vocab_size)
         self._lean = None  # the lean forward (mars.decoding.lean), built at the first fast step; False: not possible
+        self._kernel_usable: bool | None = None  # fastpath.usable(model), asked once (it walks every module)
         # SDPA models take the step's mask additive (same result; see logits_at)
         self.additive_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
@@ -48,6 +49,14 @@ class ModelRunner:
         if self._lean is None:
             self._lean = lean_decoder(self.model) or False
         return self._lean or None
+
+    def _fast(self) -> bool:
+        """The fast path for this step: asked for (``fast``, else ``MARS_FAST_PATH``) and usable here."""
+        if not (enabled_by_env() if self.fast is None else self.fast):
+            return False
+        if self._kernel_usable is None:
+            self._kernel_usable = usable(self.model)
+        return self._kernel_usable
 
     def logits_at(
         self,
@@ -76,16 +85,22 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        with fast_linear(self.model, self.fast) as fast:
+        fast = self._fast()
+        lean = None
+        if fast and self.base is not None and (cache is None or isinstance(cache, RaggedKVCache)):
+            lean = self._lean_forward()
+        if lean is not None:  # calls the kernel itself: no module patching per step
+            with only_columns(live):
+                hidden = lean(input_ids, position_ids, attention_mask, cache)
+            picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            with only_columns(live_columns):
+                return linear(picked, self.head.weight, self.head.bias)
+        with fast_linear(self.model, fast) as fast:
             if not fast:
                 live = live_columns = None
             if self.base is not None:
-                lean = self._lean_forward() if fast and (cache is None or isinstance(cache, RaggedKVCache)) else None
                 with only_columns(live):
-                    if lean is not None:
-                        hidden = lean(input_ids, position_ids, attention_mask, cache)
-                    else:
-                        hidden = self.base(**kwargs).last_hidden_state
+                    hidden = self.base(**kwargs).last_hidden_state
                 picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
                 with only_columns(live_columns):
                     return self.head(picked)

@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .fastpath import linear
+from .fastpath import computed_rows, fused_linears, linear
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,25 @@ def _projection_reason(p, gate) -> str | None:
     return None
 
 
+class _Group:
+    """Projections of one input (``names`` of ``parent``): their base weights and biases and, for the gated
+    LoRA layers among them, the low-rank factors and scalings (None and 0 for the others)."""
+
+    def __init__(self, parent, names: tuple[str, ...]):
+        self.modules = [getattr(parent, n) for n in names]
+        bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in self.modules]
+        self.weights = [b.weight for b in bases]
+        self.biases = [b.bias for b in bases]
+        adapted = [m is not b for m, b in zip(self.modules, bases)]
+        self.lora = None
+        if any(adapted):
+            self.lora = (
+                [m.lora_A["default"].weight if a else None for m, a in zip(self.modules, adapted)],
+                [m.lora_B["default"].weight if a else None for m, a in zip(self.modules, adapted)],
+                [float(m.scaling["default"]) if a else 0.0 for m, a in zip(self.modules, adapted)],
+            )
+
+
 class LeanDecoder:
     """``hidden = LeanDecoder(model)(input_ids, position_ids, attention_mask, cache)``: the final normed hidden
     states ``[batch, columns, hidden]``, as ``model.model(...).last_hidden_state``."""
@@ -95,6 +114,7 @@ class LeanDecoder:
         base = model.model
         self.gate = getattr(model, "mars_gate", None)  # a gated adapter (mars.adapters), mirrored here
         self.gate_columns: torch.Tensor | None = None  # [batch, columns, 1]: 1.0 at mask columns
+        self.mask_rows: torch.Tensor | None = None  # the mask columns among the rows the kernel computes
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -103,7 +123,13 @@ class LeanDecoder:
                 layer.input_layernorm,
                 layer.self_attn,
                 layer.post_attention_layernorm,
-                layer.mlp,
+                # the kernel's arguments per group of projections of one input, looked up once, not per step
+                [
+                    _Group(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                    _Group(layer.self_attn, ("o_proj",)),
+                    _Group(layer.mlp, ("gate_proj", "up_proj")),
+                    _Group(layer.mlp, ("down_proj",)),
+                ],
             )
             for layer in base.layers[: config.num_hidden_layers]
         ]
@@ -121,6 +147,15 @@ class LeanDecoder:
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
+    def _project_group(self, h: torch.Tensor, group: _Group) -> list[torch.Tensor]:
+        """Projections of one input (q/k/v, gate/up, or one alone) in one pass of the kernel, the gated LoRA
+        terms included; each one on its own where the fused kernel does not apply.  Same results either way."""
+        lora = group.lora if self.gate_columns is not None else None
+        outputs = fused_linears(h, group.weights, group.biases, lora, self.mask_rows)
+        if outputs is None:
+            return [self._project(h, m) for m in group.modules]
+        return outputs
+
     def _project(self, h: torch.Tensor, module) -> torch.Tensor:
         """A projection; a gated LoRA layer adds ``B(A(h) * gate) * scaling`` exactly as its peft forward does
         with the adapter's gate hook (same ops, same shapes, so the same rounding)."""
@@ -134,11 +169,14 @@ class LeanDecoder:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # the embedding's weights directly: the module may carry the gated adapter's hook, mirrored here
         x = F.embedding(input_ids, self.embed.weight)
-        self.gate_columns = None
+        self.gate_columns = self.mask_rows = None
         if self.gate is not None:
             where = input_ids == self.gate.mask_token_id
             if bool(where.any()):  # as MaskGate.before_decoder: no mask token, no adapter at all
                 self.gate_columns = where.unsqueeze(-1).to(x.dtype)
+                rows = computed_rows(tuple(input_ids.shape))
+                flat = where.reshape(-1) if rows is None else where.reshape(-1).index_select(0, rows)
+                self.mask_rows = flat.nonzero().squeeze(1)
                 if self.gate.delta is not None:
                     x = x + self.gate_columns * self.gate.delta.to(x.dtype)
         return x
@@ -150,11 +188,10 @@ class LeanDecoder:
         batch, columns = input_ids.shape
         shape = (batch, columns, -1, self.head_dim)
         rotate = self._rotate_half
-        for i, (norm1, attn, norm2, mlp) in enumerate(self.layers):
+        for i, (norm1, attn, norm2, (qkv, o, gate_up, down)) in enumerate(self.layers):
             h = self._rms_norm(norm1, x)
-            q = self._project(h, attn.q_proj).view(shape).transpose(1, 2)
-            k = self._project(h, attn.k_proj).view(shape).transpose(1, 2)
-            v = self._project(h, attn.v_proj).view(shape).transpose(1, 2)
+            q, k, v = self._project_group(h, qkv)
+            q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
             q = (q * cos) + (rotate(q) * sin)
             k = (k * cos) + (rotate(k) * sin)
             if cache is not None:
@@ -163,11 +200,10 @@ class LeanDecoder:
                 q, k, v, attn_mask=attention_mask, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]
             )
             a = a.transpose(1, 2).contiguous().reshape(batch, columns, -1).contiguous()
-            x = x + self._project(a, attn.o_proj)
+            x = x + self._project_group(a, o)[0]
             h = self._rms_norm(norm2, x)
-            gate = self._project(h, mlp.gate_proj)
-            up = self._project(h, mlp.up_proj)
-            x = x + self._project(F.silu(gate) * up, mlp.down_proj)
+            gate, up = self._project_group(h, gate_up)
+            x = x + self._project_group(F.silu(gate) * up, down)[0]
         return self._rms_norm(self.norm, x)
 
 

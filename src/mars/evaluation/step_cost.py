@@ -79,6 +79,9 @@ class StepBench:
         pos = torch.arange(context).expand(batch, -1)
         self._step(prompt, pos, context)  # prefill: the cache holds `context` tokens per row
         self.ids = torch.randint(0, vocab, (batch, columns), generator=g)
+        gate = getattr(model, "mars_gate", None)
+        if gate is not None:  # a MARS step behind a mask adapter: the last token, then masks (the adapter acts)
+            self.ids[:, 1:] = gate.mask_token_id
         self.pos = (context + torch.arange(columns)).expand(batch, -1).contiguous()
         self.kv_len = context + columns
 

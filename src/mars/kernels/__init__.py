@@ -25,7 +25,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.cpp")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG")
+# -ffp-contract=off: a product and a sum written apart stay apart (the LoRA epilogue must round as peft does)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
 
@@ -90,6 +91,15 @@ def small_linear_op():
     return torch.ops.mars.small_linear.default
 
 
+def fused_linear_op():
+    """``torch.ops.mars.fused_linear``: several linears of one input (and gated LoRA terms at given columns) in
+    one parallel pass; built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.fused_linear.default
+
+
 def ensure_built(target: Path) -> Path:
     """The kernel library in ``target``, built there first unless a finished build is present.
 
@@ -141,3 +151,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("mars::small_linear")
     def _(x, weight, bias=None):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("mars::fused_linear")
+    def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):
+        return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]

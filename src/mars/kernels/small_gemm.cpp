@@ -146,10 +146,176 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return y;
 }
 
+namespace {
+
+// The low-rank term of a LoRA layer at one column: dot(B[n, :r], a[:r]) with the same 8-lane FMA chain,
+// horizontal sum and scalar tail as `tile`, so it is bit for bit what small_linear(a, B) gives.
+inline float dot_like_tile(const float* __restrict b, const float* __restrict a, int64_t r) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= r; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + k), _mm256_loadu_ps(a + k), acc);
+  float s = hsum8(acc);
+  for (; k < r; ++k) s = std::fma(b[k], a[k], s);
+  return s;
+}
+
+// One weight of a fused group: where its rows start in the group's block numbering, its output, and
+// its LoRA term (a = A x at the adapted columns, computed before the parallel pass; null when none).
+struct Segment {
+  const float* w;
+  const float* bias;
+  float* y;
+  int64_t n;
+  int64_t first_block;
+  const float* lora_b;  // [n, r]
+  const float* lora_a;  // [columns, r]
+  int64_t r;
+  float scaling;
+};
+
+template <int R, int MB>
+void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols,
+                  int64_t ncols, int64_t total_blocks, int64_t grain) {
+  at::parallel_for(0, total_blocks, grain, [&](int64_t begin, int64_t end) {
+    size_t s = 0;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      while (blk >= segs[s].first_block + (segs[s].n + R - 1) / R) ++s;
+      const Segment& g = segs[s];
+      const int64_t n = (blk - g.first_block) * R;
+      const int64_t stop = std::min<int64_t>(n + R, g.n);
+      if (stop - n == R) {
+        rows_all_columns<R, MB>(g.w + n * K, K, x, K, g.y + n, g.n, M, K, g.bias ? g.bias + n : nullptr);
+      } else {
+        for (int64_t t = n; t < stop; ++t)
+          rows_all_columns<1, MB>(g.w + t * K, K, x, K, g.y + t, g.n, M, K, g.bias ? g.bias + t : nullptr);
+      }
+      if (g.lora_a == nullptr) continue;
+      // peft's order: base + (B (A x * gate)) * scaling, each product rounded on its own (no contraction)
+      for (int64_t c = 0; c < ncols; ++c) {
+        float* yc = g.y + cols[c] * g.n;
+        const float* ac = g.lora_a + c * g.r;
+        for (int64_t t = n; t < stop; ++t) {
+          const float low_rank = dot_like_tile(g.lora_b + t * g.r, ac, g.r) * g.scaling;
+          yc[t] = yc[t] + low_rank;
+        }
+      }
+    }
+  });
+}
+
+// a[c, :] = A x[cols[c], :] for the adapted columns, serially (r x K is a few KB to a few hundred KB).
+void lora_down(const float* A, int64_t r, const float* xm, int64_t mc, int64_t K, float* a) {
+  int64_t n = 0;
+  if (mc == 1) {
+    for (; n + 8 <= r; n += 8) rows_all_columns<8, 1>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
+  } else if (mc == 2) {
+    for (; n + 4 <= r; n += 4) rows_all_columns<4, 2>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
+  } else {
+    for (; n + MARS_R <= r; n += MARS_R)
+      rows_all_columns<MARS_R, MARS_MB>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
+  }
+  for (; n < r; ++n) rows_all_columns<1, MARS_MB>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
+}
+
+}  // namespace
+
+// Several linears of one input in one pass: outputs[i] = x @ weights[i]^T + biases[i], and where
+// lora_a[i] is given, + (lora_b[i] @ (lora_a[i] @ x^T)) * scalings[i] at the rows `columns` of x only
+// (a gated LoRA acting at mask columns).  One parallel region for the whole group instead of one per
+// matmul: at batch 1 a decode step is hundreds of small matmuls, and each region costs a thread wake-up.
+// Every output element is the same sequence of operations as small_linear (and, for the LoRA term, as
+// small_linear of the low-rank factors followed by peft's scaling and sum), so results are bit-identical.
+std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights,
+                                     const c10::List<c10::optional<at::Tensor>>& biases,
+                                     const c10::List<c10::optional<at::Tensor>>& lora_a,
+                                     const c10::List<c10::optional<at::Tensor>>& lora_b, at::ArrayRef<double> scalings,
+                                     const c10::optional<at::Tensor>& columns) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "mars::fused_linear: float32 CPU input only");
+  const size_t count = weights.size();
+  TORCH_CHECK(count > 0 && biases.size() == count, "mars::fused_linear: one bias entry per weight");
+  const bool has_lora = lora_a.size() > 0;
+  TORCH_CHECK(!has_lora || (lora_a.size() == count && lora_b.size() == count && scalings.size() == count),
+              "mars::fused_linear: lora_a, lora_b and scalings need one entry per weight");
+  const int64_t K = x.size(-1);
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor cols;
+  int64_t ncols = 0;
+  if (has_lora && columns.has_value() && columns->defined()) {
+    cols = columns->to(at::kLong).contiguous();
+    ncols = cols.numel();
+  }
+  at::Tensor xm = ncols > 0 ? xc.index_select(0, cols) : at::Tensor();
+  std::vector<at::Tensor> outputs, keep;
+  std::vector<Segment> segs;
+  const int R = M == 1 ? 8 : (M == 2 ? 4 : MARS_R);
+  int64_t blocks = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
+                "mars::fused_linear: weight ", i, " must be float32 [N, ", K, "], got ", w.sizes());
+    const at::Tensor wc = w.contiguous();
+    keep.push_back(wc);
+    const int64_t N = wc.size(0);
+    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, blocks, nullptr, nullptr, 0, 0.0f};
+    const c10::optional<at::Tensor> bias = biases.get(i);
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
+      keep.push_back(bias->contiguous());
+      g.bias = keep.back().data_ptr<float>();
+    }
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    outputs.push_back(at::empty(shape, x.options()));
+    g.y = outputs.back().data_ptr<float>();
+    if (ncols > 0) {
+      const c10::optional<at::Tensor> A = lora_a.get(i), B = lora_b.get(i);
+      if (A.has_value() && A->defined()) {
+        TORCH_CHECK(B.has_value() && B->defined(), "mars::fused_linear: lora_a ", i, " without lora_b");
+        const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
+        const int64_t r = Ac.size(0);
+        TORCH_CHECK(Ac.scalar_type() == at::kFloat && Ac.dim() == 2 && Ac.size(1) == K && Bc.scalar_type() == at::kFloat &&
+                        Bc.dim() == 2 && Bc.size(0) == N && Bc.size(1) == r,
+                    "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(), " do not fit");
+        at::Tensor a = at::empty({ncols, r}, x.options());
+        lora_down(Ac.data_ptr<float>(), r, xm.data_ptr<float>(), ncols, K, a.data_ptr<float>());
+        keep.push_back(Bc);
+        keep.push_back(a);
+        g.lora_b = Bc.data_ptr<float>();
+        g.lora_a = a.data_ptr<float>();
+        g.r = r;
+        g.scaling = static_cast<float>(scalings[i]);
+      }
+    }
+    segs.push_back(g);
+    blocks += (N + R - 1) / R;
+  }
+  if (M == 0) return outputs;
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* cp = ncols > 0 ? cols.data_ptr<int64_t>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
+  if (M == 1) {
+    run_segments<8, 1>(segs, xp, M, K, cp, ncols, blocks, grain / 2 + 1);
+  } else if (M == 2) {
+    run_segments<4, 2>(segs, xp, M, K, cp, ncols, blocks, grain);
+  } else {
+    run_segments<MARS_R, MARS_MB>(segs, xp, M, K, cp, ncols, blocks, grain);
+  }
+  return outputs;
+}
+
 #ifndef MARS_NAMESPACE
 #define MARS_NAMESPACE mars
 #endif
 
-TORCH_LIBRARY(MARS_NAMESPACE, m) { m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
+TORCH_LIBRARY(MARS_NAMESPACE, m) {
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "fused_linear(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] lora_a, Tensor?[] lora_b, float[] scalings, "
+      "Tensor? columns) -> Tensor[]");
+}
 
-TORCH_LIBRARY_IMPL(MARS_NAMESPACE, CPU, m) { m.impl("small_linear", &small_linear); }
+TORCH_LIBRARY_IMPL(MARS_NAMESPACE, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("fused_linear", &fused_linear);
+}
