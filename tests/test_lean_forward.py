@@ -109,6 +109,26 @@ def test_lean_forward_is_used_by_decode_steps(monkeypatch):
     assert calls == [1]
 
 
+def test_decode_steps_ask_about_the_kernel_once_not_per_step(monkeypatch):
+    """Whether the kernel can serve a model walks all its modules (a few ms on a real model, more with an
+    adapter): a runner asks once, and a lean step patches no module."""
+    try:
+        small_linear_op()
+    except KernelUnavailable as err:
+        pytest.skip(str(err))
+    asked = []
+    reason = fastpath.unavailable_reason
+    monkeypatch.setattr(fastpath, "unavailable_reason", lambda m: asked.append(1) or reason(m))
+    model = build_model()
+    with torch.inference_mode(), gqa_attention(model):
+        runner = ModelRunner(model)
+        ids, pos, mask, _ = step_inputs(1, 0, 4, model.config.vocab_size)
+        for _ in range(3):
+            runner.logits_at(ids, pos, mask, pos)
+            assert not any("forward" in m.__dict__ for m in model.modules())
+    assert asked == [1]
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
     """A gated LoRA (mars.adapters) under the lean forward (one fused kernel pass per group of projections):
