@@ -91,6 +91,7 @@ def small_linear_op():
     return torch.ops.mars.small_linear.default
 
 
+@functools.cache
 def fused_linear_op():
     """``torch.ops.mars.fused_linear``: several linears of one input (and gated LoRA terms at given columns) in
     one parallel pass; built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
