@@ -1,4 +1,6 @@
-"""CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps.
+"""CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps, and
+``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
+terms at given columns).
 
 A decode step multiplies a handful of columns (batch x new tokens) by every weight matrix once, so on
 a CPU it is bound by reading the weights from memory.  MKL's sgemm handles one column at that bound
