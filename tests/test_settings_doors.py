@@ -109,3 +109,20 @@ def test_lookup_ngram_from_the_yaml_and_the_lm_eval_model_args(compose_cfg):
     assert DecodingSettings.from_mapping({"lookup_ngram": "5"}).lookup_ngram == 5  # model_args arrive as text
     with pytest.raises(ValueError, match="lookup_ngram must be an integer >= 1"):
         DecodingSettings.from_mapping({"lookup_ngram": "0"})
+
+
+def test_a_checkpoint_is_named_after_its_run_everywhere(tmp_path):
+    """Results folders and the server's ``model`` field share one label: the run for train.py's exports,
+    the pipeline's name for a pipeline's train stage, the folder itself otherwise."""
+    from mars.labels import checkpoint_label, model_label
+
+    assert checkpoint_label(tmp_path / "outputs" / "train" / "my-run" / "hf") == "my-run"
+    assert (
+        checkpoint_label(tmp_path / "outputs" / "reproduce" / "smollm2-135m" / "train" / "hf") == "smollm2-135m-train"
+    )
+    assert (
+        checkpoint_label(tmp_path / "outputs" / "reproduce" / "smollm2-135m" / "train" / "snapshots" / "10min")
+        == "10min"
+    )
+    assert model_label({"checkpoint": str(tmp_path / "x" / "train" / "hf")}) == "x-train"
+    assert model_label({"model": {"name_or_path": "embedded:smollm2-135m"}}) == "embedded-smollm2-135m"

@@ -12,13 +12,18 @@ from typing import Any
 
 # train.py exports to outputs/train/<run>/hf: for these folder names the run's name is the useful label
 EXPORT_FOLDER_NAMES = ("hf", "export", "final")
+# pipelines train into <name>/train/hf (scripts/reproduce.py): there the pipeline's name says which run it is
+STAGE_FOLDER_NAMES = ("train",)
 
 
 def checkpoint_label(path: str | Path) -> str:
-    """The run's name for a checkpoint exported by training (``outputs/train/<run>/hf`` -> ``<run>``), else
-    the folder's own name."""
+    """The run's name for a checkpoint exported by training (``outputs/train/<run>/hf`` -> ``<run>``;
+    ``outputs/reproduce/<name>/train/hf`` -> ``<name>-train``), else the folder's own name."""
     p = Path(path).expanduser().resolve()
-    return p.parent.name if p.name in EXPORT_FOLDER_NAMES else p.name
+    if p.name not in EXPORT_FOLDER_NAMES:
+        return p.name
+    run = p.parent
+    return f"{run.parent.name}-{run.name}" if run.name in STAGE_FOLDER_NAMES and run.parent.name else run.name
 
 
 def model_label(cfg: Mapping[str, Any]) -> str:
