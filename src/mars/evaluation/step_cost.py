@@ -192,7 +192,9 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
         f"model `{config['model']}`, fp32, OMP_WAIT_POLICY={config['omp_wait_policy']}, KV cache of "
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
-        "(mars::small_linear for up to 16 columns); `eager`: F.linear (MKL).\n",
+        "(mars::fused_linear, the projections of one input in one pass, for up to 16 columns); `eager`: F.linear "
+        "(MKL).  On a checkpoint with a mask adapter the columns after the first are mask tokens (a MARS step), "
+        "so the adapter acts and its weights count in the bytes read.\n",
         "Bounds measured in the same process just before the steps (a sum over a tensor as large as the weights; "
         "a 1024^3 GEMM); on a shared machine they move with the load as the steps do:\n",
         *bound_lines,
