@@ -7,19 +7,20 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from decoding_fixtures import MASK_ID, build_model, hf_greedy, model, random_prompts, tokenizer  # noqa: F401
+from decoding_fixtures import (  # noqa: F401
+    MASK_ID,
+    build_model,
+    hf_greedy,
+    kernel_or_skip,
+    model,
+    random_prompts,
+    tokenizer,
+)
 
 from mars import kernels, threads
 from mars.decoding import fastpath, generate
 from mars.decoding import forward as forward_module
 from mars.kernels import KernelUnavailable
-
-
-def kernel_or_skip():
-    try:
-        return kernels.small_linear_op()
-    except KernelUnavailable as err:  # a machine without AVX2 or a compiler: the fallback tests still run
-        pytest.skip(f"small-M kernel unavailable here: {err}")
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 19), (1, 8), (130, 1000)])

@@ -3,7 +3,7 @@ with and without the per-row cache, padding columns skipped or not), and refused
 
 import pytest
 import torch
-from decoding_fixtures import build_model
+from decoding_fixtures import build_model, kernel_or_skip
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mars.decoding import fastpath
@@ -11,7 +11,6 @@ from mars.decoding.attention import gqa_attention
 from mars.decoding.forward import ModelRunner
 from mars.decoding.kv import RaggedKVCache
 from mars.decoding.lean import LeanDecoder, lean_reason
-from mars.kernels import KernelUnavailable, small_linear_op
 
 
 def tiny_qwen2():
@@ -46,10 +45,7 @@ def step_inputs(batch, context, columns, vocab, seed=0):
 @pytest.mark.parametrize("make", [build_model, tiny_qwen2], ids=["llama", "qwen2"])
 @pytest.mark.parametrize("cached", [True, False])
 def test_lean_forward_is_bit_identical_to_the_models_forward(make, cached):
-    try:
-        small_linear_op()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
+    kernel_or_skip()
     model = make()
     assert lean_reason(model) is None
     vocab = model.config.vocab_size
@@ -92,10 +88,7 @@ def test_lean_forward_refuses_what_it_does_not_mirror():
 
 
 def test_lean_forward_is_used_by_decode_steps(monkeypatch):
-    try:
-        small_linear_op()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
+    kernel_or_skip()
     calls = []
     call = LeanDecoder.__call__
     monkeypatch.setattr(LeanDecoder, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
@@ -112,10 +105,7 @@ def test_lean_forward_is_used_by_decode_steps(monkeypatch):
 def test_decode_steps_ask_about_the_kernel_once_not_per_step(monkeypatch):
     """Whether the kernel can serve a model walks all its modules (a few ms on a real model, more with an
     adapter): a runner asks once, and a lean step patches no module."""
-    try:
-        small_linear_op()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
+    kernel_or_skip()
     asked = []
     reason = fastpath.unavailable_reason
     monkeypatch.setattr(fastpath, "unavailable_reason", lambda m: asked.append(1) or reason(m))
@@ -138,10 +128,7 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
 
     from mars.adapters import AdapterSettings, attach_adapter
 
-    try:
-        small_linear_op()
-    except KernelUnavailable as err:
-        pytest.skip(str(err))
+    kernel_or_skip()
     model = build_model()
     attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
     g = torch.Generator().manual_seed(2)

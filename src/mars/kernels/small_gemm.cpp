@@ -90,64 +90,6 @@ inline void rows_all_columns(const float* w, int64_t ldw, const float* x, int64_
   }
 }
 
-template <int R, int MB>
-void run(const float* w, const float* x, float* y, const float* bias, int64_t M, int64_t N, int64_t K,
-         int64_t grain) {
-  at::parallel_for(0, (N + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n = blk * R;
-      const float* b = bias ? bias + n : nullptr;
-      if (n + R <= N) {
-        rows_all_columns<R, MB>(w + n * K, K, x, K, y + n, N, M, K, b);
-      } else {
-        for (int64_t t = n; t < N; ++t)
-          rows_all_columns<1, MB>(w + t * K, K, x, K, y + t, N, M, K, bias ? bias + t : nullptr);
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// x [..., K] (any leading shape), weight [N, K], optional bias [N] -> [..., N].
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "mars::small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "mars::small_linear: float32 only");
-  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "mars::small_linear: shapes ", x.sizes(),
-              " and ", weight.sizes(), " do not match");
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
-  const at::Tensor wc = weight.contiguous();
-  const int64_t M = xc.size(0);
-  const float* bp = nullptr;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::small_linear: bad bias");
-    bc = bias->contiguous();
-    bp = bc.data_ptr<float>();
-  }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty(out_shape, x.options());
-  if (M == 0) return y;
-  const float* w = wc.data_ptr<float>();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Rows per task: about 64 KB of weights, so a thread gets a long sequential stream per task.
-  const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
-  if (M == 1) {
-    run<8, 1>(w, xp, yp, bp, M, N, K, grain / 2 + 1);
-  } else if (M == 2) {
-    run<4, 2>(w, xp, yp, bp, M, N, K, grain);
-  } else {
-    run<MARS_R, MARS_MB>(w, xp, yp, bp, M, N, K, grain);
-  }
-  return y;
-}
-
-namespace {
-
 // The low-rank term of a LoRA layer at one column: dot(B[n, :r], a[:r]) with the same 8-lane FMA chain,
 // horizontal sum and scalar tail as `tile`, so it is bit for bit what small_linear(a, B) gives.
 inline float dot_like_tile(const float* __restrict b, const float* __restrict a, int64_t r) {
@@ -159,8 +101,9 @@ inline float dot_like_tile(const float* __restrict b, const float* __restrict a,
   return s;
 }
 
-// One weight of a fused group: where its rows start in the group's block numbering, its output, and
-// its LoRA term (a = A x at the adapted columns, computed before the parallel pass; null when none).
+// One weight of a pass (small_linear: the only one; fused_linear: one of its group): its output, where its
+// rows start in the pass's block numbering (set by run_all), and its LoRA term (a = A x at the adapted
+// columns, computed before the parallel pass; null when none).
 struct Segment {
   const float* w;
   const float* bias;
@@ -202,6 +145,57 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
     }
   });
 }
+
+// Rows per weight block by the number of columns (1 column: 8 rows; 2: 4 x 2; more: MARS_R x MARS_MB tiles),
+// the blocks numbered across the segments, and one parallel pass over them all.
+void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols, int64_t ncols) {
+  const int R = M == 1 ? 8 : (M == 2 ? 4 : MARS_R);
+  int64_t blocks = 0;
+  for (Segment& g : segs) {
+    g.first_block = blocks;
+    blocks += (g.n + R - 1) / R;
+  }
+  // Rows per task: about 64 KB of weights, so a thread gets a long sequential stream per task.
+  const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
+  if (M == 1) {
+    run_segments<8, 1>(segs, x, M, K, cols, ncols, blocks, grain / 2 + 1);
+  } else if (M == 2) {
+    run_segments<4, 2>(segs, x, M, K, cols, ncols, blocks, grain);
+  } else {
+    run_segments<MARS_R, MARS_MB>(segs, x, M, K, cols, ncols, blocks, grain);
+  }
+}
+
+}  // namespace
+
+// x [..., K] (any leading shape), weight [N, K], optional bias [N] -> [..., N].
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "mars::small_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "mars::small_linear: float32 only");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "mars::small_linear: shapes ", x.sizes(),
+              " and ", weight.sizes(), " do not match");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const int64_t M = xc.size(0);
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::small_linear: bad bias");
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (M == 0) return y;
+  std::vector<Segment> one{{wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, 0, 0.0f}};
+  run_all(one, xc.data_ptr<float>(), M, K, nullptr, 0);
+  return y;
+}
+
+namespace {
 
 // a[c, :] = A x[cols[c], :] for the adapted columns, serially (r x K is a few KB to a few hundred KB).
 void lora_down(const float* A, int64_t r, const float* xm, int64_t mc, int64_t K, float* a) {
@@ -248,8 +242,6 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
   at::Tensor xm = ncols > 0 ? xc.index_select(0, cols) : at::Tensor();
   std::vector<at::Tensor> outputs, keep;
   std::vector<Segment> segs;
-  const int R = M == 1 ? 8 : (M == 2 ? 4 : MARS_R);
-  int64_t blocks = 0;
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& w = weights[i];
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
@@ -257,7 +249,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     const at::Tensor wc = w.contiguous();
     keep.push_back(wc);
     const int64_t N = wc.size(0);
-    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, blocks, nullptr, nullptr, 0, 0.0f};
+    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, 0, 0.0f};
     const c10::optional<at::Tensor> bias = biases.get(i);
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
@@ -288,19 +280,9 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
       }
     }
     segs.push_back(g);
-    blocks += (N + R - 1) / R;
   }
   if (M == 0) return outputs;
-  const float* xp = xc.data_ptr<float>();
-  const int64_t* cp = ncols > 0 ? cols.data_ptr<int64_t>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
-  if (M == 1) {
-    run_segments<8, 1>(segs, xp, M, K, cp, ncols, blocks, grain / 2 + 1);
-  } else if (M == 2) {
-    run_segments<4, 2>(segs, xp, M, K, cp, ncols, blocks, grain);
-  } else {
-    run_segments<MARS_R, MARS_MB>(segs, xp, M, K, cp, ncols, blocks, grain);
-  }
+  run_all(segs, xc.data_ptr<float>(), M, K, ncols > 0 ? cols.data_ptr<int64_t>() : nullptr, ncols);
   return outputs;
 }
 
