@@ -81,17 +81,19 @@ def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(r
         plain = fused(x, weights, biases, [], [], [], None)
         for y, w, bias in zip(plain, weights, biases):
             assert torch.equal(y, op(x, w, bias))
-        rows = torch.arange(m)[m // 2 :]  # the last columns carry masks
-        gate = torch.zeros(m, 1)
-        gate[rows] = 1.0
-        gated = fused(x, weights, biases, a, b, scalings, rows)
-        for i, y in enumerate(gated):
-            expected = op(x, weights[i], biases[i])
-            if a[i] is not None:
-                expected = expected + op(op(x, a[i], None) * gate, b[i], None) * scalings[i]
-            assert torch.equal(y, expected), (m, i)
-        assert not torch.equal(gated[0][rows], plain[0][rows])  # the adapter acted at its rows only
-        assert torch.equal(gated[0][: m // 2], plain[0][: m // 2])
+        # the last columns carry masks (read in place), or scattered ones (rows of a batch: copied together)
+        for rows in (torch.arange(m)[m // 2 :], torch.arange(m)[::2]):
+            gate = torch.zeros(m, 1)
+            gate[rows] = 1.0
+            gated = fused(x, weights, biases, a, b, scalings, rows)
+            for i, y in enumerate(gated):
+                expected = op(x, weights[i], biases[i])
+                if a[i] is not None:
+                    expected = expected + op(op(x, a[i], None) * gate, b[i], None) * scalings[i]
+                assert torch.equal(y, expected), (m, rows, i)
+            assert not torch.equal(gated[0][rows], plain[0][rows])  # the adapter acted at its rows only
+            others = gate.squeeze(1) == 0
+            assert torch.equal(gated[0][others], plain[0][others])
 
 
 def test_fused_linear_rejects_factors_that_do_not_fit():
@@ -100,6 +102,8 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="do not fit"):
         fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(5, 3)], [1.0], torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="outside the 2 input rows"):
+        fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([2]))
     with pytest.raises(RuntimeError, match="one entry per weight"):
         fused(x, [w, w], [None, None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([1]))
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))

@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstring>
+#include <vector>
+
 // Rows x columns per tile from 3 columns on: 3 x 4 (12 accumulators, 4 column vectors, 1 weight vector)
 // beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 on the 2-vCPU EPYC (hot weights, one thread,
 // interleaved); one column uses 8 rows, two columns 4 x 2.
@@ -239,7 +242,26 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     cols = columns->to(at::kLong).contiguous();
     ncols = cols.numel();
   }
-  at::Tensor xm = ncols > 0 ? xc.index_select(0, cols) : at::Tensor();
+  // The adapted columns' inputs: read in place when consecutive (the masks after a row's real tokens, the
+  // usual case), else copied together; no index_select (~15 us a call, 4 calls a layer).
+  const float* xm = nullptr;
+  std::vector<float> gathered;
+  if (ncols > 0) {
+    const int64_t* cp = cols.data_ptr<int64_t>();
+    bool consecutive = true;
+    for (int64_t c = 0; c < ncols; ++c) {
+      TORCH_CHECK(cp[c] >= 0 && cp[c] < M, "mars::fused_linear: column ", cp[c], " outside the ", M, " input rows");
+      consecutive = consecutive && cp[c] == cp[0] + c;
+    }
+    const float* xp = xc.data_ptr<float>();
+    if (consecutive) {
+      xm = xp + cp[0] * K;
+    } else {
+      gathered.resize(static_cast<size_t>(ncols * K));
+      for (int64_t c = 0; c < ncols; ++c) std::memcpy(gathered.data() + c * K, xp + cp[c] * K, K * sizeof(float));
+      xm = gathered.data();
+    }
+  }
   std::vector<at::Tensor> outputs, keep;
   std::vector<Segment> segs;
   for (size_t i = 0; i < count; ++i) {
@@ -270,7 +292,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
                         Bc.dim() == 2 && Bc.size(0) == N && Bc.size(1) == r,
                     "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(), " do not fit");
         at::Tensor a = at::empty({ncols, r}, x.options());
-        lora_down(Ac.data_ptr<float>(), r, xm.data_ptr<float>(), ncols, K, a.data_ptr<float>());
+        lora_down(Ac.data_ptr<float>(), r, xm, ncols, K, a.data_ptr<float>());
         keep.push_back(Bc);
         keep.push_back(a);
         g.lora_b = Bc.data_ptr<float>();
