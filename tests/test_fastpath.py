@@ -230,19 +230,31 @@ def test_padding_columns_of_a_mixed_batch_are_skipped_with_the_same_outputs(mode
     assert skipped_columns < 0.8 * sum(columns)
 
 
-def test_wait_policy_is_set_before_torch_loads_and_an_explicit_one_wins(monkeypatch):
+def test_wait_policy_follows_the_load_before_torch_loads_and_an_explicit_one_wins(monkeypatch):
     import os
     import subprocess
     import sys
 
-    code = "from mars.threads import apply_process_defaults as a; import os; print(a(), os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
-    assert run(env).split() == ["True", "PASSIVE"]
-    assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}).split() == ["True", "ACTIVE"]
+    assert threads.wait_policy(0.1) == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}  # idle: spin briefly
+    assert threads.wait_policy(2.5) == {"OMP_WAIT_POLICY": "PASSIVE"}  # busy: sleep at once
+    assert threads.wait_policy(None) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+    def run(env, load):  # a fresh process (torch not loaded yet) on a machine at ``load``
+        code = (
+            f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); "
+            "from mars.threads import apply_process_defaults as a, describe_wait_policy as d; print(a(), d())"
+        )
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split()
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert run(env, 0.1) == ["True", f"GOMP_SPINCOUNT={threads.SHORT_SPIN}"]
+    assert run(env, 3.0) == ["True", "OMP_WAIT_POLICY=PASSIVE"]
+    assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}, 0.1) == ["True", "OMP_WAIT_POLICY=ACTIVE"]
+    assert run({**env, "GOMP_SPINCOUNT": "50"}, 3.0) == ["True", "GOMP_SPINCOUNT=50"]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert threads.apply_process_defaults() is False  # torch is loaded in this process: too late, left alone
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 
 
 def test_a_half_finished_kernel_build_is_redone_and_a_finished_one_reused(tmp_path, monkeypatch):

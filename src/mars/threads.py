@@ -1,12 +1,19 @@
 """Thread count and OpenMP wait policy for decoding processes, decided by measurement, set at process start.
 
-OpenMP wait policy.  With libgomp's default (threads spin for a while after each parallel region), a
-decode step's ~200 small GEMMs and ~6,000 small ops hand off between threads constantly; when another
-process occupies a core, the spinning thread competes with it and single 1536x576 matmuls took 2-16 ms
-instead of 0.2-0.6 ms on the 2-vCPU EPYC.  ``PASSIVE`` (threads sleep at once) removes that; it costs a
-few microseconds per parallel region.  libgomp reads the variable when torch loads it, so
-:func:`apply_process_defaults` must run before ``import torch`` (the entry points call it first); a value
-already in the environment wins.
+OpenMP wait policy.  A decode step opens ~120 parallel regions (the fused GEMM passes), with a little
+Python between them.  How long an idle OpenMP thread spins before it sleeps decides two things
+(2-vCPU EPYC, SmolLM2-135M fp32, 1-column step, 2 threads; benchmarks/decode_step_cpu/wait_policy_spin):
+
+- on an idle machine a short spin (``GOMP_SPINCOUNT=3000``, a few microseconds) hands work over without a
+  futex wake-up: 33.4 ms a step against 37.7 ms with ``PASSIVE`` (sleep at once);
+- when other processes keep the cores busy, spinning competes with them: 130 ms against 90 ms with
+  ``PASSIVE``, and libgomp's default long spin (``ACTIVE``) 300 ms; single 1536x576 matmuls took 2-16 ms
+  instead of 0.2-0.6 ms.
+
+So :func:`apply_process_defaults` looks at the machine when the process starts: the short spin when the
+1-minute load average is under :data:`IDLE_LOAD`, ``PASSIVE`` otherwise.  libgomp reads these variables
+when torch loads it, so it must run before ``import torch`` (the entry points call it first); an
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already in the environment wins.
 
 Thread count.  :func:`configure_threads` takes an explicit count, else ``MARS_THREADS``, else every CPU
 this process may run on (``os.sched_getaffinity``): on the 2-vCPU EPYC with the fast path and ``PASSIVE``,
@@ -21,16 +28,38 @@ import sys
 import warnings
 
 WAIT_POLICY = "PASSIVE"
+SHORT_SPIN = "3000"  # GOMP_SPINCOUNT on an idle machine: a few microseconds of spinning
+IDLE_LOAD = 0.5  # 1-minute load average below which the machine counts as idle
 THREADS_ENV = "MARS_THREADS"
 
 
+def wait_policy(load: float | None) -> dict[str, str]:
+    """The OpenMP variables for a machine whose 1-minute load average is ``load`` (None: unknown)."""
+    if load is not None and load < IDLE_LOAD:
+        return {"GOMP_SPINCOUNT": SHORT_SPIN}
+    return {"OMP_WAIT_POLICY": WAIT_POLICY}
+
+
 def apply_process_defaults() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise; False when torch is already
-    imported (too late for libgomp to see it; the caller's environment then decides)."""
+    """Set the OpenMP wait policy for this machine's load (see the module docstring) unless the environment
+    already sets one; False when torch is already imported (too late for libgomp to see it; the caller's
+    environment then decides)."""
     if "torch" in sys.modules:
         return False
-    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return True
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        load = None
+    os.environ.update(wait_policy(load))
     return True
+
+
+def describe_wait_policy() -> str:
+    """The OpenMP wait setting this process runs with, for result tables."""
+    parts = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)]
+    return ", ".join(parts) or "OMP_WAIT_POLICY=(unset)"
 
 
 def available_cpus() -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import platform
 import statistics
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 from mars import bench_cli
-from mars.threads import apply_process_defaults
+from mars.threads import apply_process_defaults, describe_wait_policy
 
 apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp
 
@@ -189,7 +188,7 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
     ]
     lines = [
         "# Decode step cost\n",
-        f"model `{config['model']}`, fp32, OMP_WAIT_POLICY={config['omp_wait_policy']}, KV cache of "
+        f"model `{config['model']}`, fp32, OpenMP wait {config['omp_wait_policy']}, KV cache of "
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
         "(mars::fused_linear, the projections of one input in one pass, for up to 16 columns); `eager`: F.linear "
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         threads=args.threads,
         cpus=available_cpus(),
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        omp_wait_policy=describe_wait_policy(),
         context=args.context,
         repeats=args.repeats,
         cpu=platform.processor() or platform.machine(),

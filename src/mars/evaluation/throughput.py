@@ -47,7 +47,7 @@ from mars import bench_cli
 from mars.bench_cli import check_settings, comma_list, decoding_values, positive_ints
 from mars.checkpoint_meta import decoding_block_size
 from mars.decoding.settings import DecodingSettings
-from mars.threads import apply_process_defaults
+from mars.threads import apply_process_defaults, describe_wait_policy
 
 apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp (mars.threads says why)
 
@@ -336,7 +336,7 @@ def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, An
         "block_size": block_size,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "omp_wait_policy": describe_wait_policy(),
         "fast_path": fast_path_state(model),
         "host": platform.node(),
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
@@ -526,7 +526,7 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         "# Throughput: AR (KV cache) vs MARS\n",
         f"model `{model}`, {config['dtype']} on {config['device']} ({hw.get('cuda') or hw.get('cpu') or 'cpu'}; "
         f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads "
-        f"(OMP_WAIT_POLICY={config.get('omp_wait_policy', '(unset)')}), decode fast path "
+        f"(OpenMP wait {config.get('omp_wait_policy', '(unset)')}), decode fast path "
         f"{config.get('fast_path', 'off')}, block size {config['block_size']}, "
         f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
         f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
