@@ -15,7 +15,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from mars.threads import apply_process_defaults  # noqa: E402
 
-apply_process_defaults()  # OMP_WAIT_POLICY=PASSIVE unless set: libgomp reads it when torch loads
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

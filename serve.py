@@ -8,7 +8,7 @@ python serve.py model=tiny-random port=8001           # a tiny random model (smo
 
 from mars.threads import apply_process_defaults
 
-apply_process_defaults()  # OMP_WAIT_POLICY=PASSIVE unless set: libgomp reads it when torch loads
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

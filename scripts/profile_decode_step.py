@@ -14,9 +14,9 @@ import argparse
 import os
 import time
 
-from mars.threads import apply_process_defaults
+from mars.threads import apply_process_defaults, describe_wait_policy
 
-apply_process_defaults()  # OMP_WAIT_POLICY=PASSIVE unless set, before torch loads libgomp
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set, before torch loads libgomp
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     if args.no_fast_path:
         os.environ["MARS_FAST_PATH"] = "0"
     print(
-        f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        f"threads {torch.get_num_threads()}, OpenMP wait {describe_wait_policy()}, "
         f"fast path {'off' if args.no_fast_path else 'on'}"
     )
     lm = load_model(args.model)

@@ -5,9 +5,9 @@ Python between them.  How long an idle OpenMP thread spins before it sleeps deci
 (2-vCPU EPYC, SmolLM2-135M fp32, 1-column step, 2 threads; benchmarks/decode_step_cpu/wait_policy_spin):
 
 - on an idle machine a short spin (``GOMP_SPINCOUNT=3000``, a few microseconds) hands work over without a
-  futex wake-up: 33.4 ms a step against 37.7 ms with ``PASSIVE`` (sleep at once);
+  futex wake-up: 32.9 ms a step against 35.4 ms with ``PASSIVE`` (sleep at once);
 - when other processes keep the cores busy, spinning competes with them: 130 ms against 90 ms with
-  ``PASSIVE``, and libgomp's default long spin (``ACTIVE``) 300 ms; single 1536x576 matmuls took 2-16 ms
+  ``PASSIVE``, and a spin without end (``ACTIVE``) 300 ms; single 1536x576 matmuls took 2-16 ms
   instead of 0.2-0.6 ms.
 
 So :func:`apply_process_defaults` looks at the machine when the process starts: the short spin when the

@@ -29,7 +29,7 @@ from pathlib import Path
 from mars import bench_cli
 from mars.threads import apply_process_defaults, describe_wait_policy
 
-apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp
+apply_process_defaults()  # the OpenMP wait before torch loads libgomp
 
 import torch  # noqa: E402
 

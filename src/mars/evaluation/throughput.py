@@ -49,7 +49,7 @@ from mars.checkpoint_meta import decoding_block_size
 from mars.decoding.settings import DecodingSettings
 from mars.threads import apply_process_defaults, describe_wait_policy
 
-apply_process_defaults()  # OMP_WAIT_POLICY before torch loads libgomp (mars.threads says why)
+apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.threads says why)
 
 import torch  # noqa: E402
 
