@@ -106,6 +106,9 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
         fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([2]))
     with pytest.raises(RuntimeError, match="one entry per weight"):
         fused(x, [w, w], [None, None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([1]))
+    wide = torch.randn(17, 8)  # more adapted columns than the kernel's low-rank buffer holds
+    with pytest.raises(RuntimeError, match="at most 16 adapted columns"):
+        fused(wide, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.arange(17))
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
 
 

@@ -101,3 +101,17 @@ def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
     assert float(rows["verify-model"]["draft_acceptance"]) >= 0
     with pytest.raises(SystemExit, match="unknown draft source 'tree'"):
         main(args[:-4] + ["--draft-sources", "tree"])
+
+
+def test_verify_draft_thresholds_are_timed_side_by_side(tmp_path):
+    """Each draft threshold is its own lossless verify row in the same run; a value outside [0, 1] is refused
+    before any model loads."""
+    out = tmp_path / "out"
+    args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--num-prompts", "2"]
+    args += ["--max-new-tokens", "6", "--caches", "cursor", "--verify", "--out", str(out)]
+    assert main([*args, "--verify-draft-thresholds", "0.3,0.9"]) == 0
+    rows = {r["decoder"]: r for r in csv.DictReader((out / "throughput.csv").open())}
+    for name in ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9"):
+        assert rows[name]["same_as_ar"] == "2/2"
+    with pytest.raises(SystemExit, match="draft_threshold"):
+        main([*args, "--verify-draft-thresholds", "1.5"])

@@ -167,6 +167,9 @@ def variants(args) -> list[Variant]:
                     fixed_threshold=1.0,
                 )
             )
+        for dt in args.verify_draft_thresholds:  # the same decoder spending columns only on confident drafts
+            kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_threshold=dt)
+            out.append(Variant(f"mars-verify-dt{dt:g}", kwargs, fixed_threshold=1.0))
     return out + [draft_variant(entry, args) for entry in args.draft_sources]
 
 
@@ -355,6 +358,8 @@ def parse_args(argv: list[str] | None):
 
     args.caches = comma_list(args.caches, "--caches", allowed=CACHES)
     args.verify_fallbacks = comma_list(args.verify_fallbacks, "--verify-fallbacks")
+    dts = args.verify_draft_thresholds
+    args.verify_draft_thresholds = comma_list(dts, "--verify-draft-thresholds", float) if dts else []
     args.draft_sources = [d for d in args.draft_sources.split(",") if d]
     for d in args.draft_sources:
         if d not in DRAFT_SOURCE_ROWS:
@@ -439,6 +444,12 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)",
     )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
+    p.add_argument(
+        "--verify-draft-thresholds",
+        default="",
+        help="with --verify, also time verified decoding at each of these draft thresholds, comma-separated "
+        "(rows `mars-verify-dt<value>`; --draft-threshold sets the plain `mars-verify` row's)",
+    )
     p.add_argument(
         "--draft-sources",
         default="",

@@ -37,6 +37,9 @@
 
 namespace {
 
+// Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 16 rows.
+constexpr int64_t kMaxColumns = 16;
+
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -93,17 +96,6 @@ inline void rows_all_columns(const float* w, int64_t ldw, const float* x, int64_
   }
 }
 
-// The low-rank term of a LoRA layer at one column: dot(B[n, :r], a[:r]) with the same 8-lane FMA chain,
-// horizontal sum and scalar tail as `tile`, so it is bit for bit what small_linear(a, B) gives.
-inline float dot_like_tile(const float* __restrict b, const float* __restrict a, int64_t r) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= r; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + k), _mm256_loadu_ps(a + k), acc);
-  float s = hsum8(acc);
-  for (; k < r; ++k) s = std::fma(b[k], a[k], s);
-  return s;
-}
-
 // One weight of a pass (small_linear: the only one; fused_linear: one of its group): its output, where its
 // rows start in the pass's block numbering (set by run_all), and its LoRA term (a = A x at the adapted
 // columns, computed before the parallel pass; null when none).
@@ -136,12 +128,20 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
           rows_all_columns<1, MB>(g.w + t * K, K, x, K, g.y + t, g.n, M, K, g.bias ? g.bias + t : nullptr);
       }
       if (g.lora_a == nullptr) continue;
-      // peft's order: base + (B (A x * gate)) * scaling, each product rounded on its own (no contraction)
+      // The low-rank term of these rows at every adapted column, B[rows] a^T, as one small tile product
+      // (the same per-element sequence as small_linear(a, B), so bit for bit what peft computes), then
+      // peft's order: base + (B (A x * gate)) * scaling, each product rounded on its own (no contraction).
+      float low[R * kMaxColumns];
+      if (stop - n == R) {
+        rows_all_columns<R, MB>(g.lora_b + n * g.r, g.r, g.lora_a, g.r, low, R, ncols, g.r, nullptr);
+      } else {
+        for (int64_t t = n; t < stop; ++t)
+          rows_all_columns<1, MB>(g.lora_b + t * g.r, g.r, g.lora_a, g.r, low + (t - n), R, ncols, g.r, nullptr);
+      }
       for (int64_t c = 0; c < ncols; ++c) {
         float* yc = g.y + cols[c] * g.n;
-        const float* ac = g.lora_a + c * g.r;
         for (int64_t t = n; t < stop; ++t) {
-          const float low_rank = dot_like_tile(g.lora_b + t * g.r, ac, g.r) * g.scaling;
+          const float low_rank = low[c * R + (t - n)] * g.scaling;
           yc[t] = yc[t] + low_rank;
         }
       }
@@ -241,6 +241,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
   if (has_lora && columns.has_value() && columns->defined()) {
     cols = columns->to(at::kLong).contiguous();
     ncols = cols.numel();
+    TORCH_CHECK(ncols <= kMaxColumns, "mars::fused_linear: at most ", kMaxColumns, " adapted columns, got ", ncols);
   }
   // The adapted columns' inputs: read in place when consecutive (the masks after a row's real tokens, the
   // usual case), else copied together; no index_select (~15 us a call, 4 calls a layer).
