@@ -8,8 +8,9 @@ them.  Two clocks:
   nothing else.
 * ``cpu`` (default) -- this process's CPU time divided by its torch threads.  Another process sharing the
   cores slows a run down but does not eat its budget, so variants trained while the machine was busy
-  still got the same compute.  With ``OMP_WAIT_POLICY=PASSIVE`` (set by :mod:`mars.threads`) idle OpenMP
-  threads sleep instead of spinning, so waiting is not counted as work.
+  still got the same compute.  OpenMP threads that spin while they wait count as work: export
+  ``OMP_WAIT_POLICY=PASSIVE`` before comparing budgets across runs (the recipe search's runner does;
+  train.py leaves the wait policy to the environment).
 
 The used budget is saved in every checkpoint, so a killed run resumes with what was left.
 """
