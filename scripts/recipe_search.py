@@ -27,6 +27,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,14 @@ def eval_command(target: list[str], out: Path, spec: dict, extra: list[str]) -> 
     ]
 
 
+def equal_compute_env() -> dict[str, str]:
+    """The training stages' OpenMP wait: spinning threads would count as compute on the CPU clock, so idle
+    threads sleep (``OMP_WAIT_POLICY=PASSIVE``) unless the caller chose a policy."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> None:
     name = variant["name"]
     train_dir = work / name / "train"
@@ -88,6 +97,7 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
             f"output_dir={train_dir}",
         ],
         done=complete_checkpoint(hf),
+        env=equal_compute_env(),
     )
     thresholds = "[" + ",".join(str(t) for t in spec["thresholds"]) + "]"
     if is_gated(variant) and not stages.dry_run:

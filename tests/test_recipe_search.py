@@ -104,3 +104,13 @@ def test_a_tiny_search_runs_end_to_end_and_a_rerun_resumes_without_redoing_anyth
     assert search.main(argv) == 0  # everything done: every stage skipped
     after = json.loads((tmp_path / "bench" / "stages.json").read_text())
     assert {k: v["finished"] for k, v in after.items()} == before
+
+
+def test_training_stages_let_idle_openmp_threads_sleep_unless_the_caller_chose(monkeypatch):
+    """On the CPU clock a spinning OpenMP thread counts as compute, so the search's training stages run with
+    PASSIVE waits; a policy the caller exported is left alone."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert search.equal_compute_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
+    assert search.equal_compute_env() == {}

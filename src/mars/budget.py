@@ -9,8 +9,8 @@ them.  Two clocks:
 * ``cpu`` (default) -- this process's CPU time divided by its torch threads.  Another process sharing the
   cores slows a run down but does not eat its budget, so variants trained while the machine was busy
   still got the same compute.  OpenMP threads that spin while they wait count as work: export
-  ``OMP_WAIT_POLICY=PASSIVE`` before comparing budgets across runs (the recipe search's runner does;
-  train.py leaves the wait policy to the environment).
+  ``OMP_WAIT_POLICY=PASSIVE`` before comparing budgets across runs (scripts/recipe_search.py does for its
+  training stages; train.py leaves the wait policy to the environment).
 
 The used budget is saved in every checkpoint, so a killed run resumes with what was left.
 """
