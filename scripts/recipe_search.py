@@ -347,18 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     spec = load_search(Path(args.config), args)
     work, bench = Path(args.work), Path(args.out)
-    stages = Stages(bench, args.dry_run, REPO)
+    # --report-only walks the stages without running them, so commands.md still lists every variant's commands
+    stages = Stages(bench, args.dry_run or args.report_only, REPO)
     base_eval = work / "base" / "eval"
-    if not args.report_only:
-        stages.run(
-            "base/eval",
-            eval_command(
-                [f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]
-            ),
-            done=has_points(base_eval, [1.0]),
-        )
-        for variant in spec["variants"]:
-            run_variant(stages, variant, work, base_eval, spec)
+    stages.run(
+        "base/eval",
+        eval_command(
+            [f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]
+        ),
+        done=has_points(base_eval, [1.0]),
+    )
+    for variant in spec["variants"]:
+        run_variant(stages, variant, work, base_eval, spec)
     if args.dry_run:
         print("\n".join(stages.commands))
         return 0

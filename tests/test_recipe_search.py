@@ -114,3 +114,20 @@ def test_training_stages_let_idle_openmp_threads_sleep_unless_the_caller_chose(m
     assert search.equal_compute_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
     assert search.equal_compute_env() == {}
+
+
+def test_report_only_lists_every_stage_command_without_running_any(tmp_path):
+    """A report regenerated from finished outputs still writes each variant's train/eval/verify commands."""
+    config = tmp_path / "search.yaml"
+    config.write_text(yaml.safe_dump({**SPEC, "variants": [{"name": "v", "overrides": ["optim.lr=1.0e-3"]}]}))
+    work, bench = tmp_path / "work", tmp_path / "bench"
+    finished_training(work / "v" / "train")
+    write_points(work / "v" / "eval", [1.0, 0.9])
+    write_points(work / "v" / "verify", [1.0])
+    argv = ["--config", str(config), "--work", str(work), "--out", str(bench), "--report-only"]
+    assert search.main(argv) == 0
+    commands = (bench / "commands.md").read_text()
+    for stage in ("base/eval", "v/train", "v/eval", "v/verify"):
+        assert f"# {stage}\n" in commands
+    assert "optim.lr=1.0e-3" in commands and "**v**" in (bench / "README.md").read_text()
+    assert not (bench / "stages.json").exists()  # nothing ran
