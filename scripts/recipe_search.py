@@ -27,7 +27,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import yaml
 
 from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
+from mars.threads import WAIT_POLICY, wait_policy_chosen
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "conf" / "recipe_search.yaml"
@@ -76,9 +76,7 @@ def eval_command(target: list[str], out: Path, spec: dict, extra: list[str]) -> 
 def equal_compute_env() -> dict[str, str]:
     """The training stages' OpenMP wait: spinning threads would count as compute on the CPU clock, so idle
     threads sleep (``OMP_WAIT_POLICY=PASSIVE``) unless the caller chose a policy."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {} if wait_policy_chosen() else {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
 def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> None:

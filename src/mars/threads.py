@@ -31,6 +31,7 @@ WAIT_POLICY = "PASSIVE"
 SHORT_SPIN = "3000"  # GOMP_SPINCOUNT on an idle machine: a few microseconds of spinning
 IDLE_LOAD = 0.5  # 1-minute load average below which the machine counts as idle
 THREADS_ENV = "MARS_THREADS"
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp's wait settings; a caller's value wins
 
 
 def wait_policy(load: float | None) -> dict[str, str]:
@@ -40,13 +41,18 @@ def wait_policy(load: float | None) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
+def wait_policy_chosen() -> bool:
+    """True when the environment already sets an OpenMP wait (then nothing here overrides it)."""
+    return any(k in os.environ for k in WAIT_VARIABLES)
+
+
 def apply_process_defaults() -> bool:
     """Set the OpenMP wait policy for this machine's load (see the module docstring) unless the environment
     already sets one; False when torch is already imported (too late for libgomp to see it; the caller's
     environment then decides)."""
     if "torch" in sys.modules:
         return False
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if wait_policy_chosen():
         return True
     try:
         load = os.getloadavg()[0]
@@ -58,7 +64,7 @@ def apply_process_defaults() -> bool:
 
 def describe_wait_policy() -> str:
     """The OpenMP wait setting this process runs with, for result tables."""
-    parts = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)]
+    parts = [f"{k}={os.environ[k]}" for k in WAIT_VARIABLES if os.environ.get(k)]
     return ", ".join(parts) or "OMP_WAIT_POLICY=(unset)"
 
 

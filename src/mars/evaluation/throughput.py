@@ -160,27 +160,23 @@ def variants(args) -> list[Variant]:
         out.append(Variant("jacobi-cursor", dict(decoder="jacobi", cache="cursor")))
     if args.verify:
         for fallback in args.verify_fallbacks:
-            out.append(
-                Variant(
-                    f"mars-verify{'' if fallback == 'none' else '-' + fallback}",
-                    dict(decoder="mars", cache="cursor", verify=True, fallback=fallback),
-                    fixed_threshold=1.0,
-                )
-            )
+            name = f"mars-verify{'' if fallback == 'none' else '-' + fallback}"
+            out.append(Variant(name, {**VERIFIED, "fallback": fallback}, fixed_threshold=1.0))
         for dt in args.verify_draft_thresholds:  # the same decoder spending columns only on confident drafts
-            kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_threshold=dt)
-            out.append(Variant(f"mars-verify-dt{dt:g}", kwargs, fixed_threshold=1.0))
+            out.append(Variant(f"mars-verify-dt{dt:g}", {**VERIFIED, "draft_threshold": dt}, fixed_threshold=1.0))
     return out + [draft_variant(entry, args) for entry in args.draft_sources]
 
 
 DRAFT_SOURCE_ROWS = ("lookup", "lookup+masks", "model", "model+masks")
+# every lossless row: the MARS engine verifying its drafts, per-row KV cache
+VERIFIED = dict(decoder="mars", cache="cursor", verify=True)
 
 
 def draft_variant(entry: str, args) -> Variant:
     """A verified decoder drafting from prompt lookup or a draft model: ``lookup``/``model`` alone (window 1,
     plain speculative decoding) or ``+masks`` (the checkpoint's masks extend the drafts)."""
     source = entry.split("+")[0]
-    kwargs = dict(decoder="mars", cache="cursor", verify=True, draft_source=source)
+    kwargs = {**VERIFIED, "draft_source": source}
     if source == "model":
         kwargs["draft_model"] = args.draft_model
     if not entry.endswith("+masks"):
