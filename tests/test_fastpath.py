@@ -112,14 +112,18 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
 
 
-def test_build_key_changes_with_torch_version_and_source(monkeypatch, tmp_path):
+@pytest.mark.parametrize("changed", ["small_gemm.cpp", "decoder_step.cpp", "small_gemm.h"])
+def test_build_key_changes_with_torch_version_and_source(monkeypatch, tmp_path, changed):
     key = kernels.build_key()
     monkeypatch.setattr(torch, "__version__", "9.9.9+other")
     assert kernels.build_key() != key and "9_9_9" in kernels.build_key()
     monkeypatch.undo()
-    source = tmp_path / "small_gemm.cpp"
-    source.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(kernels, "SOURCE", source)
+    files = {p.name: p for p in (*kernels.SOURCES, *kernels.HEADERS)}
+    copy = tmp_path / changed
+    copy.write_text(files[changed].read_text() + "\n// changed\n")
+    swap = lambda paths: tuple(copy if p.name == changed else p for p in paths)  # noqa: E731
+    monkeypatch.setattr(kernels, "SOURCES", swap(kernels.SOURCES))
+    monkeypatch.setattr(kernels, "HEADERS", swap(kernels.HEADERS))
     assert kernels.build_key() != key
 
 

@@ -158,3 +158,61 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
         assert torch.equal(outputs["lean", masked], outputs["hf", masked])
     assert not torch.equal(outputs["lean", True][0, 1:], outputs["lean", False][0, 1:])  # the adapter acted
     assert torch.equal(outputs["lean", True][1], outputs["lean", False][1])  # not on a row without masks
+
+
+def _decode_three_steps(model, native: bool, masks: bool):
+    """Logits of a batch-1 prefill and two decode steps on the per-row cache (the last columns of the decode
+    steps masks when ``masks``), through the lean forward with or without its C++ pass, or transformers'
+    forward (``native=None``); and the cache's keys afterwards."""
+    from decoding_fixtures import MASK_ID
+
+    runner = ModelRunner(model)
+    if native is None:
+        runner._lean = False
+    else:
+        runner._lean = LeanDecoder(model)
+        if not native:
+            runner._lean._native = False
+    cache = RaggedKVCache(runner.num_layers, capacity=8)  # the second step grows the buffers
+    vocab, logits, done = model.config.vocab_size, [], 0
+    with torch.inference_mode(), gqa_attention(model):
+        for seed, width in ((3, 7), (4, 3), (5, 4)):
+            ids, pos, mask, kv = step_inputs(1, done, width, vocab, seed=seed)
+            if masks and done:
+                ids[0, 1:] = MASK_ID
+            cache.prepare_step(pos, kv)
+            logits.append(runner.logits_at(ids, pos, mask, pos - done, cache))
+            done += 1 if done else width  # the prompt, then one token a step
+    if native:
+        assert isinstance(runner._lean._native, torch.ScriptObject), "the C++ decoder step did not run"
+    return logits, [layer.keys[:, :, :done] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gated"])
+def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
+    """The batch-1 lean step in C++ (mars.kernels' DecoderStep) against the lean forward's Python loop and
+    transformers' forward: the same logits at every step, the same cache contents, with q/k/v biases (Qwen2)
+    and a gated adapter acting at mask columns."""
+    from mars.adapters import AdapterSettings, attach_adapter
+
+    kernel_or_skip()
+    model = tiny_qwen2() if kind == "qwen2" else build_model()
+    if kind == "gated":
+        from decoding_fixtures import MASK_ID
+
+        attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name or "mask_embedding" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    masks = kind == "gated"
+    cpp, cpp_keys = _decode_three_steps(model, True, masks)
+    loop, loop_keys = _decode_three_steps(model, False, masks)
+    hf, _ = _decode_three_steps(model, None, masks)
+    for a, b, c in zip(cpp, loop, hf):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert all(torch.equal(a, b) for a, b in zip(cpp_keys, loop_keys))
+    if masks:  # the adapter acted in the C++ pass
+        plain, _ = _decode_three_steps(model, True, False)
+        assert not torch.equal(plain[1][0, 1:], cpp[1][0, 1:])

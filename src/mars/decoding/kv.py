@@ -130,6 +130,18 @@ class RaggedKVCache(Cache):
             if bool((row == torch.arange(start, start + row.numel())).all()):
                 self.single_row_start = start
 
+    def step_buffers(self, like: torch.Tensor, heads: int, head_dim: int) -> tuple[list, list]:
+        """Every layer's key and value buffers at the current capacity (created from ``like``'s batch, dtype and
+        device, or grown, first), for a forward that writes this step's columns itself instead of calling
+        ``update`` (:class:`mars.decoding.lean.LeanDecoder`'s compiled step)."""
+        empty = like.new_empty((like.shape[0], heads, 0, head_dim))
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(empty, empty)
+            elif layer.keys.shape[2] < self.capacity:
+                layer._pad_positions(self.capacity)
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (drop finished ones from the batch)."""
         self.rows = len(rows)

@@ -1,6 +1,7 @@
 """CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps, and
 ``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
-terms at given columns).
+terms at given columns); and ``mars.DecoderStep``, a Llama-family decoder pass for one batch-1 decode step
+written against ATen (``decoder_step.cpp``: the lean forward's loop without the interpreter).
 
 A decode step multiplies a handful of columns (batch x new tokens) by every weight matrix once, so on
 a CPU it is bound by reading the weights from memory.  MKL's sgemm handles one column at that bound
@@ -10,7 +11,7 @@ source for the blocking and why the result does not depend on how many columns r
 
 The extension is built with ``torch.utils.cpp_extension`` (needs a C++ compiler and an x86-64 CPU
 with AVX2 and FMA) into ``<mars cache>/kernels/<name>-torch<version>-<hash>``: the hash covers the
-source, the flags and the Python/torch ABI, so a build for another torch or another source is never
+sources, the flags and the Python/torch ABI, so a build for another torch or another source is never
 loaded, a build killed half-way is redone (see :func:`ensure_built`), and later processes load the cached
 library directly (no compiler run).
 """
@@ -26,7 +27,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("small_gemm.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "small_gemm.cpp", HERE / "decoder_step.cpp")
+HEADERS = (HERE / "small_gemm.h",)
 # -ffp-contract=off: a product and a sum written apart stay apart (the LoRA epilogue must round as peft does)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -37,11 +40,12 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_key() -> str:
-    """``<torch version>-<hash of source, flags, python and torch ABI>``."""
+    """``<torch version>-<hash of sources, flags, python and torch ABI>``."""
     import torch
 
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), sys.version.encode(), torch.__version__.encode()):
+    sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    for part in (*sources, " ".join(CFLAGS).encode(), sys.version.encode(), torch.__version__.encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
@@ -103,6 +107,16 @@ def fused_linear_op():
     return torch.ops.mars.fused_linear.default
 
 
+@functools.cache
+def decoder_step_class():
+    """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
+    :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.classes.mars.DecoderStep
+
+
 def ensure_built(target: Path) -> Path:
     """The kernel library in ``target``, built there first unless a finished build is present.
 
@@ -133,11 +147,11 @@ def _build(target: Path, name: str) -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelUnavailable("no C++ compiler (c++ or $CXX) to build the small-M GEMM kernel")
     target.mkdir(parents=True, exist_ok=True)
-    print(f"mars: compiling the small-M GEMM kernel once into {target} (under a minute) ...", file=sys.stderr)
+    print(f"mars: compiling the CPU decode kernels once into {target} (about a minute) ...", file=sys.stderr)
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=list(CFLAGS),
             build_directory=str(target),
             is_python_module=False,

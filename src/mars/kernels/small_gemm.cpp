@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "small_gemm.h"
+
 // Rows x columns per tile from 3 columns on: 3 x 4 (12 accumulators, 4 column vectors, 1 weight vector)
 // beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 on the 2-vCPU EPYC (hot weights, one thread,
 // interleaved); one column uses 8 rows, two columns 4 x 2.
@@ -308,10 +310,6 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
   run_all(segs, xc.data_ptr<float>(), M, K, ncols > 0 ? cols.data_ptr<int64_t>() : nullptr, ncols);
   return outputs;
 }
-
-#ifndef MARS_NAMESPACE
-#define MARS_NAMESPACE mars
-#endif
 
 TORCH_LIBRARY(MARS_NAMESPACE, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
