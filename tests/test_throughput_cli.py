@@ -79,7 +79,13 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
     # 2 batch sizes x 1 repeat: the threshold-free decoders once each, MARS once per threshold (2)
     assert timed == {**{name: 2 for name in ars}, "mars-verify": 2, "mars-cursor": 4}
-    assert len(rows) == 2 * 2 * 8  # every decoder still listed under both thresholds
+    assert len(rows) == 2 * 2 * 8  # the CSV lists every decoder under both thresholds
+    table = [line.split(" | ") for line in (out / "throughput.md").read_text().splitlines() if line.startswith("| ")]
+    listed = Counter(
+        (cells[0].strip("| "), cells[1], cells[2]) for cells in table[1:]
+    )  # tau, batch, decoder (table[0]: header)
+    # the markdown lists a threshold-free decoder once per batch size, mars-cursor once per threshold
+    assert set(listed.values()) == {1} and len(listed) == 2 * (7 + 2)
     assert fast_path_seen == {True, False} and fastpath.enabled_by_env()  # -eager rows ran without it
 
 
