@@ -11,8 +11,9 @@ time: each weight is read once per step) and the achieved GFLOP/s (2 x parameter
 the matmuls; attention adds little at these lengths), beside this machine's measured bounds: the read
 bandwidth of a tensor as large as the weights and the peak fp32 GEMM rate, with the same threads.
 
-Paths: ``fast`` (the decode fast path, :mod:`mars.decoding.fastpath`) and ``eager`` (``F.linear``), timed
-interleaved in one process so that their ratios hold on a shared machine.  Writes ``step_cost.md``,
+Paths: ``fast`` (the decode fast path, :mod:`mars.decoding.fastpath`, with the lean forward's C++ layer loop at
+batch 1), ``python-loop`` (the same with the lean forward's Python loop: what the C++ loop saves) and ``eager``
+(``F.linear``), timed interleaved in one process so that their ratios hold on a shared machine.  Writes ``step_cost.md``,
 ``step_cost.csv`` and ``config.json`` under ``--out``.
 """
 
@@ -33,7 +34,7 @@ apply_process_defaults()  # the OpenMP wait before torch loads libgomp
 
 import torch  # noqa: E402
 
-PATHS = ("fast", "eager")
+PATHS = ("fast", "python-loop", "eager")
 
 
 def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -64,7 +65,7 @@ def measure_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
 class StepBench:
     """One decode step of ``columns`` per row for ``batch`` rows over a prefilled cache of ``context``."""
 
-    def __init__(self, model, batch: int, columns: int, context: int, fast: bool):
+    def __init__(self, model, batch: int, columns: int, context: int, fast: bool, native: bool = True):
         from mars.decoding.attention import gqa_attention
         from mars.decoding.forward import ModelRunner
         from mars.decoding.kv import RaggedKVCache
@@ -77,6 +78,9 @@ class StepBench:
         prompt = torch.randint(0, vocab, (batch, context), generator=g)
         pos = torch.arange(context).expand(batch, -1)
         self._step(prompt, pos, context)  # prefill: the cache holds `context` tokens per row
+        lean = self.runner._lean_forward() if fast else None
+        if lean is not None and not native:
+            lean._native = False  # the lean forward's Python loop instead of its C++ one
         self.ids = torch.randint(0, vocab, (batch, columns), generator=g)
         gate = getattr(model, "mars_gate", None)
         if gate is not None:  # a MARS step behind a mask adapter: the last token, then masks (the adapter acts)
@@ -126,7 +130,11 @@ def time_steps(model, args, batch: int) -> dict[tuple[int, str, int], list[float
     """Seconds per step for each (threads, path, columns), every one once per round: drift hits all alike."""
     times: dict[tuple[int, str, int], list[float]] = {}
     keys = [(t, p, c) for t in args.threads for p in args.paths for c in args.columns]
-    benches = {(p, c): StepBench(model, batch, c, args.context, p == "fast") for p in args.paths for c in args.columns}
+    benches = {
+        (p, c): StepBench(model, batch, c, args.context, p != "eager", native=p != "python-loop")
+        for p in args.paths
+        for c in args.columns
+    }
     for t in args.threads:
         torch.set_num_threads(t)
         for bench in benches.values():
@@ -191,8 +199,8 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
         f"model `{config['model']}`, fp32, OpenMP wait {config['omp_wait_policy']}, KV cache of "
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
-        "(mars::fused_linear, the projections of one input in one pass, for up to 16 columns); `eager`: F.linear "
-        "(MKL).  On a checkpoint with a mask adapter the columns after the first are mask tokens (a MARS step), "
+        "(mars::fused_linear, the projections of one input in one pass, for up to 16 columns, and at batch 1 the "
+        "layer loop in C++); `python-loop`: the same with the layer loop in Python; `eager`: F.linear (MKL).  On a checkpoint with a mask adapter the columns after the first are mask tokens (a MARS step), "
         "so the adapter acts and its weights count in the bytes read.\n",
         "Bounds measured in the same process just before the steps (a sum over a tensor as large as the weights; "
         "a 1024^3 GEMM); on a shared machine they move with the load as the steps do:\n",
