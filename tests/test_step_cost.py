@@ -11,7 +11,6 @@ from mars.evaluation.step_cost import main
 
 def test_python_loop_path_turns_only_the_cpp_layer_loop_off():
     import torch
-
     from decoding_fixtures import kernel_or_skip
 
     from mars.evaluation.step_cost import StepBench
