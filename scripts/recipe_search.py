@@ -79,21 +79,46 @@ def equal_compute_env() -> dict[str, str]:
     return {} if wait_policy_chosen() else {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
+def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
+    """The Hydra overrides of a variant's training stage (``python train.py <these>``)."""
+    return [
+        *spec["common"],
+        *variant["overrides"],
+        f"budget.minutes={spec['budget_minutes']}",
+        f"budget.clock={spec['clock']}",
+        f"run_name=rs-{variant['name']}",
+        f"output_dir={work / variant['name'] / 'train'}",
+    ]
+
+
+def check_variants(spec: dict, work: Path) -> None:
+    """Compose every variant's training config and run train.py's own checks on it (config values, model source,
+    data, a budget that holds a step) before the first stage: a bad override is refused now, naming its variant,
+    not when the search reaches that variant hours later."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mars.train_config import validate
+
+    problems = []
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for variant in spec["variants"]:
+            try:
+                validate(compose(config_name="train", overrides=train_overrides(variant, work, spec)))
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                problems.append(f"- {variant['name']} ({' '.join(variant['overrides'])}): {err}")
+    if problems:
+        raise SystemExit("variant(s) whose training config train.py would refuse:\n" + "\n".join(problems))
+
+
 def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> None:
     name = variant["name"]
     train_dir = work / name / "train"
     hf = train_dir / "hf"
     stages.run(
         f"{name}/train",
-        [
-            "train.py",
-            *spec["common"],
-            *variant["overrides"],
-            f"budget.minutes={spec['budget_minutes']}",
-            f"budget.clock={spec['clock']}",
-            f"run_name=rs-{name}",
-            f"output_dir={train_dir}",
-        ],
+        ["train.py", *train_overrides(variant, work, spec)],
         done=complete_checkpoint(hf),
         env=equal_compute_env(),
     )
@@ -345,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     spec = load_search(Path(args.config), args)
     work, bench = Path(args.work), Path(args.out)
+    if not args.report_only:  # a report of finished outputs does not need today's configs to compose
+        check_variants(spec, work)
     # --report-only walks the stages without running them, so commands.md still lists every variant's commands
     stages = Stages(bench, args.dry_run or args.report_only, REPO)
     base_eval = work / "base" / "eval"

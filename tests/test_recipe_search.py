@@ -71,6 +71,27 @@ def test_unknown_variants_and_duplicate_names_are_refused(tmp_path):
         search.load_search(config, args)
 
 
+def test_a_variant_train_py_would_refuse_stops_the_search_before_any_stage(tmp_path):
+    """A typo in one variant's overrides is found up front (train.py's own checks on the composed config), with
+    the variant named, instead of when the search reaches that variant's training stage hours later."""
+    variants = [
+        {"name": "fine", "overrides": ["optim.lr=1.0e-3"]},
+        {"name": "typo", "overrides": ["objective.certainty_wieght=0.5"]},
+        {"name": "bad_value", "overrides": ["optim.lr=-1"]},
+    ]
+    config = tmp_path / "search.yaml"
+    config.write_text(yaml.safe_dump({**SPEC, "budget_minutes": 20, "variants": variants}))
+    argv = ["--config", str(config), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "bench")]
+    with pytest.raises(SystemExit) as refused:
+        search.main([*argv, "--dry-run"])
+    message = str(refused.value)
+    assert "- typo (" in message and "certainty_wieght" in message and "- bad_value (" in message
+    assert "- fine (" not in message
+    assert not (tmp_path / "bench").exists() and not (tmp_path / "work").exists()  # no stage ran
+    config.write_text(yaml.safe_dump({**SPEC, "budget_minutes": 20, "variants": variants[:1]}))
+    assert search.main([*argv, "--dry-run"]) == 0
+
+
 @pytest.mark.slow
 def test_a_tiny_search_runs_end_to_end_and_a_rerun_resumes_without_redoing_anything(tmp_path):
     tiny = [
