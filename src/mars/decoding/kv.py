@@ -133,7 +133,7 @@ class RaggedKVCache(Cache):
     def step_buffers(self, like: torch.Tensor, heads: int, head_dim: int) -> tuple[list, list]:
         """Every layer's key and value buffers at the current capacity (created from ``like``'s batch, dtype and
         device, or grown, first), for a forward that writes this step's columns itself instead of calling
-        ``update`` (:class:`mars.decoding.lean.LeanDecoder`'s compiled step)."""
+        ``update`` (the C++ layer loop of :class:`mars.decoding.lean.LeanDecoder`)."""
         empty = like.new_empty((like.shape[0], heads, 0, head_dim))
         for layer in self.layers:
             if not layer.is_initialized:
