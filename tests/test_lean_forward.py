@@ -34,6 +34,23 @@ def tiny_qwen2():
     return model
 
 
+def gated_model():
+    """The tiny Llama with a gated LoRA (rank 4) whose B factors and mask-embedding delta are nonzero, so the
+    adapter changes the logits at mask columns."""
+    from decoding_fixtures import MASK_ID
+
+    from mars.adapters import AdapterSettings, attach_adapter
+
+    model = build_model()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "mask_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
 def step_inputs(batch, context, columns, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     pos = (context + torch.arange(columns)).expand(batch, -1).contiguous()
@@ -126,16 +143,8 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
     some rows and none in others, and with a row's padding columns skipped."""
     from decoding_fixtures import MASK_ID
 
-    from mars.adapters import AdapterSettings, attach_adapter
-
     kernel_or_skip()
-    model = build_model()
-    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "mask_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model = gated_model()
     assert lean_reason(model) is None
     ids, pos, mask, kv = step_inputs(2, 0, 9, model.config.vocab_size, seed=5)
     outputs = {}
@@ -193,19 +202,8 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
     """The batch-1 lean step in C++ (mars.kernels' DecoderStep) against the lean forward's Python loop and
     transformers' forward: the same logits at every step, the same cache contents, with q/k/v biases (Qwen2)
     and a gated adapter acting at mask columns."""
-    from mars.adapters import AdapterSettings, attach_adapter
-
     kernel_or_skip()
-    model = tiny_qwen2() if kind == "qwen2" else build_model()
-    if kind == "gated":
-        from decoding_fixtures import MASK_ID
-
-        attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-        g = torch.Generator().manual_seed(2)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name or "mask_embedding" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
     masks = kind == "gated"
     cpp, cpp_keys = _decode_three_steps(model, True, masks)
     loop, loop_keys = _decode_three_steps(model, False, masks)
