@@ -214,3 +214,17 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
     if masks:  # the adapter acted in the C++ pass
         plain, _ = _decode_three_steps(model, True, False)
         assert not torch.equal(plain[1][0, 1:], cpp[1][0, 1:])
+
+
+def test_the_cpp_decoder_step_has_an_off_switch(monkeypatch):
+    """MARS_DECODER_STEP=0 keeps the Python loop; a value that is neither on nor off is refused, as for
+    MARS_FAST_PATH."""
+    kernel_or_skip()
+    model = build_model()
+    monkeypatch.setenv("MARS_DECODER_STEP", "0")
+    assert LeanDecoder(model)._native_step() is None
+    monkeypatch.setenv("MARS_DECODER_STEP", "maybe")
+    with pytest.raises(ValueError, match="MARS_DECODER_STEP='maybe'"):
+        LeanDecoder(model)._native_step()
+    monkeypatch.setenv("MARS_DECODER_STEP", "1")
+    assert isinstance(LeanDecoder(model)._native_step(), torch.ScriptObject)

@@ -41,13 +41,14 @@ _live: contextvars.ContextVar[tuple[tuple[int, ...], torch.Tensor] | None] = con
 )
 
 
-def enabled_by_env() -> bool:
-    value = os.environ.get(ENV, "1").strip().lower()
+def enabled_by_env(name: str = ENV) -> bool:
+    """The on/off switch ``name`` in the environment (on when unset); other values are refused."""
+    value = os.environ.get(name, "1").strip().lower()
     if value in ("1", "on", "true", "yes", "auto", ""):
         return True
     if value in ("0", "off", "false", "no"):
         return False
-    raise ValueError(f"{ENV}={value!r}: use 1/on or 0/off")
+    raise ValueError(f"{name}={value!r}: use 1/on or 0/off")
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:

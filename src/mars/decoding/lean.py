@@ -25,14 +25,13 @@ loop (2 threads, measured side by side; ``benchmarks/decode_step_cpu/step_cost_n
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 from mars.kernels import KernelUnavailable
 
-from .fastpath import MAX_COLUMNS, computed_rows, fused_linears, linear
+from .fastpath import MAX_COLUMNS, computed_rows, enabled_by_env, fused_linears, linear
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +150,9 @@ class LeanDecoder:
     def _native_step(self):
         """The C++ decoder pass over this model's weights, or None where it is off or cannot be built."""
         if self._native is None:
+            on = enabled_by_env(NATIVE_ENV)  # a bad value is refused at every step, not remembered as off
             self._native = False
-            if os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "off", "false", "no"):
+            if on:
                 try:
                     self._native = self._build_native()
                 except KernelUnavailable as err:
