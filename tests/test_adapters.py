@@ -11,6 +11,7 @@ from mars.adapters import (
     load_adapter,
     merge_adapter,
     save_adapter,
+    truncate_adapter_rank,
 )
 from mars.models import build_tiny_random
 
@@ -138,3 +139,39 @@ def test_a_forward_without_input_ids_is_refused_rather_than_silently_ungated():
     embeds = model.get_input_embeddings()(ids_with_masks()[0])
     with pytest.raises(ValueError, match="needs input_ids"):
         model(inputs_embeds=embeds)
+
+
+def test_truncating_the_rank_keeps_a_low_rank_product_and_never_touches_real_columns():
+    base = tiny()
+    adapted = tiny()
+    attach_adapter(adapted, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    perturb(adapted)
+    with torch.no_grad():  # give every product B A rank 2: its rows of A beyond the second repeat the first two
+        for name, p in adapted.named_parameters():
+            if "lora_A" in name:
+                p[2:] = p[:2] * torch.tensor([[0.5], [-2.0]])
+    ids, masked = ids_with_masks()
+    before = logits(adapted, masked)
+    assert truncate_adapter_rank(adapted, 2) > 1 - 1e-9  # nothing of a rank-2 product is lost
+    layers = [m for m in adapted.modules() if hasattr(m, "lora_A")]
+    assert all(m.lora_A["default"].weight.shape[0] == 2 and m.lora_B["default"].weight.shape[1] == 2 for m in layers)
+    after = logits(adapted, masked)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert truncate_adapter_rank(adapted, 1) < 0.999  # a rank-2 product loses energy at rank 1
+    out, ref = logits(adapted, masked), logits(base, masked)
+    assert torch.equal(out[:, :8], ref[:, :8])  # real columns: still exactly the base model
+    assert (out[:, 8:] - after[:, 8:]).abs().amax() > 1e-3  # the masks' logits moved
+    assert torch.equal(logits(adapted, ids), logits(base, ids))
+
+
+def test_truncating_the_rank_refuses_a_plain_lora_no_adapter_and_a_bad_rank():
+    plain = tiny()
+    attach_adapter(plain, AdapterSettings(kind="lora", rank=4), MASK_ID)
+    with pytest.raises(AdapterError, match="only a gated adapter"):
+        truncate_adapter_rank(plain, 2)
+    with pytest.raises(AdapterError, match="no MARS adapter"):
+        truncate_adapter_rank(tiny(), 2)
+    gated = tiny()
+    attach_adapter(gated, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    with pytest.raises(AdapterError, match="integer >= 1"):
+        truncate_adapter_rank(gated, 0)

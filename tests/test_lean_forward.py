@@ -136,15 +136,20 @@ def test_decode_steps_ask_about_the_kernel_once_not_per_step(monkeypatch):
     assert asked == [1]
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded):
+@pytest.mark.parametrize("padded, rank", [(False, None), (True, None), (False, 2)])
+def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded, rank):
     """A gated LoRA (mars.adapters) under the lean forward (one fused kernel pass per group of projections):
     the same logits as the model's own forward with its peft layers and gate hooks, with mask columns in
-    some rows and none in others, and with a row's padding columns skipped."""
+    some rows and none in others, and with a row's padding columns skipped; also with the adapter truncated
+    to a lower rank for decoding."""
     from decoding_fixtures import MASK_ID
+
+    from mars.adapters import truncate_adapter_rank
 
     kernel_or_skip()
     model = gated_model()
+    if rank is not None:
+        truncate_adapter_rank(model, rank)
     assert lean_reason(model) is None
     ids, pos, mask, kv = step_inputs(2, 0, 9, model.config.vocab_size, seed=5)
     outputs = {}

@@ -121,3 +121,22 @@ def test_verify_draft_thresholds_are_timed_side_by_side(tmp_path):
         assert rows[name]["same_as_ar"] == "2/2"
     with pytest.raises(SystemExit, match="draft_threshold"):
         main([*args, "--verify-draft-thresholds", "1.5"])
+
+
+def test_adapter_rank_is_checked_before_loading_and_needs_a_gated_adapter(tmp_path, monkeypatch):
+    """``--adapter-rank 0`` stops before any model loads; a model without a gated adapter is named as such."""
+    import mars.models
+
+    args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--num-prompts", "1"]
+    args += ["--max-new-tokens", "4", "--caches", "cursor", "--out", str(tmp_path / "out")]
+    loads = []
+    real_load = mars.models.load_model
+    monkeypatch.setattr(mars.models, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    with pytest.raises(SystemExit, match="--adapter-rank must be >= 1"):
+        main([*args, "--adapter-rank", "0"])
+    assert loads == []
+    from mars.adapters import AdapterError
+
+    with pytest.raises(AdapterError, match="no MARS adapter"):
+        main([*args, "--adapter-rank", "8"])
+    assert len(loads) == 1

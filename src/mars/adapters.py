@@ -338,6 +338,42 @@ def load_adapter(
     return gate
 
 
+def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
+    """Replace each gated LoRA layer's factors by the best rank-``rank`` approximation of their product
+    (its top singular directions), for decoding: a step with masks then reads and multiplies ``rank`` instead
+    of ``r`` rows of factors per projection.  The gate keeps the base model's columns exact, so threshold 1.0
+    and verify mode are unchanged; the masks' predictions move (slightly, where the product is nearly low-rank).
+    Returns the smallest share of a product's energy (squared singular values) that any layer keeps.  The
+    truncated model is for decoding, not for saving: its factors no longer match the adapter's config."""
+    settings: AdapterSettings | None = getattr(model, "mars_adapter", None)
+    if settings is None:
+        raise AdapterError("truncate_adapter_rank: the model carries no MARS adapter")
+    if not settings.gated:
+        raise AdapterError("truncate_adapter_rank: only a gated adapter (an ungated one changes every column)")
+    if not _is_int(rank) or rank < 1:
+        raise AdapterError(f"truncate_adapter_rank: rank must be an integer >= 1, got {rank!r}")
+    kept = 1.0
+    with torch.no_grad():
+        for layer in _lora_layers(model):
+            down, up = layer.lora_A["default"], layer.lora_B["default"]
+            if rank >= down.weight.shape[0]:
+                continue
+            # B A = (Qb Rb)(Qa Ra)^T: the SVD of the small r x r core gives the product's, in float64
+            qb, rb = torch.linalg.qr(up.weight.double())
+            qa, ra = torch.linalg.qr(down.weight.double().T)
+            u, sv, vh = torch.linalg.svd(rb @ ra.T)
+            energy = sv.square()
+            kept = min(kept, float(energy[:rank].sum() / energy.sum().clamp_min(1e-300)))
+            root = sv[:rank].sqrt()
+            dtype = down.weight.dtype
+            # replace the weights in place: the gate's hooks sit on these modules
+            up.weight = nn.Parameter(((qb @ u[:, :rank]) * root).to(dtype).contiguous(), requires_grad=False)
+            down.weight = nn.Parameter((root[:, None] * (vh[:rank] @ qa.T)).to(dtype).contiguous(), requires_grad=False)
+            up.in_features = down.out_features = rank
+            layer.r["default"] = rank
+    return kept
+
+
 def merge_adapter(model: nn.Module) -> nn.Module:
     """Fold an ungated LoRA (and the mask-embedding delta) into the weights and remove every trace of the
     adapter: the result is the plain architecture with the base parameter count."""

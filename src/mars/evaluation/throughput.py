@@ -136,6 +136,11 @@ def load(args, dtype: torch.dtype):
     from mars.models import load_model
 
     loaded = load_model(args.checkpoint or args.model, dtype=dtype, device=args.device)
+    if args.adapter_rank:
+        from mars.adapters import truncate_adapter_rank
+
+        kept = truncate_adapter_rank(loaded.model, args.adapter_rank)
+        print(f"gated adapter truncated to rank {args.adapter_rank} (every product keeps >= {kept:.1%} of its energy)")
     return loaded.model.eval(), loaded.tokenizer, loaded.metadata
 
 
@@ -354,6 +359,8 @@ def parse_args(argv: list[str] | None):
 
     args.caches = comma_list(args.caches, "--caches", allowed=CACHES)
     args.verify_fallbacks = comma_list(args.verify_fallbacks, "--verify-fallbacks")
+    if args.adapter_rank is not None and args.adapter_rank < 1:
+        raise SystemExit(f"--adapter-rank must be >= 1, got {args.adapter_rank}")
     dts = args.verify_draft_thresholds
     args.verify_draft_thresholds = comma_list(dts, "--verify-draft-thresholds", float) if dts else []
     args.draft_sources = [d for d in args.draft_sources.split(",") if d]
@@ -410,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: $MARS_THREADS, else every CPU; clamped)"
+    )
+    p.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=None,
+        help="decode with the gated adapter truncated to this rank (its top singular directions; fewer factor "
+        "bytes per step with masks; threshold 1.0 and verify outputs unchanged, mask predictions move)",
     )
     bench_cli.add_out(p, "results/throughput")
     add_decoder_arguments(p)
@@ -534,7 +548,9 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         f"model `{model}`, {config['dtype']} on {config['device']} ({hw.get('cuda') or hw.get('cpu') or 'cpu'}; "
         f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads "
         f"(OpenMP wait {config.get('omp_wait_policy', '(unset)')}), decode fast path "
-        f"{config.get('fast_path', 'off')}, block size {config['block_size']}, "
+        f"{config.get('fast_path', 'off')}, "
+        + (f"gated adapter truncated to rank {config['adapter_rank']}, " if config.get("adapter_rank") else "")
+        + f"block size {config['block_size']}, "
         f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
         f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
         "The AR baseline of each row is the fastest AR decoder measured in the same run (`ar-hf`: transformers "

@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""Where verified decoding's wall clock goes at batch 1, against AR in the same engine: the lean forward's
+time per step by the number of columns it carried (and whether the gated adapter was live at mask columns),
+the tokens per forward and speed against AR, and whether a step whose masks proposed no
+draft predicts the next one (which decides whether skipping the masks after a miss could pay).
+
+    python scripts/verify_step_breakdown.py --model <checkpoint>/hf --prompts 4 --repeats 5 --adapter-ranks 8,4 \
+        --out benchmarks/decode_step_cpu/verify_breakdown
+
+Decoders are interleaved per repeat; figures are medians over repeats (the first repeat warms up and is
+dropped).  Writes ``breakdown.md`` and ``breakdown.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mars.threads import apply_process_defaults
+
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set, before torch loads libgomp
+
+import torch  # noqa: E402
+
+from mars.adapters import truncate_adapter_rank  # noqa: E402
+from mars.decoding import engine as engine_module  # noqa: E402
+from mars.decoding import generate  # noqa: E402
+from mars.decoding import lean as lean_module  # noqa: E402
+from mars.models import load_model  # noqa: E402
+from mars.threads import configure_threads  # noqa: E402
+
+DECODERS = {
+    "ar-cursor": dict(decoder="mars", cache="cursor", threshold=1.0),
+    "verify": dict(decoder="mars", cache="cursor", verify=True),
+    "verify window 3": dict(decoder="mars", cache="cursor", verify=True, window=3),
+    "verify window 2": dict(decoder="mars", cache="cursor", verify=True, window=2),
+}
+
+
+class Recorder:
+    """Inside ``with Recorder() as rec``: times every lean forward (columns, adapter live) and logs each verify
+    step's drafts fed and passed (the engine's and the lean forward's methods are wrapped, then restored)."""
+
+    def __init__(self):
+        self.forwards: list[tuple[int, bool, float]] = []
+        self.drafts: list[tuple[int, int]] = []
+        self._originals = (lean_module.LeanDecoder.__call__, engine_module.DecodeEngine._draft_stats)
+
+    def __enter__(self) -> Recorder:
+        lean_call, stats = self._originals
+        recorder = self
+
+        def timed(lean, input_ids, *args, **kwargs):
+            start = time.perf_counter()
+            out = lean_call(lean, input_ids, *args, **kwargs)
+            recorder.forwards.append((input_ids.shape[1], lean.gate_columns is not None, time.perf_counter() - start))
+            return out
+
+        def logged(engine, plan, verified):
+            recorder.drafts.append((int(plan.drafts[0]), int(verified[0])))
+            return stats(engine, plan, verified)
+
+        lean_module.LeanDecoder.__call__, engine_module.DecodeEngine._draft_stats = timed, logged
+        return self
+
+    def __exit__(self, *exc) -> None:
+        lean_module.LeanDecoder.__call__, engine_module.DecodeEngine._draft_stats = self._originals
+
+
+def draft_transitions(traces: list[list[tuple[int, int]]]) -> dict:
+    """P(step t+1's masks propose a draft | step t's did or did not); a step's masks proposed a draft when
+    the next step fed one."""
+    counts = collections.Counter()
+    for trace in traces:
+        proposed = [fed > 0 for fed, _ in trace[1:]]
+        counts.update(zip(proposed, proposed[1:]))
+    after = {prev: counts[prev, True] / max(1, counts[prev, True] + counts[prev, False]) for prev in (False, True)}
+    total = sum(counts.values())
+    return {
+        "p_draft": sum(v for (_, nxt), v in counts.items() if nxt) / max(1, total),
+        "p_draft_after_none": after[False],
+        "p_draft_after_draft": after[True],
+        "transitions": total,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts-file", default="data/prompts/heldout.jsonl")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--trace-prompts", type=int, default=16, help="prompts for the (untimed) draft statistics")
+    p.add_argument("--trace-tokens", type=int, default=96)
+    p.add_argument("--threads", default="auto")
+    p.add_argument(
+        "--adapter-ranks",
+        default="",
+        help="also time verify with the gated adapter truncated to each of these ranks (comma-separated)",
+    )
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    threads = configure_threads(args.threads)
+    lm = load_model(args.model, dtype=torch.float32)
+    model, tokenizer = lm.model.eval(), lm.tokenizer
+    decoders = {name: (model, kwargs) for name, kwargs in DECODERS.items()}
+    for rank in (int(r) for r in args.adapter_ranks.split(",") if r):
+        truncated = copy.deepcopy(model)
+        kept = truncate_adapter_rank(truncated, rank)
+        print(f"rank {rank}: every product keeps >= {kept:.1%} of its energy")
+        decoders[f"verify, adapter rank {rank}"] = (truncated, DECODERS["verify"])
+    lines = Path(args.prompts_file).read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines[: args.prompts]]
+    runs = collections.defaultdict(list)  # decoder -> per repeat: (seconds, tokens, forwards, rest seconds)
+    steps = collections.defaultdict(list)  # (decoder, columns, adapter) -> seconds, decode steps only
+    traces: list[list[tuple[int, int]]] = []
+    with torch.inference_mode(), Recorder() as rec:
+        for repeat in range(args.repeats + 1):
+            for name, (decoder_model, kwargs) in decoders.items():
+                seconds = tokens = forwards = lean_seconds = 0.0
+                for prompt in prompts:
+                    rec.forwards.clear(), rec.drafts.clear()
+                    start = time.perf_counter()
+                    result = generate(
+                        decoder_model,
+                        tokenizer,
+                        [prompt],
+                        max_new_tokens=args.max_new_tokens,
+                        chat_template=True,
+                        **kwargs,
+                    )
+                    seconds += time.perf_counter() - start
+                    tokens += sum(len(t) for t in result.token_ids)
+                    forwards += len(rec.forwards) - 1  # the prompt's prefill is not a decode step
+                    lean_seconds += sum(s for *_, s in rec.forwards[1:])
+                    if repeat:
+                        for columns, adapter, s in rec.forwards[1:]:
+                            steps[name, columns, adapter].append(s)
+                if repeat:
+                    runs[name].append((seconds, tokens, forwards, lean_seconds))
+        for line in lines[: args.trace_prompts]:
+            rec.drafts.clear()
+            generate(
+                model,
+                tokenizer,
+                [json.loads(line)["prompt"]],
+                max_new_tokens=args.trace_tokens,
+                chat_template=True,
+                **DECODERS["verify"],
+            )
+            traces.append(list(rec.drafts))
+    summary = {}
+    for name, rs in runs.items():
+        seconds = statistics.median(r[0] for r in rs)
+        tokens, forwards = rs[0][1], rs[0][2]
+        summary[name] = dict(
+            tokens_per_s=tokens / seconds,
+            tokens_per_forward=tokens / (forwards + len(prompts)),
+            lean_ms_per_step=1e3 * statistics.median(r[3] / r[2] for r in rs),
+            seconds=seconds,
+        )
+    ar = summary["ar-cursor"]
+    ar_step = statistics.median(steps["ar-cursor", 1, False])
+    table = [
+        f"# Verified decoding at batch 1: where the time goes\n\nmodel `{args.model}`, float32, {threads} threads, "
+        f"{len(prompts)} prompts of `{args.prompts_file}`, {args.max_new_tokens} new tokens, {args.repeats} repeats "
+        "(median), decoders interleaved.\n",
+        "| decoder | tokens/s | vs AR | tok/fwd | (vs AR) / (tok/fwd) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        speedup = s["tokens_per_s"] / ar["tokens_per_s"]
+        table.append(
+            f"| {name} | {s['tokens_per_s']:.1f} | {speedup:.2f}x | {s['tokens_per_forward']:.2f} | "
+            f"{speedup / s['tokens_per_forward']:.2f} |"
+        )
+    table += [
+        "",
+        "| decoder | columns | adapter live | decode steps | lean forward ms | vs AR step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (name, columns, adapter), times in sorted(steps.items()):
+        ms = statistics.median(times)
+        table.append(
+            f"| {name} | {columns} | {'yes' if adapter else 'no'} | {len(times)} | {ms * 1e3:.1f} | {ms / ar_step:.2f}x |"
+        )
+    transitions = draft_transitions(traces)
+    table += [
+        "",
+        f"Draft statistics ({args.trace_prompts} prompts, {args.trace_tokens} new tokens, `verify`): the masks of "
+        f"{transitions['p_draft']:.2f} of {transitions['transitions']} steps proposed a draft; after a step that proposed none {transitions['p_draft_after_none']:.2f}, after one that "
+        f"proposed {transitions['p_draft_after_draft']:.2f}.",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "breakdown.md").write_text("\n".join(table) + "\n")
+    (args.out / "breakdown.json").write_text(
+        json.dumps(dict(summary=summary, transitions=transitions, model=args.model, threads=threads), indent=1)
+    )
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""scripts/verify_step_breakdown.py: where verified decoding's time goes, and whether a miss predicts a miss."""
+
+import json
+
+from conftest import REPO
+from module_loading import load_module
+
+breakdown = load_module(REPO / "scripts" / "verify_step_breakdown.py", "verify_step_breakdown")
+
+
+def test_draft_transitions_count_what_follows_a_step_with_and_without_a_draft():
+    # (drafts fed, passed) per step; step t+1 fed drafts <=> step t's masks proposed one
+    trace = [(0, 0), (2, 1), (0, 0), (0, 0), (1, 1), (3, 0)]
+    stats = breakdown.draft_transitions([trace])
+    # proposed per step (from the next step's feed): [T, F, F, T, T]; transitions TF, FF, FT, TT
+    assert stats["transitions"] == 4
+    assert stats["p_draft_after_none"] == 0.5
+    assert stats["p_draft_after_draft"] == 0.5
+    assert stats["p_draft"] == 0.5
+
+
+def test_the_breakdown_runs_end_to_end_and_leaves_the_engine_unwrapped(tmp_path, monkeypatch):
+    from mars.decoding import engine, lean
+
+    before = (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats)
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    breakdown.main(
+        ["--model", "tiny-random", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--threads", "1"]
+        + ["--trace-prompts", "1", "--trace-tokens", "4", "--out", str(out)]
+    )
+    summary = json.loads((out / "breakdown.json").read_text())["summary"]
+    assert set(summary) == set(breakdown.DECODERS)
+    assert summary["ar-cursor"]["tokens_per_forward"] == 1.0
+    assert all(s["tokens_per_s"] > 0 for s in summary.values())
+    assert "| ar-cursor | 1 | no |" in (out / "breakdown.md").read_text()
+    assert (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats) == before
