@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         decoders[f"verify, adapter rank {rank}"] = (truncated, DECODERS["verify"])
     lines = Path(args.prompts_file).read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines[: args.prompts]]
-    runs = collections.defaultdict(list)  # decoder -> per repeat: (seconds, tokens, forwards, rest seconds)
+    runs = collections.defaultdict(list)  # decoder -> per repeat: (seconds, tokens, decode steps, lean seconds)
     steps = collections.defaultdict(list)  # (decoder, columns, adapter) -> seconds, decode steps only
     traces: list[list[tuple[int, int]]] = []
     with torch.inference_mode(), Recorder() as rec:
@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     table += [
         "",
         f"Draft statistics ({args.trace_prompts} prompts, {args.trace_tokens} new tokens, `verify`): the masks of "
-        f"{transitions['p_draft']:.2f} of {transitions['transitions']} steps proposed a draft; after a step that proposed none {transitions['p_draft_after_none']:.2f}, after one that "
-        f"proposed {transitions['p_draft_after_draft']:.2f}.",
+        f"{transitions['p_draft']:.2f} of {transitions['transitions']} steps proposed a draft; after a step that "
+        f"proposed none {transitions['p_draft_after_none']:.2f}, after one that proposed "
+        f"{transitions['p_draft_after_draft']:.2f}.",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "breakdown.md").write_text("\n".join(table) + "\n")
