@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="also time verify with the gated adapter truncated to each of these ranks (comma-separated)",
     )
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=Path("results/verify_breakdown"))
     args = p.parse_args(argv)
     threads = configure_threads(args.threads)
     lm = load_model(args.model, dtype=torch.float32)
