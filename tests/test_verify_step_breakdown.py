@@ -10,13 +10,13 @@ breakdown = load_module(REPO / "scripts" / "verify_step_breakdown.py", "verify_s
 
 def test_draft_transitions_count_what_follows_a_step_with_and_without_a_draft():
     # (drafts fed, passed) per step; step t+1 fed drafts <=> step t's masks proposed one
-    trace = [(0, 0), (2, 1), (0, 0), (0, 0), (1, 1), (3, 0)]
+    trace = [(0, 0), (2, 1), (0, 0), (1, 1), (3, 0), (0, 0), (0, 0)]
     stats = breakdown.draft_transitions([trace])
-    # proposed per step (from the next step's feed): [T, F, F, T, T]; transitions TF, FF, FT, TT
-    assert stats["transitions"] == 4
-    assert stats["p_draft_after_none"] == 0.5
-    assert stats["p_draft_after_draft"] == 0.5
-    assert stats["p_draft"] == 0.5
+    # proposed per step (from the next step's feed): [T, F, T, T, F, F]; transitions TF, FT, TT, TF, FF
+    assert stats["transitions"] == 5
+    assert stats["p_draft_after_none"] == 0.5  # FT, FF
+    assert stats["p_draft_after_draft"] == 1 / 3  # TF, TT, TF
+    assert stats["p_draft"] == 2 / 5
 
 
 def test_the_breakdown_runs_end_to_end_and_leaves_the_engine_unwrapped(tmp_path, monkeypatch):
