@@ -23,6 +23,16 @@ def tokenizer():
     return tok
 
 
+def give_adapter_weights(model, seed: int) -> None:
+    """Give a freshly attached adapter's zero LoRA B factors and mask-embedding delta random values, as
+    training would, so that it changes the logits at mask columns."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "mask_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
 def build_model(seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with untied, large-ish random weights so that greedy outputs vary and
     confidences spread across (0, 1); the mask embedding is shrunk so that mask outputs depend on

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from decoding_fixtures import give_adapter_weights
 
 from mars.adapters import (
     AdapterError,
@@ -22,15 +23,6 @@ def tiny(seed: int = 0):
     return build_tiny_random(vocab_size=97 + MASK_ID, hidden_size=32, num_layers=2, intermediate_size=64, seed=seed)
 
 
-def perturb(model, seed: int = 1):
-    """Give the freshly initialised (zero) LoRA B matrices and the mask delta values, as training would."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "mask_embedding_delta" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
 def ids_with_masks(n=2, length=12, masks_from=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(MASK_ID + 1, 97, (n, length), generator=g)
@@ -48,7 +40,7 @@ def test_gated_adapter_leaves_every_real_column_bit_identical_and_changes_mask_c
     base = tiny()
     adapted = tiny()
     attach_adapter(adapted, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-    perturb(adapted)
+    give_adapter_weights(adapted, seed=1)
     ids, masked = ids_with_masks()
     assert torch.equal(logits(adapted, ids), logits(base, ids))  # no mask token: exactly the base model
     out, ref = logits(adapted, masked), logits(base, masked)
@@ -60,7 +52,7 @@ def test_plain_lora_acts_on_every_column_and_merges_into_a_plain_model():
     base_params = sum(p.numel() for p in tiny().parameters())
     adapted = tiny()
     attach_adapter(adapted, AdapterSettings(kind="lora", rank=4), MASK_ID)
-    perturb(adapted)
+    give_adapter_weights(adapted, seed=1)
     ids, masked = ids_with_masks()
     assert (logits(adapted, ids) - logits(tiny(), ids)).abs().amax() > 1e-2
     before = logits(adapted, masked)
@@ -96,7 +88,7 @@ def save(model, folder, **meta):
 def test_saved_adapter_reloads_to_the_same_outputs(tmp_path):
     model = tiny()
     attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-    perturb(model)
+    give_adapter_weights(model, seed=1)
     folder = save(model, tmp_path / "adapter", mask_token_id=MASK_ID)
     files = {p.name for p in folder.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "mars_adapter.json"} <= files
@@ -145,7 +137,7 @@ def test_truncating_the_rank_keeps_a_low_rank_product_and_never_touches_real_col
     base = tiny()
     adapted = tiny()
     attach_adapter(adapted, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-    perturb(adapted)
+    give_adapter_weights(adapted, seed=1)
     with torch.no_grad():  # give every product B A rank 2: its rows of A beyond the second repeat the first two
         for name, p in adapted.named_parameters():
             if "lora_A" in name:

@@ -37,17 +37,13 @@ def tiny_qwen2():
 def gated_model():
     """The tiny Llama with a gated LoRA (rank 4) whose B factors and mask-embedding delta are nonzero, so the
     adapter changes the logits at mask columns."""
-    from decoding_fixtures import MASK_ID
+    from decoding_fixtures import MASK_ID, give_adapter_weights
 
     from mars.adapters import AdapterSettings, attach_adapter
 
     model = build_model()
     attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "mask_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    give_adapter_weights(model, seed=2)
     return model
 
 
