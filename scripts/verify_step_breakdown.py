@@ -31,14 +31,15 @@ from mars.adapters import truncate_adapter_rank  # noqa: E402
 from mars.decoding import engine as engine_module  # noqa: E402
 from mars.decoding import generate  # noqa: E402
 from mars.decoding import lean as lean_module  # noqa: E402
+from mars.evaluation.throughput import VERIFIED  # noqa: E402
 from mars.models import load_model  # noqa: E402
 from mars.threads import configure_threads  # noqa: E402
 
 DECODERS = {
     "ar-cursor": dict(decoder="mars", cache="cursor", threshold=1.0),
-    "verify": dict(decoder="mars", cache="cursor", verify=True),
-    "verify window 3": dict(decoder="mars", cache="cursor", verify=True, window=3),
-    "verify window 2": dict(decoder="mars", cache="cursor", verify=True, window=2),
+    "verify": VERIFIED,  # the throughput command's lossless decoder
+    "verify window 3": {**VERIFIED, "window": 3},
+    "verify window 2": {**VERIFIED, "window": 2},
 }
 
 
