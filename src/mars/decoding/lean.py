@@ -15,10 +15,11 @@ mask-embedding delta and each LoRA layer's ``B(A(h) * gate) * scaling``, op for 
 caller runs the model's own forward) for anything it does not mirror exactly: other architectures, attention other than SDPA, q/k norms, hooks (accelerate offload),
 activations other than SiLU, tensor-parallel pretraining splits.
 
-A batch-1 step with a per-row cache (every step of batch-1 decoding) runs the same loop in C++
-(``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order, bit-identical, tested) instead of
-Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that way against 39.5 ms for the Python
-loop (2 threads, measured side by side; ``benchmarks/decode_step_cpu/step_cost_native/``).
+A step on the per-row cache computing at most 16 columns (every batch-1 decode step, and batched steps of a
+few rows) runs the same loop in C++ (``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order,
+bit-identical, tested) instead of Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that
+way against 39.5 ms for the Python loop (2 threads, measured side by side;
+``benchmarks/decode_step_cpu/step_cost_native/``).
 ``MARS_DECODER_STEP=0`` turns it off.
 """
 
@@ -232,15 +233,15 @@ class LeanDecoder:
         return x
 
     def _native_fits(self, x: torch.Tensor, cache) -> bool:
-        """Whether this step is one the C++ pass takes: one row written as one run of cache positions, every
-        column computed, at most MAX_COLUMNS of them, fp32 without autograd."""
+        """Whether this step is one the C++ pass takes: a step on the per-row cache (one row or several, each
+        written at its own positions) computing at most MAX_COLUMNS columns (padding left out), fp32 without
+        autograd."""
+        rows = computed_rows(tuple(x.shape[:2]))
         return (
-            getattr(cache, "single_row_start", None) is not None
-            and x.shape[0] == 1
-            and x.shape[1] <= MAX_COLUMNS
+            getattr(cache, "write_positions", None) is not None
+            and (rows is not None or x.shape[0] * x.shape[1] <= MAX_COLUMNS)
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
-            and computed_rows(tuple(x.shape[:2])) is None
         )
 
     def __call__(self, input_ids, position_ids, attention_mask, cache=None) -> torch.Tensor:
@@ -252,7 +253,11 @@ class LeanDecoder:
             keys, values = cache.step_buffers(x, self.kv_heads, self.head_dim)
             mask_rows = self.mask_rows if self.gate_columns is not None else None
             start, length = cache.single_row_start, cache.kv_length
-            return native.step(x, cos, sin, attention_mask, keys, values, start, length, mask_rows)
+            positions = cache.write_positions if start is None else None  # None: one row, one run (a copy)
+            rows = computed_rows(tuple(x.shape[:2]))
+            return native.step(
+                x, cos, sin, attention_mask, keys, values, start or 0, length, mask_rows, positions, rows
+            )
         batch, columns = input_ids.shape
         shape = (batch, columns, -1, self.head_dim)
         rotate = self._rotate_half

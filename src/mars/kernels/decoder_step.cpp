@@ -7,9 +7,11 @@
 // the same arguments, so its output is bit-identical to the Python loop's (tested), with the
 // projections through fused_linear (small_gemm.cpp) called directly.
 //
-// It covers the case every batch-1 decode step is in: one row, its new columns written as one run of
-// cache positions starting at `start` (the per-row cache's copy path), at most 16 columns.  The Python
-// caller (mars.decoding.lean) checks that and otherwise runs its own loop.
+// It covers every decode step on the per-row cache with at most 16 computed columns: one row whose new
+// columns are one run of cache positions from `start` (a slice copy), or several rows written at their own
+// positions (the cache's scatter), the padding columns of a ragged batch left out of the matmuls as the
+// Python loop's `only_columns` does (`rows`: the flattened columns computed).  The Python caller
+// (mars.decoding.lean) checks that and otherwise runs its own loop.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -103,50 +105,74 @@ struct DecoderStep : torch::CustomClassHolder {
     return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
   }
 
-  std::vector<at::Tensor> project(const at::Tensor& h, const Group& g, const c10::optional<at::Tensor>& mask_rows) const {
+  // As mars.decoding.fastpath.fused_linears: with `rows`, only those flattened columns are computed and the
+  // others are zeros (index_select, then index_copy_ into zeros: the same ops).
+  std::vector<at::Tensor> project(const at::Tensor& h, const Group& g, const c10::optional<at::Tensor>& mask_rows,
+                                  const c10::optional<at::Tensor>& rows) const {
     static const OptionalList none;
     const bool lora = g.adapted && mask_rows.has_value();
     const int64_t k = h.size(-1);
-    std::vector<at::Tensor> out = fused_linear(h.reshape({-1, k}), g.weights, g.biases, lora ? g.lora_a : none,
-                                               lora ? g.lora_b : none, lora ? at::ArrayRef<double>(g.scalings)
-                                                                            : at::ArrayRef<double>(),
+    const at::Tensor flat = h.reshape({-1, k});
+    std::vector<at::Tensor> out = fused_linear(rows.has_value() ? flat.index_select(0, *rows) : flat, g.weights,
+                                               g.biases, lora ? g.lora_a : none, lora ? g.lora_b : none,
+                                               lora ? at::ArrayRef<double>(g.scalings) : at::ArrayRef<double>(),
                                                lora ? mask_rows : c10::nullopt);
-    for (at::Tensor& y : out) y = y.view({h.size(0), h.size(1), y.size(-1)});
+    for (at::Tensor& y : out) {
+      if (rows.has_value()) y = y.new_zeros({flat.size(0), y.size(-1)}).index_copy_(0, *rows, y);
+      y = y.view({h.size(0), h.size(1), y.size(-1)});
+    }
     return out;
   }
 
-  // x: the embedded input [1, columns, hidden] (a gated adapter's mask delta added); cos, sin: [1, 1, columns,
-  // head_dim]; keys/values: each layer's cache buffers [1, kv_heads, capacity, head_dim], the new columns
-  // written at start .. start + columns - 1, attention reading the first kv_length positions; mask_rows:
-  // the mask columns a gated adapter acts at (None: no adapter in this step).  Returns the final normed
-  // hidden states [1, columns, hidden].
+  // x: the embedded input [batch, columns, hidden] (a gated adapter's mask delta added); cos, sin: [batch, 1,
+  // columns, head_dim]; keys/values: each layer's cache buffers [batch, kv_heads, capacity, head_dim]; the new
+  // columns are written at `positions` [batch, columns] (scattered, as RaggedKVLayer.update) or, when it is
+  // None (one row), at start .. start + columns - 1 (a copy); attention reads the first kv_length positions;
+  // mask_rows: the mask columns a gated adapter acts at, among the computed ones (None: no adapter in this
+  // step); rows: the flattened columns computed (None: all).  Returns the final normed hidden states
+  // [batch, columns, hidden].
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
-                  int64_t kv_length, const c10::optional<at::Tensor>& mask_rows) const {
+                  int64_t kv_length, const c10::optional<at::Tensor>& mask_rows,
+                  const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows) const {
     const size_t layers = scales.size();
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "mars::DecoderStep: one cache buffer per layer");
-    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "mars::DecoderStep: one row at a time, got ", x.sizes());
+    TORCH_CHECK(x.dim() == 3 && (positions.has_value() || x.size(0) == 1), "mars::DecoderStep: ", x.sizes(),
+                " needs the write positions of its rows");
+    TORCH_CHECK(!positions.has_value() || (positions->size(0) == x.size(0) && positions->size(1) == x.size(1)),
+                "mars::DecoderStep: write positions ", positions.has_value() ? positions->sizes() : at::IntArrayRef(),
+                " for an input of ", x.sizes());
     const int64_t batch = x.size(0), columns = x.size(1);
+    at::Tensor index;  // the scatter's index, as RaggedKVLayer.update builds it
+    if (positions.has_value()) {
+      const int64_t kv_heads = keys[0].size(1), dim = keys[0].size(3);
+      index = positions->view({batch, 1, columns, 1}).expand({batch, kv_heads, columns, dim});
+    }
     const std::vector<int64_t> shape{batch, columns, -1, head_dim};
     for (size_t l = 0; l < layers; ++l) {
       const Group* g = &groups[4 * l];
       at::Tensor h = rms_norm(norm_in[l], eps_in[l], x);
-      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows);
+      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows, rows);
       at::Tensor q = qkv[0].view(shape).transpose(1, 2);
       at::Tensor k = qkv[1].view(shape).transpose(1, 2);
       at::Tensor v = qkv[2].view(shape).transpose(1, 2);
       q = (q * cos) + (rotate_half(q) * sin);
       k = (k * cos) + (rotate_half(k) * sin);
-      keys[l].slice(2, start, start + columns).copy_(k);
-      values[l].slice(2, start, start + columns).copy_(v);
+      if (positions.has_value()) {
+        keys[l].scatter_(2, index, k);
+        values[l].scatter_(2, index, v);
+      } else {
+        keys[l].slice(2, start, start + columns).copy_(k);
+        values[l].slice(2, start, start + columns).copy_(v);
+      }
       k = keys[l].slice(2, 0, kv_length);
       v = values[l].slice(2, 0, kv_length);
       at::Tensor a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scales[l], q.size(1) != k.size(1));
       a = a.transpose(1, 2).contiguous().reshape({batch, columns, -1}).contiguous();
-      x = x + project(a, g[1], mask_rows)[0];
+      x = x + project(a, g[1], mask_rows, rows)[0];
       h = rms_norm(norm_post[l], eps_post[l], x);
-      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows);
-      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows)[0];
+      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows, rows);
+      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows, rows)[0];
     }
     return rms_norm(final_norm, final_eps, x);
   }
