@@ -217,11 +217,15 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
         assert not torch.equal(plain[1][0, 1:], cpp[1][0, 1:])
 
 
-def _decode_ragged_batch(model, native: bool | None, masks: bool):
+NARROW = ((6, (5, 6)), (3, (3, 1)), (3, (3, 1)))  # (input width, real or read columns of each row) per step
+WIDE = ((12, (11, 12)), (9, (9, 9)), (9, (9, 1)))  # 23 and 18 live columns: wider than the kernel takes
+
+
+def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
     """Two rows of different lengths on the per-row cache: a prefill (row 0's prompt one token shorter, its
-    last column padding) and two decode steps in which row 0 feeds its last token and two masks (or real
-    tokens) while row 1 feeds one token and two padding columns; through the C++ pass, the lean Python loop
-    or transformers' forward.  Returns the logits read at every step and the cache's keys."""
+    last column padding), then decode steps in which row 0 feeds its last token and masks (or real tokens)
+    and row 1 its last token and real tokens or padding; through the C++ pass, the lean Python loop or
+    transformers' forward.  Returns the logits at every step's live columns and the cache's keys."""
     from decoding_fixtures import MASK_ID
 
     runner = ModelRunner(model)
@@ -231,48 +235,49 @@ def _decode_ragged_batch(model, native: bool | None, masks: bool):
         runner._lean = LeanDecoder(model)
         if not native:
             runner._lean._native = False
-    cache = RaggedKVCache(runner.num_layers, capacity=8)  # the second step grows the buffers
+    cache = RaggedKVCache(runner.num_layers, capacity=8)  # the decode steps grow the buffers
     vocab, logits = model.config.vocab_size, []
     start = torch.tensor([0, 0])
     g = torch.Generator().manual_seed(7)
     with torch.inference_mode(), gqa_attention(model):
-        for width, used in ((6, (5, 6)), (3, (3, 1)), (3, (3, 1))):
+        for i, (width, used) in enumerate(steps):
             used = torch.tensor(used)
             ids = torch.randint(0, vocab, (2, width), generator=g)
-            if masks and width == 3:
+            if masks and i:
                 ids[0, 1:] = MASK_ID
             pos = start.unsqueeze(1) + torch.arange(width)
             kv = int(start.max()) + width
             mask = (torch.arange(kv).view(1, 1, -1) <= pos.unsqueeze(2)).unsqueeze(1)
             live = torch.arange(width).unsqueeze(0) < used.unsqueeze(1)
-            prefill = width == 6
-            reads = (used - 1).unsqueeze(1) if prefill else torch.arange(3).expand(2, -1)  # each row's last real
-            live_reads = torch.ones(reads.shape, dtype=torch.bool) if prefill else live  # token on, padding not
             cache.prepare_step(pos, kv)
-            logits.append(runner.logits_at(ids, pos, mask, reads, cache, live=live, live_columns=live_reads))
-            start = start + (used if prefill else 1)  # the prompts, then one token a step
+            columns = torch.arange(width).expand(2, -1)
+            logits.append(runner.logits_at(ids, pos, mask, columns, cache, live=live, live_columns=live)[live])
+            start = start + (used if i == 0 else 1)  # the prompts, then one token a step
     if native:
         assert isinstance(runner._lean._native, torch.ScriptObject), "the C++ decoder step did not run"
     return logits, [layer.keys[b, :, : int(start[b])] for layer in cache.layers for b in range(2)]
 
 
+@pytest.mark.parametrize("steps", [NARROW, WIDE], ids=["narrow", "wide"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gated"])
-def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind):
-    """Several rows at their own cache positions (a scatter, not a copy) with padding columns left out of
-    the matmuls, and a gated adapter acting at one row's masks: the C++ pass gives the logits and cache of
-    the lean Python loop and of transformers' forward, bit for bit."""
+def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
+    """Several rows at their own cache positions (a scatter, not a copy), padding columns left out of the
+    matmuls (narrow) or steps wider than the kernel takes (wide: F.linear), and a gated adapter acting at one
+    row's masks: the C++ pass gives the logits and cache of the lean Python loop and of transformers'
+    forward, bit for bit."""
     kernel_or_skip()
     model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
     masks = kind == "gated"
-    cpp, cpp_keys = _decode_ragged_batch(model, True, masks)
-    loop, loop_keys = _decode_ragged_batch(model, False, masks)
-    hf, _ = _decode_ragged_batch(model, None, masks)
+    cpp, cpp_keys = _decode_ragged_batch(model, True, masks, steps)
+    loop, loop_keys = _decode_ragged_batch(model, False, masks, steps)
+    hf, _ = _decode_ragged_batch(model, None, masks, steps)
     for a, b, c in zip(cpp, loop, hf):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert all(torch.equal(a, b) for a, b in zip(cpp_keys, loop_keys))
-    if masks:  # the adapter acted at row 0's masks in the C++ pass, and not on row 1
-        plain, _ = _decode_ragged_batch(model, True, False)
-        assert not torch.equal(plain[1][0, 1:], cpp[1][0, 1:])
+    if masks:  # the adapter acted at row 0's masks in the C++ pass (row 0's columns come first)
+        plain, _ = _decode_ragged_batch(model, True, False, steps)
+        width = steps[1][1][0]
+        assert not torch.equal(plain[1][1:width], cpp[1][1:width])
 
 
 def test_the_cpp_decoder_step_has_an_off_switch(monkeypatch):

@@ -7,11 +7,12 @@
 // the same arguments, so its output is bit-identical to the Python loop's (tested), with the
 // projections through fused_linear (small_gemm.cpp) called directly.
 //
-// It covers every decode step on the per-row cache with at most 16 computed columns: one row whose new
-// columns are one run of cache positions from `start` (a slice copy), or several rows written at their own
-// positions (the cache's scatter), the padding columns of a ragged batch left out of the matmuls as the
-// Python loop's `only_columns` does (`rows`: the flattened columns computed).  The Python caller
-// (mars.decoding.lean) checks that and otherwise runs its own loop.
+// It covers every step on the per-row cache: one row whose new columns are one run of cache positions from
+// `start` (a slice copy), or several rows written at their own positions (the cache's scatter); up to 16
+// computed columns through fused_linear, the padding columns of a ragged batch left out of the matmuls as the
+// Python loop's `only_columns` does (`rows`: the flattened columns computed), wider steps (prefills, big
+// batches) through at::linear as the Python loop does.  The Python caller (mars.decoding.lean) checks that
+// and otherwise runs its own loop.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -105,11 +106,27 @@ struct DecoderStep : torch::CustomClassHolder {
     return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
   }
 
-  // As mars.decoding.fastpath.fused_linears: with `rows`, only those flattened columns are computed and the
-  // others are zeros (index_select, then index_copy_ into zeros: the same ops).
+  // As mars.decoding.lean's _project_group: through fused_linear (with `rows`, only those flattened columns are
+  // computed and the others are zeros: index_select, then index_copy_ into zeros, the ops of
+  // mars.decoding.fastpath.fused_linears), or, for a step wider than the kernel takes (`dense`), each
+  // projection by at::linear (MKL) and a gated LoRA as B((A h) * gate) * scaling, the ops of _project.
   std::vector<at::Tensor> project(const at::Tensor& h, const Group& g, const c10::optional<at::Tensor>& mask_rows,
-                                  const c10::optional<at::Tensor>& rows) const {
+                                  const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& gate,
+                                  bool dense) const {
     static const OptionalList none;
+    if (dense) {
+      std::vector<at::Tensor> out;
+      for (size_t i = 0; i < g.weights.size(); ++i) {
+        at::Tensor y = at::linear(h, g.weights[i], g.biases.get(i));
+        const c10::optional<at::Tensor> A = g.adapted ? g.lora_a.get(i) : c10::nullopt;
+        if (gate.has_value() && A.has_value() && A->defined()) {
+          const at::Tensor a = at::linear(h, *A) * *gate;
+          y = y + at::linear(a, g.lora_b.get(i).value()) * g.scalings[i];
+        }
+        out.push_back(y);
+      }
+      return out;
+    }
     const bool lora = g.adapted && mask_rows.has_value();
     const int64_t k = h.size(-1);
     const at::Tensor flat = h.reshape({-1, k});
@@ -128,13 +145,15 @@ struct DecoderStep : torch::CustomClassHolder {
   // columns, head_dim]; keys/values: each layer's cache buffers [batch, kv_heads, capacity, head_dim]; the new
   // columns are written at `positions` [batch, columns] (scattered, as RaggedKVLayer.update) or, when it is
   // None (one row), at start .. start + columns - 1 (a copy); attention reads the first kv_length positions;
-  // mask_rows: the mask columns a gated adapter acts at, among the computed ones (None: no adapter in this
-  // step); rows: the flattened columns computed (None: all).  Returns the final normed hidden states
-  // [batch, columns, hidden].
+  // mask_rows: the mask columns a gated adapter acts at, among the computed ones, and gate: [batch, columns, 1],
+  // 1.0 at mask columns (both None: no adapter in this step); rows: the flattened columns computed (None:
+  // all); dense: the step is wider than fused_linear takes (see project).  Returns the final normed hidden
+  // states [batch, columns, hidden].
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
                   int64_t kv_length, const c10::optional<at::Tensor>& mask_rows,
-                  const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows) const {
+                  const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows,
+                  const c10::optional<at::Tensor>& gate, bool dense) const {
     const size_t layers = scales.size();
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "mars::DecoderStep: one cache buffer per layer");
     TORCH_CHECK(x.dim() == 3 && (positions.has_value() || x.size(0) == 1), "mars::DecoderStep: ", x.sizes(),
@@ -152,7 +171,7 @@ struct DecoderStep : torch::CustomClassHolder {
     for (size_t l = 0; l < layers; ++l) {
       const Group* g = &groups[4 * l];
       at::Tensor h = rms_norm(norm_in[l], eps_in[l], x);
-      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows, rows);
+      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows, rows, gate, dense);
       at::Tensor q = qkv[0].view(shape).transpose(1, 2);
       at::Tensor k = qkv[1].view(shape).transpose(1, 2);
       at::Tensor v = qkv[2].view(shape).transpose(1, 2);
@@ -169,10 +188,10 @@ struct DecoderStep : torch::CustomClassHolder {
       v = values[l].slice(2, 0, kv_length);
       at::Tensor a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scales[l], q.size(1) != k.size(1));
       a = a.transpose(1, 2).contiguous().reshape({batch, columns, -1}).contiguous();
-      x = x + project(a, g[1], mask_rows, rows)[0];
+      x = x + project(a, g[1], mask_rows, rows, gate, dense)[0];
       h = rms_norm(norm_post[l], eps_post[l], x);
-      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows, rows);
-      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows, rows)[0];
+      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows, rows, gate, dense);
+      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows, rows, gate, dense)[0];
     }
     return rms_norm(final_norm, final_eps, x);
   }
