@@ -253,9 +253,9 @@ class LeanDecoder:
             positions = cache.write_positions if start is None else None  # None: one row, one run (a copy)
             rows = computed_rows(tuple(x.shape[:2]))
             dense = rows is None and x.shape[0] * x.shape[1] > MAX_COLUMNS  # wider than the kernel: F.linear
+            cached = (keys, values, start or 0, length)
             return native.step(
-                x, cos, sin, attention_mask, keys, values, start or 0, length, mask_rows, positions, rows,
-                self.gate_columns, dense,
+                x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, self.gate_columns, dense
             )
         batch, columns = input_ids.shape
         shape = (batch, columns, -1, self.head_dim)

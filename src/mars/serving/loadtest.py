@@ -1,6 +1,6 @@
 """Bounded load test of ``serve.py`` over loopback: throughput, latency and time to first token against
-offered load for several threshold policies, the quality cost of lowering the threshold, and a burst past the
-queue limit.
+offered load for several threshold policies (fixed 1.0 or 0.9, adaptive, and ``verify``: every request asks for
+lossless verified decoding), the quality cost of lowering the threshold, and a burst past the queue limit.
 
     python -m mars.serving.loadtest --out benchmarks/serving              # the committed benchmark
     python -m mars.serving.loadtest --rates 0.1,0.3 --duration 20 --policies tau1.0,adaptive --out /tmp/lt
@@ -44,7 +44,9 @@ POLICIES = {
     "tau1.0": ["tau_policy=fixed", "threshold=1.0"],
     "tau0.9": ["tau_policy=fixed", "threshold=0.9"],
     "adaptive": ["tau_policy=adaptive"],
+    "verify": ["tau_policy=fixed", "threshold=1.0"],  # every request asks for lossless verified decoding
 }
+REQUEST_FIELDS = {"verify": {"verify": True}}  # per-policy request body fields, beside the server's settings
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Result:
     completion_tokens: int = 0
     forwards: int = 0
     served_threshold: float | None = None
+    served_verify: bool | None = None  # whether the server decoded the request with verification
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
@@ -154,6 +157,7 @@ class ServerProcess:
 
 # ------------------------------------------------------------------------------------------------ client
 async def one_request(client, model: str, prompt: str, max_tokens: int, r: Result, timeout: float) -> Result:
+    """One streaming chat request of ``r.policy`` (with that policy's request fields), recorded into ``r``."""
     import openai
 
     r.start = time.monotonic()
@@ -164,7 +168,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, r: Resul
                 messages=[{"role": "user", "content": prompt}],
                 max_tokens=max_tokens,
                 stream=True,
-                extra_body={"return_token_ids": True},
+                extra_body={"return_token_ids": True, **REQUEST_FIELDS.get(r.policy, {})},
             )
             async for ch in stream:
                 mars = ch.model_extra.get("mars") or {}
@@ -178,6 +182,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, r: Resul
                         r.completion_tokens = mars.get("completion_tokens", len(r.token_ids))
                         r.forwards = mars.get("forwards", 0)
                         r.served_threshold = mars.get("threshold")
+                        r.served_verify = mars.get("verify")
         r.status = 200
     except openai.APIStatusError as err:
         r.status, r.error = err.status_code, str(err)[:200]
@@ -456,7 +461,7 @@ def saturation_check(rows: list[dict]) -> str:
     lines = [
         f"tau=1.0 saturates at an offered {sat['offered_rps']:g} req/s (completes {sat['achieved_rps']:.3f} req/s)."
     ]
-    for name in ("adaptive", "tau0.9"):
+    for name in ("adaptive", "tau0.9", "verify"):
         other = next((r for r in rows if r["policy"] == name and r["offered_rps"] == sat["offered_rps"]), None)
         if other and sat["achieved_rps"]:
             lines.append(
@@ -512,7 +517,8 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
         "tokens/s are completed work over the span from the first arrival to the last completion. "
         f"Adaptive: tau between {args.threshold_min} and 1.0, {args.adaptive_signal} signal, target_queue "
-        f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults).",
+        f"{args.target_queue or max(1, args.max_batch // 2)} (other adaptive settings: conf/serve.yaml defaults). "
+        "Verify: threshold 1.0, every request with `verify: true` (lossless: its outputs must equal tau=1.0's).",
         "",
         *lines,
         "",
@@ -521,13 +527,21 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"tau=1.0 outputs identical across load levels: {consistency.get('identical')}/{consistency.get('prompts')} "
         "prompts served more than once.",
         "",
-        f"Burst: {b.get('requests')} simultaneous requests (4x max_queue={args.max_queue}) at tau=1.0: answers "
-        f"{b.get('codes')}, all 200/429/503: {b.get('all_answered_200_429_503')}, healthy after: "
-        f"{b.get('healthy_after')}, server RSS {b.get('rss_mb_before')} MB before, {b.get('rss_mb_peak')} MB peak, "
-        f"{b.get('rss_mb_after')} MB after ({b.get('seconds')} s).",
+        burst_line(b, args.max_queue),
         "",
     ]
     return "\n".join(text)
+
+
+def burst_line(b: dict, max_queue: int) -> str:
+    if not b:
+        return "Burst: not run (--no-burst, or no tau1.0 server)."
+    return (
+        f"Burst: {b.get('requests')} simultaneous requests (4x max_queue={max_queue}) at tau=1.0: answers "
+        f"{b.get('codes')}, all 200/429/503: {b.get('all_answered_200_429_503')}, healthy after: "
+        f"{b.get('healthy_after')}, server RSS {b.get('rss_mb_before')} MB before, {b.get('rss_mb_peak')} MB peak, "
+        f"{b.get('rss_mb_after')} MB after ({b.get('seconds')} s)."
+    )
 
 
 def plot(path: Path, rows: list[dict], traces: dict) -> None:
@@ -538,7 +552,7 @@ def plot(path: Path, rows: list[dict], traces: dict) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    colors = {"tau1.0": "#1f5f99", "tau0.9": "#d9822b", "adaptive": "#2e8b57"}
+    colors = {"tau1.0": "#1f5f99", "tau0.9": "#d9822b", "adaptive": "#2e8b57", "verify": "#8e44ad"}
     panels = [
         ("achieved_rps", None, "completed requests / s"),
         ("tokens_per_s", None, "generated tokens / s"),
