@@ -3,6 +3,7 @@ cached == uncached below 1.0, batch independence, stop rules and statistics."""
 
 import time
 
+import numpy as np
 import pytest
 from decoding_fixtures import (  # noqa: F401  (fixtures)
     CACHES,
@@ -16,6 +17,8 @@ from decoding_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from mars.decoding import generate
+from mars.decoding.engine import masks_within
+from mars.decoding.forward import ModelRunner
 from mars.models import embedded_tokenizer
 
 
@@ -116,6 +119,49 @@ def test_cache_block_window_fills_the_block_and_is_exact_at_one(model, tokenizer
     assert max(rates) > 4
     narrow = generate(model, tokenizer, ragged, threshold=0.2, cache="block", cache_block=12, max_new_tokens=24)
     assert max(t / f for t, f in zip(narrow.stats.per_row_tokens, narrow.stats.per_row_forwards)) <= 4
+
+
+# ---------------------------------------------------------------------------------------------
+# A cap on the columns of a step
+# ---------------------------------------------------------------------------------------------
+def test_masks_within_cuts_the_rows_with_most_masks_first():
+    assert masks_within(np.array([3, 3, 1]), 100).tolist() == [3, 3, 1]
+    assert masks_within(np.array([3, 3, 1]), 5).tolist() == [2, 2, 1]
+    assert masks_within(np.array([3, 3, 1]), 4).tolist() == [1, 1, 1]
+    assert masks_within(np.array([3, 3, 1]), 2).tolist() == [0, 0, 0]
+    assert masks_within(np.array([2, 0]), -3).tolist() == [0, 0]
+
+
+def test_a_step_column_cap_bounds_every_decode_step(model, tokenizer, ragged, monkeypatch):
+    """Under ``max_step_columns`` every step after the prompts' computes at most that many columns, masks still
+    ride along where they fit, and at a cap no mask fits under the output is exactly greedy AR."""
+    computed = []
+    logits_at = ModelRunner.logits_at
+
+    def recording(self, input_ids, *args, live=None, **kwargs):
+        computed.append(int(live.sum()) if live is not None else input_ids.numel())
+        return logits_at(self, input_ids, *args, live=live, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "logits_at", recording)
+    cap = len(ragged) + 3
+    capped = generate(model, tokenizer, ragged, threshold=0.2, max_step_columns=cap, max_new_tokens=24)
+    assert max(computed[1:]) <= cap < max(computed)  # the prompts' step is exempt: no mask is fed with them
+    free = generate(model, tokenizer, ragged, threshold=0.2, max_new_tokens=24)
+    assert 1 < capped.stats.tokens_per_forward < free.stats.tokens_per_forward
+    greedy = generate(model, tokenizer, ragged, threshold=0.2, max_step_columns=1, max_new_tokens=24)
+    assert greedy.token_ids == hf_greedy(model, tokenizer, ragged, 24)
+
+
+def test_verified_rows_under_a_column_cap_stay_lossless(model, tokenizer, ragged):
+    expected = hf_greedy(model, tokenizer, ragged, 24)
+    out = generate(model, tokenizer, ragged, verify=True, max_step_columns=len(ragged) + 2, max_new_tokens=24)
+    assert out.token_ids == expected
+
+
+def test_a_column_cap_must_be_a_positive_integer(model, tokenizer):
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_step_columns"):
+            generate(model, tokenizer, random_prompts((5,)), max_step_columns=bad, max_new_tokens=4)
 
 
 # ---------------------------------------------------------------------------------------------

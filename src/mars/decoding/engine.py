@@ -64,6 +64,16 @@ from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept
 
 
+def masks_within(masks: np.ndarray, room: int) -> np.ndarray:
+    """Each row's masks cut to a common ceiling, the highest at which they fit in ``room`` columns in all (none
+    when the rows' other columns already fill the room): the rows with the most masks give up theirs first."""
+    for ceiling in range(int(masks.max(initial=0)), 0, -1):
+        kept = np.minimum(masks, ceiling)
+        if kept.sum() <= room:
+            return kept
+    return np.zeros_like(masks)
+
+
 @dataclass
 class StepEvent:
     """What one step did for one row: the tokens it accepted (after stop rules) and, when the row
@@ -370,6 +380,10 @@ class DecodeEngine:
         draft_masks = np.where(budget > drafts + 1, self.window - 1, 0)
         predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
         predictions = np.where(waiting, 1, predictions)
+        if s.max_step_columns is not None:
+            masks = predictions - 1 - drafts  # masks or guesses: what a row can do without
+            kept = masks_within(masks, s.max_step_columns - int((uncached + drafts).sum()))
+            predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
         return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit)
 
     def _block_schedule(self, uncached: np.ndarray) -> tuple[bool, np.ndarray]:

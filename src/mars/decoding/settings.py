@@ -167,6 +167,17 @@ class DecodingSettings:
         default=False,
         metadata=_help("append the masks even where no row can accept them (threshold 1.0): measures their cost"),
     )
+    max_step_columns: int | None = field(
+        default=None,
+        metadata=_help(
+            "cap on the columns one batched decode step computes: masks (or Jacobi guesses) are dropped, the "
+            "longest rows' first, until the step fits; every row keeps its real tokens, its AR column and its "
+            "drafts. Extra columns are nearly free only while a step stays memory-bound (on a 2-core EPYC up to "
+            "about 8 in all), so under load this keeps masks from costing more than they yield. None: no cap. "
+            "With a cap a row below threshold 1.0 can decode differently under different loads (verified and "
+            "threshold-1.0 rows cannot)"
+        ),
+    )
     ar_cache: str = field(
         default="dynamic",
         metadata=_help(
@@ -187,6 +198,8 @@ class DecodingSettings:
         object.__setattr__(self, "threshold", validate_threshold(self.threshold, self.metric))
         if self.max_accept is not None and (not _is_int(self.max_accept) or self.max_accept < 1):
             raise ValueError(f"max_accept must be None or an integer >= 1, got {self.max_accept!r}")
+        if self.max_step_columns is not None and (not _is_int(self.max_step_columns) or self.max_step_columns < 1):
+            raise ValueError(f"max_step_columns must be None or an integer >= 1, got {self.max_step_columns!r}")
         temp = self.temperature
         if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not temp >= 0 or math.isinf(temp):
             raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")

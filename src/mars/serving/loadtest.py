@@ -511,7 +511,8 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         "",
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_capability')}, native bf16: {machine.get('cpu_native_bf16')}), "
         f"{os.cpu_count()} cores shared with other jobs; server dtype {args.dtype}, {args.threads} torch thread(s), "
-        f"max_batch={args.max_batch}, max_queue={args.max_queue}, block size 4, cache=cursor.",
+        f"max_batch={args.max_batch}, max_queue={args.max_queue}, block size 4, cache=cursor, max_step_columns="
+        f"{args.max_step_columns}.",
         f"Each level: Poisson arrivals for {args.duration:g} s (same arrivals and prompts for every policy), streaming "
         f"chat requests of at most {args.max_tokens} new tokens, greedy, prompts from data/prompts/heldout.jsonl of at "
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
@@ -626,6 +627,12 @@ def parse_args(argv=None):
         "and requests keep coming)",
     )
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
+    p.add_argument(
+        "--max-step-columns",
+        type=int,
+        default=None,
+        help="the servers' decoding.max_step_columns: cap on the columns of a batched step (masks dropped first)",
+    )
     bench_cli.add_dtype(p)
     p.add_argument("--burst-max-tokens", type=int, default=16, help="new tokens per request of the burst")
     p.add_argument("--no-burst", action="store_true")
@@ -655,6 +662,8 @@ def server_overrides(args) -> list[str]:
         f"adaptive.signal={args.adaptive_signal}",
         f"adaptive.target_queue={args.target_queue or max(1, args.max_batch // 2)}",
     ]
+    if args.max_step_columns is not None:
+        common.append(f"decoding.max_step_columns={args.max_step_columns}")
     return common + ([f"checkpoint={args.checkpoint}"] if args.checkpoint else [])
 
 
