@@ -11,8 +11,8 @@ time: each weight is read once per step) and the achieved GFLOP/s (2 x parameter
 the matmuls; attention adds little at these lengths), beside this machine's measured bounds: the read
 bandwidth of a tensor as large as the weights and the peak fp32 GEMM rate, with the same threads.
 
-Paths: ``fast`` (the decode fast path, :mod:`mars.decoding.fastpath`, with the lean forward's C++ layer loop
-wherever a step computes at most 16 columns), ``python-loop`` (the same with the lean forward's Python loop: what the C++ loop saves) and ``eager``
+Paths: ``fast`` (the decode fast path, :mod:`mars.decoding.fastpath`, with the lean forward's C++ layer loop),
+``python-loop`` (the same with the lean forward's Python loop: what the C++ loop saves) and ``eager``
 (``F.linear``), timed interleaved in one process so that their ratios hold on a shared machine.  Writes ``step_cost.md``,
 ``step_cost.csv`` and ``config.json`` under ``--out``.
 """
@@ -199,8 +199,9 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
         f"model `{config['model']}`, fp32, OpenMP wait {config['omp_wait_policy']}, KV cache of "
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
-        "(mars::fused_linear, the projections of one input in one pass, and the "
-        "layer loop in C++, for up to 16 columns in all); `python-loop`: the same with the layer loop in Python; `eager`: F.linear (MKL).  On a checkpoint with a mask adapter the columns after the first are mask tokens (a MARS step), "
+        "(mars::fused_linear for up to 16 columns in all, the projections of one input in one pass; the layer loop "
+        "in C++); `python-loop`: the same with the layer loop in Python; `eager`: F.linear (MKL).  On a checkpoint "
+        "with a mask adapter the columns after the first are mask tokens (a MARS step), "
         "so the adapter acts and its weights count in the bytes read.\n",
         "Bounds measured in the same process just before the steps (a sum over a tensor as large as the weights; "
         "a 1024^3 GEMM); on a shared machine they move with the load as the steps do:\n",
