@@ -35,7 +35,7 @@ from serving_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from mars.decoding import generate
-from mars.serving.config import ServeConfig
+from mars.serving.config import CPU_STEP_COLUMNS, ServeConfig
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -454,11 +454,28 @@ def test_metrics_are_exposed(server):
         (["max_body_bytes=100"], "max_body_bytes"),
         (["allowed_hosts=evil.example"], "allowed_hosts"),
         (["api_key=''"], "api_key"),
+        (["decoding.max_step_columns=lots"], "max_step_columns"),
+        (["decoding.max_step_columns=0"], "max_step_columns"),
     ],
 )
 def test_bad_server_configs_are_refused_before_loading(overrides, match):
     with pytest.raises(ValueError, match=match):
         ServeConfig.from_cfg(compose_serve(BASE + overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, cap",
+    [
+        (["device=cpu"], CPU_STEP_COLUMNS),
+        (["device=cuda"], None),
+        (["device=cpu", "decoding.max_step_columns=12"], 12),
+        (["device=cpu", "decoding.max_step_columns=null"], None),
+    ],
+)
+def test_a_cpu_server_caps_its_step_columns_unless_told_otherwise(overrides, cap):
+    """``decoding.max_step_columns=auto`` (serve.yaml): masks give way as the batch fills on a CPU, not on a GPU;
+    an explicit integer or null wins.  (Evaluation's decoding configs keep no cap.)"""
+    assert ServeConfig.from_cfg(compose_serve(BASE + overrides)).settings.max_step_columns == cap
 
 
 def launch_serve_py(tmp_path, *overrides):

@@ -97,7 +97,7 @@ class ServeConfig(OpenSection):
             )
         if self.checkpoint:
             self.checkpoint_meta = read_checkpoint(self.checkpoint)
-        self._settings = serving_settings(self.decoding, self.checkpoint_meta)
+        self._settings = serving_settings(self.decoding, self.checkpoint_meta, self.device)
         # checks the bounds, the threshold and the adaptive settings without a model
         build_policy(
             self.tau_policy,
@@ -127,11 +127,29 @@ def _non_blank_env(key: str) -> str:
     return key
 
 
-def serving_settings(decoding: dict[str, Any], meta: dict[str, Any] | None) -> DecodingSettings:
+# The column cap of a CPU server's batched steps (decoding.max_step_columns=auto): on the 2-core EPYC a step of
+# 8 columns in all costs 1.1-1.2x a 1-column step, 16 about 1.7x and 32 about 4x
+# (benchmarks/decode_step_cpu/step_cost_native_batched*), and with this cap the mask policies kept tau 1.0's
+# requests/s under load where without it they lost 40-50% (benchmarks/serving/).
+CPU_STEP_COLUMNS = 8
+
+
+def step_columns(value: Any, device: str) -> int | None:
+    """``decoding.max_step_columns`` as the server runs it: ``auto`` is :data:`CPU_STEP_COLUMNS` on a CPU and
+    no cap on a GPU (a step there stays memory-bound up to hundreds of columns)."""
+    if value != "auto":
+        return value
+    from mars.hardware import resolve_device
+
+    return CPU_STEP_COLUMNS if resolve_device(device).startswith("cpu") else None
+
+
+def serving_settings(decoding: dict[str, Any], meta: dict[str, Any] | None, device: str = "auto") -> DecodingSettings:
     """The server's decoding settings: the step-wise engine (decoder mars or jacobi; cache cursor or none,
     since ``block`` cannot take requests into a running batch); verification is per request."""
     values = {k: v for k, v in decoding.items() if k != "threshold"}  # the threshold is the policy's
     values["block_size"] = decoding_block_size(values.get("block_size"), meta)
+    values["max_step_columns"] = step_columns(values.get("max_step_columns"), device)
     try:
         settings = DecodingSettings.from_mapping(values)
     except ValueError as err:
@@ -258,6 +276,7 @@ def _server_info(settings, runner, context: int, mask_id: int) -> dict:
         "block_size": settings.block_size,
         "metric": settings.metric,
         "cache": settings.cache,
+        "max_step_columns": settings.max_step_columns,
         "max_model_len": context,
         "dtype": str(next(runner.model.parameters()).dtype),
         "device": str(runner.device),

@@ -512,7 +512,7 @@ def table_md(rows: list[dict], bursts: dict, args, machine: dict, consistency: d
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_capability')}, native bf16: {machine.get('cpu_native_bf16')}), "
         f"{os.cpu_count()} cores shared with other jobs; server dtype {args.dtype}, {args.threads} torch thread(s), "
         f"max_batch={args.max_batch}, max_queue={args.max_queue}, block size 4, cache=cursor, max_step_columns="
-        f"{args.max_step_columns}.",
+        f"{args.max_step_columns or 'auto'}.",
         f"Each level: Poisson arrivals for {args.duration:g} s (same arrivals and prompts for every policy), streaming "
         f"chat requests of at most {args.max_tokens} new tokens, greedy, prompts from data/prompts/heldout.jsonl of at "
         f"most {args.max_prompt_tokens} tokens; a level is cut {args.level_limit:g} s after it started. req/s and "
@@ -629,9 +629,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
     p.add_argument(
         "--max-step-columns",
-        type=int,
         default=None,
-        help="the servers' decoding.max_step_columns: cap on the columns of a batched step (masks dropped first)",
+        help="the servers' decoding.max_step_columns: cap on the columns of a batched step (masks dropped first); "
+        "an integer, null (no cap) or auto (serve.yaml's default: 8 on a CPU, no cap on a GPU)",
     )
     bench_cli.add_dtype(p)
     p.add_argument("--burst-max-tokens", type=int, default=16, help="new tokens per request of the burst")
