@@ -36,6 +36,12 @@ def test_summary_lines_name_verify_and_a_burst_not_run():
     text = saturation_check(rows)
     assert "At that load verify completes 1.20x the requests/s (1.30x the tokens/s)" in text
     assert "identical to tau=1.0's for 100%" in text
+    # saturation is judged against what arrived: 15 requests in 30 s is 0.5 per second, which 0.5 keeps up with
+    arrived = [{**r, "requests": 15} for r in rows]
+    assert saturation_check(arrived, duration=30).startswith("tau=1.0 kept up with every level")
+    assert "saturates at an offered 1 req/s (0.67 arrived" in saturation_check(
+        [{**r, "requests": 20} for r in rows], duration=30
+    )
     assert burst_line({}, 8).startswith("Burst: not run")
     burst = burst_line({"requests": 32, "codes": {"200": 16, "429": 16}}, 8)
     assert burst.startswith("Burst: 32 simultaneous requests (4x max_queue=8)")
