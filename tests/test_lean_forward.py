@@ -3,7 +3,7 @@ with and without the per-row cache, padding columns skipped or not), and refused
 
 import pytest
 import torch
-from decoding_fixtures import build_model, kernel_or_skip
+from decoding_fixtures import build_model, kernel_or_skip, tokenizer  # noqa: F401  (fixture)
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mars.decoding import fastpath
@@ -278,6 +278,46 @@ def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
         plain, _ = _decode_ragged_batch(model, True, False, steps)
         width = steps[1][1][0]
         assert not torch.equal(plain[1][1:width], cpp[1][1:width])
+
+
+def test_batched_decoding_runs_the_cpp_step(monkeypatch, tokenizer):  # noqa: F811
+    """A batch of ragged prompts decoded by the engine (cursor cache, masks below threshold 1.0): the prefill
+    (wider than the kernel) and the batched decode steps all take the C++ pass, none the Python loop."""
+    from decoding_fixtures import RAGGED
+
+    from mars.decoding import generate
+
+    kernel_or_skip()
+    shapes = {"cpp": [], "python": []}
+    native_step, fits = LeanDecoder._native_step, LeanDecoder._native_fits
+
+    def recording(self):
+        native = native_step(self)
+        return None if native is None else _Recorded(native, shapes["cpp"])
+
+    def fits_or_record(self, x, cache):
+        if fits(self, x, cache):
+            return True
+        shapes["python"].append(tuple(x.shape))
+        return False
+
+    monkeypatch.setattr(LeanDecoder, "_native_step", recording)
+    monkeypatch.setattr(LeanDecoder, "_native_fits", fits_or_record)
+    generate(build_model(), tokenizer, RAGGED, threshold=0.3, max_new_tokens=12)
+    assert not shapes["python"], shapes["python"]
+    assert shapes["cpp"][0][0] == len(RAGGED) and shapes["cpp"][0][1] > fastpath.MAX_COLUMNS  # the prefill
+    assert any(rows > 1 and 1 < columns <= 4 for rows, columns, _ in shapes["cpp"][1:])  # batched masked steps
+
+
+class _Recorded:
+    """A C++ step that records the input shape of every call."""
+
+    def __init__(self, native, shapes):
+        self.native, self.shapes = native, shapes
+
+    def step(self, x, *args):
+        self.shapes.append(tuple(x.shape))
+        return self.native.step(x, *args)
 
 
 def test_the_cpp_decoder_step_has_an_off_switch(monkeypatch):
