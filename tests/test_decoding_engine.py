@@ -152,9 +152,10 @@ def test_a_step_column_cap_bounds_every_decode_step(model, tokenizer, ragged, mo
     assert greedy.token_ids == hf_greedy(model, tokenizer, ragged, 24)
 
 
-def test_verified_rows_under_a_column_cap_stay_lossless(model, tokenizer, ragged):
+@pytest.mark.parametrize("lossless", [dict(verify=True), dict(decoder="jacobi")], ids=["verify", "jacobi"])
+def test_lossless_decoders_under_a_column_cap_stay_lossless(model, tokenizer, ragged, lossless):
     expected = hf_greedy(model, tokenizer, ragged, 24)
-    out = generate(model, tokenizer, ragged, verify=True, max_step_columns=len(ragged) + 2, max_new_tokens=24)
+    out = generate(model, tokenizer, ragged, **lossless, max_step_columns=len(ragged) + 2, max_new_tokens=24)
     assert out.token_ids == expected
 
 
