@@ -1,6 +1,8 @@
 """The lean decoder forward: bit-identical to the model's own forward under the fast path (Llama and Qwen2,
 with and without the per-row cache, padding columns skipped or not), and refused where it would differ."""
 
+import functools
+
 import pytest
 import torch
 from decoding_fixtures import build_model, kernel_or_skip, tokenizer  # noqa: F401  (fixture)
@@ -170,12 +172,9 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded, rank):
     assert torch.equal(outputs["lean", True][1], outputs["lean", False][1])  # not on a row without masks
 
 
-def _decode_three_steps(model, native: bool, masks: bool):
-    """Logits of a batch-1 prefill and two decode steps on the per-row cache (the last columns of the decode
-    steps masks when ``masks``), through the lean forward with or without its C++ pass, or transformers'
-    forward (``native=None``); and the cache's keys afterwards."""
-    from decoding_fixtures import MASK_ID
-
+def _runner(model, native: bool | None) -> ModelRunner:
+    """A runner whose steps take the lean forward's C++ pass (``native=True``), its Python loop (False) or
+    transformers' forward (None)."""
     runner = ModelRunner(model)
     if native is None:
         runner._lean = False
@@ -183,6 +182,28 @@ def _decode_three_steps(model, native: bool, masks: bool):
         runner._lean = LeanDecoder(model)
         if not native:
             runner._lean._native = False
+    return runner
+
+
+def _assert_paths_agree(decode, model, masks: bool) -> list:
+    """``decode(model, native, masks)`` through the C++ pass, the Python loop and transformers' forward: the
+    same logits at every step from all three, the same cache from the first two.  Returns the C++ logits."""
+    cpp, cpp_keys = decode(model, True, masks)
+    loop, loop_keys = decode(model, False, masks)
+    hf, _ = decode(model, None, masks)
+    for a, b, c in zip(cpp, loop, hf):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert all(torch.equal(a, b) for a, b in zip(cpp_keys, loop_keys))
+    return cpp
+
+
+def _decode_three_steps(model, native: bool, masks: bool):
+    """Logits of a batch-1 prefill and two decode steps on the per-row cache (the last columns of the decode
+    steps masks when ``masks``), through the lean forward with or without its C++ pass, or transformers'
+    forward (``native=None``); and the cache's keys afterwards."""
+    from decoding_fixtures import MASK_ID
+
+    runner = _runner(model, native)
     cache = RaggedKVCache(runner.num_layers, capacity=8)  # the second step grows the buffers
     vocab, logits, done = model.config.vocab_size, [], 0
     with torch.inference_mode(), gqa_attention(model):
@@ -206,12 +227,7 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
     kernel_or_skip()
     model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
     masks = kind == "gated"
-    cpp, cpp_keys = _decode_three_steps(model, True, masks)
-    loop, loop_keys = _decode_three_steps(model, False, masks)
-    hf, _ = _decode_three_steps(model, None, masks)
-    for a, b, c in zip(cpp, loop, hf):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    assert all(torch.equal(a, b) for a, b in zip(cpp_keys, loop_keys))
+    cpp = _assert_paths_agree(_decode_three_steps, model, masks)
     if masks:  # the adapter acted in the C++ pass
         plain, _ = _decode_three_steps(model, True, False)
         assert not torch.equal(plain[1][0, 1:], cpp[1][0, 1:])
@@ -228,13 +244,7 @@ def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
     transformers' forward.  Returns the logits at every step's live columns and the cache's keys."""
     from decoding_fixtures import MASK_ID
 
-    runner = ModelRunner(model)
-    if native is None:
-        runner._lean = False
-    else:
-        runner._lean = LeanDecoder(model)
-        if not native:
-            runner._lean._native = False
+    runner = _runner(model, native)
     cache = RaggedKVCache(runner.num_layers, capacity=8)  # the decode steps grow the buffers
     vocab, logits = model.config.vocab_size, []
     start = torch.tensor([0, 0])
@@ -268,12 +278,7 @@ def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
     kernel_or_skip()
     model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
     masks = kind == "gated"
-    cpp, cpp_keys = _decode_ragged_batch(model, True, masks, steps)
-    loop, loop_keys = _decode_ragged_batch(model, False, masks, steps)
-    hf, _ = _decode_ragged_batch(model, None, masks, steps)
-    for a, b, c in zip(cpp, loop, hf):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    assert all(torch.equal(a, b) for a, b in zip(cpp_keys, loop_keys))
+    cpp = _assert_paths_agree(functools.partial(_decode_ragged_batch, steps=steps), model, masks)
     if masks:  # the adapter acted at row 0's masks in the C++ pass (row 0's columns come first)
         plain, _ = _decode_ragged_batch(model, True, False, steps)
         width = steps[1][1][0]
