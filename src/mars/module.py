@@ -334,6 +334,18 @@ class MarsModule(L.LightningModule):
     def _gated_losses(self, ids: torch.Tensor, pos: torch.Tensor, layout: NoisyLayout) -> dict[str, torch.Tensor]:
         """Clean stream without gradient (the frozen base: no mask token, adapters off), then the noisy stream
         alone against the clean keys/values, under the same attention rules."""
+        clean, hidden = self._noisy_over_clean(ids, pos, layout)
+        targets = (
+            self._clean_argmax_targets(clean, layout)
+            if self.objective.mask_targets == "clean_argmax"
+            else layout.targets
+        )
+        return self.mask_losses(hidden, layout, targets)
+
+    def _noisy_over_clean(self, ids: torch.Tensor, pos: torch.Tensor, layout: NoisyLayout):
+        """The clean stream's hidden states (no gradient) and the noisy stream's, run as a second forward over
+        the clean keys/values; the same attention rules as one two-stream forward, since no clean query ever
+        attends a noisy key."""
         length = ids.shape[1]
         with torch.no_grad():
             cache = DynamicCache(config=self.model.config)
@@ -349,13 +361,20 @@ class MarsModule(L.LightningModule):
             block_offset=layout.block_offset,
             queries_from=length,
         )
-        hidden = self._hidden(layout.ids, layout.positions, attn, cache=cache)
-        targets = (
-            self._clean_argmax_targets(clean, layout)
-            if self.objective.mask_targets == "clean_argmax"
-            else layout.targets
-        )
-        return self.mask_losses(hidden, layout, targets)
+        return clean, self._hidden(layout.ids, layout.positions, attn, cache=cache)
+
+    @torch.no_grad()
+    def mask_predictions(
+        self, ids: torch.Tensor, loss_mask: torch.Tensor, block_offset: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, NoisyLayout]:
+        """Every response token masked, the noisy stream's logits ``[n, W, vocab]`` and its layout: what the
+        masks of a decoding step predict after each block start of the grid (shifted by ``block_offset``),
+        given the rows' own text before it.  For measuring a checkpoint, not for training."""
+        n, length = ids.shape
+        pos = torch.arange(length, device=ids.device).expand(n, -1)
+        layout = self.noisy_layout(ids, loss_mask, loss_mask.bool(), self.block_size, block_offset)
+        _, hidden = self._noisy_over_clean(ids, pos, layout)
+        return self._logits(hidden), layout
 
     def _total(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         obj = self.objective
