@@ -43,6 +43,23 @@ def test_certainty_forcing_is_the_mean_entropy_of_the_already_right_predictions(
     torch.testing.assert_close(out["loss_mask"], F.cross_entropy(logits, targets[0]))
 
 
+def test_unlikelihood_is_the_mean_minus_log_one_minus_p_of_the_wrong_argmaxes_only():
+    m = module(Objective("mars", unlikelihood_weight=0.7, certainty_weight=0.2))
+    layout = NoisyLayout(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], None, 4, None)
+    head = m.model.get_output_embeddings()
+    hidden = torch.randn(1, 3, head.in_features)
+    logits = head(hidden)[0].float()
+    targets = logits.argmax(-1).clone()[None]
+    targets[0, 1] = (targets[0, 1] + 1) % logits.shape[-1]  # the middle prediction is wrong
+    out = m._total(m.mask_losses(hidden, layout, targets))
+    p_wrong = logits.softmax(-1)[1].max()
+    torch.testing.assert_close(out["loss_unlikelihood"], -torch.log(1 - p_wrong))
+    expected = out["loss_mask"] + 0.2 * out["loss_certainty"] + 0.7 * out["loss_unlikelihood"]
+    torch.testing.assert_close(out["loss"], expected)
+    right_only = m.mask_losses(hidden, layout, logits.argmax(-1)[None])
+    assert float(right_only["loss_unlikelihood"]) == 0.0  # nothing wrong, nothing to push down
+
+
 def test_depth_decay_and_reach_weights_follow_the_block_grid():
     layout = NoisyLayout(
         torch.zeros(1, 8, dtype=torch.long), torch.arange(4, 12)[None], torch.zeros(1, 8, dtype=torch.long), 4, None

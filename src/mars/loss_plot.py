@@ -14,7 +14,7 @@ from mars.figures import PlotSettings, write_figure
 
 # what each column of losses.csv is: L = mask_weight * L_mask + alpha * L_AR (mars.objectives)
 TERMS = {
-    "loss": ("total: w·L_mask + α·L_AR + the levers (certainty, KL)", "-"),
+    "loss": ("total: w·L_mask + α·L_AR + the levers (certainty, unlikelihood, KL)", "-"),
     "loss_mask": ("L_mask: mask tokens (noisy copy)", "--"),
     "loss_ar": ("L_AR: next token (clean copy)", ":"),
 }

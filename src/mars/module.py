@@ -229,7 +229,8 @@ class MarsModule(L.LightningModule):
         return torch.cat([ids, layout.ids], dim=1), positions, layout.targets
 
     def mask_losses(self, hidden: torch.Tensor, layout: NoisyLayout, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The noisy stream's loss terms: cross-entropy (depth-weighted if configured) and certainty forcing."""
+        """The noisy stream's loss terms: cross-entropy (depth-weighted if configured), certainty forcing and
+        unlikelihood of wrong choices."""
         sel = targets != IGNORE
         if not sel.any():
             zero = hidden.sum() * 0.0
@@ -244,13 +245,20 @@ class MarsModule(L.LightningModule):
         else:
             weights = self._depth_weights(layout, sel, -ce.detach())
             out["loss_mask"] = (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+        chosen = logits.detach().argmax(-1)
+        right = chosen == labels
         if obj.certainty_weight > 0:
-            right = logits.detach().argmax(-1) == labels
             if right.any():
                 logp = torch.log_softmax(logits[right], dim=-1)
                 out["loss_certainty"] = -(logp.exp() * logp).sum(-1).mean()
             else:
                 out["loss_certainty"] = logits.sum() * 0.0
+        if obj.unlikelihood_weight > 0:
+            if (~right).any():
+                p_wrong = torch.softmax(logits[~right], dim=-1).gather(-1, chosen[~right, None]).squeeze(-1)
+                out["loss_unlikelihood"] = -torch.log1p(-p_wrong.clamp(max=1 - 1e-6)).mean()
+            else:
+                out["loss_unlikelihood"] = logits.sum() * 0.0
         return out
 
     def _depth_weights(self, layout: NoisyLayout, sel: torch.Tensor, label_logp: torch.Tensor) -> torch.Tensor:
@@ -382,6 +390,7 @@ class MarsModule(L.LightningModule):
             "loss_mask": obj.mask_weight,
             "loss_ar": obj.alpha,
             "loss_certainty": obj.certainty_weight,
+            "loss_unlikelihood": obj.unlikelihood_weight,
             "loss_kl": obj.kl_weight,
         }
         out["loss"] = sum(weights[k] * v for k, v in out.items())

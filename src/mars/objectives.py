@@ -7,6 +7,9 @@ masks learn faster per training token are fields here too (all off by default, i
 * ``certainty_weight`` -- certainty forcing (dParallel, arXiv 2509.26488): the mean entropy of the mask
   predictions whose argmax already equals the label, reusing the same logits.  It sharpens what the masks
   already get right, which is what a confidence threshold needs (8.5x fewer decoding steps there).
+* ``unlikelihood_weight`` -- the other half of a threshold's job: the mean ``-log(1 - p)`` of the argmax
+  of the mask predictions that are wrong (unlikelihood training, Welleck et al., arXiv 1908.04319, applied
+  to the masks' own wrong choice), so that a confident mask is more often a right one.
 * ``depth_weighting`` -- weight each mask's loss by how likely decoding reaches it: ``reach`` multiplies
   the (detached) probabilities the earlier masks of its block give their own labels (PARD-2's weighting,
   with the masks themselves as the judge); ``decay`` is a fixed ``depth_decay ** k`` for the k-th mask.
@@ -39,6 +42,7 @@ class Objective:
     alpha: float = 1.0  # weight of the clean-copy AR ("SFT") loss
     intra_block: str = "causal"  # causal (MARS) | bidirectional (Block Diffusion baseline)
     certainty_weight: float = 0.0
+    unlikelihood_weight: float = 0.0
     depth_weighting: str = "none"
     depth_decay: float = 0.7
     block_choices: tuple[int, ...] | None = None  # null: the run's `block` for every row
@@ -49,7 +53,7 @@ class Objective:
     def __post_init__(self) -> None:
         if self.name not in KNOWN_OBJECTIVES:
             raise ValueError(f"unknown objective {self.name!r}; choose one of {KNOWN_OBJECTIVES}")
-        for key in ("alpha", "mask_weight", "certainty_weight", "kl_weight"):
+        for key in ("alpha", "mask_weight", "certainty_weight", "unlikelihood_weight", "kl_weight"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"objective.{key} must be >= 0 (a number), got {value!r}")
