@@ -88,17 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     args, thresholds = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.n]
-    prompts = [r["prompt"] for r in rows]
+    prompts = read_prompts(args.prompts, args.n)
     loaded, block = load(args.checkpoint, args.base, args.dtype)
     model, tok = loaded.model.eval(), loaded.tokenizer
     values = bench_cli.decoding_values(args, args.decoding_fields)
     settings = bench_cli.check_settings("decoding flags", **{**values, "block_size": values["block_size"] or block})
-    ids = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        for q in prompts
-    ]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
+    ids = chat_prompt_ids(tok, prompts)
     results, reference = [], None
     for thr in thresholds:
         start = time.perf_counter()
@@ -131,6 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def read_prompts(path: str, n: int) -> list[str]:
+    """The ``prompt`` field of the first ``n`` rows of a JSONL file."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:n]
+    return [r["prompt"] for r in rows]
+
+
+def chat_prompt_ids(tok, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user turn in the model's chat template, ready for the assistant's answer."""
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in prompts
+    ]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def decode(model, tok, ids: list[list[int]], settings, mask_token_id: int, batch_size: int):

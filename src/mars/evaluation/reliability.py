@@ -27,7 +27,6 @@ offset, so comparing snapshots of a run takes minutes, not an evaluation each.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,18 +198,11 @@ def summarise(steps: StepScores, thresholds=THRESHOLDS, targets=FIDELITY_TARGETS
 
 def _greedy_texts(loaded, block: int, prompts: list[str], max_new_tokens: int, batch_size: int):
     from mars.decoding import DecodingSettings
-    from mars.evaluation.probe import decode
+    from mars.evaluation.probe import chat_prompt_ids, decode
 
-    tok = loaded.tokenizer
-    ids = [
-        tok(
-            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False,
-        )["input_ids"]
-        for q in prompts
-    ]
+    ids = chat_prompt_ids(loaded.tokenizer, prompts)
     settings = DecodingSettings(threshold=1.0, block_size=block, max_new_tokens=max_new_tokens)
-    outs, _, _ = decode(loaded.model.eval(), tok, ids, settings, loaded.mask.id, batch_size)
+    outs, _, _ = decode(loaded.model.eval(), loaded.tokenizer, ids, settings, loaded.mask.id, batch_size)
     return [p + list(o) for p, o in zip(ids, outs)], [len(p) for p in ids]
 
 
@@ -344,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"not a checkpoint folder: {', '.join(missing)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.n]
-    prompts = [r["prompt"] for r in rows]
+    from mars.evaluation.probe import read_prompts
+
+    prompts = read_prompts(args.prompts, args.n)
     results = {}
     for name, ckpt in zip(names, args.checkpoint):
         steps, block = score_checkpoint(ckpt, prompts, args.max_new_tokens, args.batch_size, args.window)
