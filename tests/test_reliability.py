@@ -107,3 +107,5 @@ def test_command_refuses_bad_input_before_loading_a_model(tmp_path):
         rel.main(["--checkpoint", str(tmp_path / "nope")])
     with pytest.raises(SystemExit, match="--name given 2 times for 1"):
         rel.main(["--checkpoint", str(tmp_path), "--name", "a", "--name", "b"])
+    with pytest.raises(SystemExit, match="--window must be >= 2"):
+        rel.main(["--checkpoint", str(tmp_path), "--window", "1"])

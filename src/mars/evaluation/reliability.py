@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--name given {len(names)} times for {len(args.checkpoint)} --checkpoint")
     if args.n < 1 or args.max_new_tokens < 1:
         raise SystemExit("--n and --max-new-tokens must be >= 1")
+    if args.window is not None and args.window < 2:
+        raise SystemExit(f"--window must be >= 2 (the AR column and at least one mask), got {args.window}")
     missing = [c for c in args.checkpoint if not Path(c).is_dir()]
     if missing:
         raise SystemExit(f"not a checkpoint folder: {', '.join(missing)}")
