@@ -41,6 +41,7 @@ from mars.paths import data_dir
 BINS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0)
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99, 0.995, 0.999)
 FIDELITY_TARGETS = (0.9, 0.95, 0.99)
+DIAGRAM_MIN_MASKS = 20  # bins with fewer masks stay in the table but out of the diagram (their share is noise)
 
 
 @dataclass(frozen=True)
@@ -280,11 +281,15 @@ def figure(results: dict[str, dict[str, Any]]):
     left.plot([0, 1], [0, 1], color="0.7", linestyle="--", label="calibrated")
     last = list(results)[-1]
     for depth in sorted({row["depth"] for row in results[last]["reliability"]}):
-        rows = [r for r in results[last]["reliability"] if r["depth"] == depth and r["masks"]]
+        rows = [r for r in results[last]["reliability"] if r["depth"] == depth and r["masks"] >= DIAGRAM_MIN_MASKS]
         left.plot(
             [r["mean_confidence"] for r in rows], [r["right"] for r in rows], marker="o", label=f"mask {depth + 1}"
         )
-    left.set(xlabel="mask confidence (bin mean)", ylabel="share right (= greedy token)", title=f"reliability: {last}")
+    left.set(
+        xlabel="mask confidence (bin mean)",
+        ylabel="share right (= greedy token)",
+        title=f"reliability: {last} (bins of >= {DIAGRAM_MIN_MASKS} masks)",
+    )
     left.legend(fontsize=8)
     for name, r in results.items():
         pts = [p for p in r["frontier"] if p["fidelity"] is not None]
