@@ -28,14 +28,21 @@ def ragged_batch():
     return {"input_ids": ids, "loss_mask": loss_mask}
 
 
-def test_certainty_forcing_is_the_mean_entropy_of_the_already_right_predictions():
-    m = module(Objective("mars", certainty_weight=1.0))
+def three_masks_middle_wrong(m: MarsModule):
+    """Three mask columns of random hidden states, their logits, and targets that the first and last argmax
+    hit and the middle one misses."""
     layout = NoisyLayout(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], None, 4, None)
     head = m.model.get_output_embeddings()
     hidden = torch.randn(1, 3, head.in_features)
     logits = head(hidden)[0].float()
     targets = logits.argmax(-1).clone()[None]
-    targets[0, 1] = (targets[0, 1] + 1) % logits.shape[-1]  # the middle prediction is wrong
+    targets[0, 1] = (targets[0, 1] + 1) % logits.shape[-1]
+    return layout, hidden, logits, targets
+
+
+def test_certainty_forcing_is_the_mean_entropy_of_the_already_right_predictions():
+    m = module(Objective("mars", certainty_weight=1.0))
+    layout, hidden, logits, targets = three_masks_middle_wrong(m)
     out = m.mask_losses(hidden, layout, targets)
     p = logits.softmax(-1)
     entropy = -(p * p.log()).sum(-1)
@@ -45,12 +52,7 @@ def test_certainty_forcing_is_the_mean_entropy_of_the_already_right_predictions(
 
 def test_unlikelihood_is_the_mean_minus_log_one_minus_p_of_the_wrong_argmaxes_only():
     m = module(Objective("mars", unlikelihood_weight=0.7, certainty_weight=0.2))
-    layout = NoisyLayout(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], None, 4, None)
-    head = m.model.get_output_embeddings()
-    hidden = torch.randn(1, 3, head.in_features)
-    logits = head(hidden)[0].float()
-    targets = logits.argmax(-1).clone()[None]
-    targets[0, 1] = (targets[0, 1] + 1) % logits.shape[-1]  # the middle prediction is wrong
+    layout, hidden, logits, targets = three_masks_middle_wrong(m)
     out = m._total(m.mask_losses(hidden, layout, targets))
     p_wrong = logits.softmax(-1)[1].max()
     torch.testing.assert_close(out["loss_unlikelihood"], -torch.log(1 - p_wrong))
