@@ -245,6 +245,8 @@ class MarsModule(L.LightningModule):
         else:
             weights = self._depth_weights(layout, sel, -ce.detach())
             out["loss_mask"] = (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+        if obj.certainty_weight == 0 and obj.unlikelihood_weight == 0:
+            return out
         chosen = logits.detach().argmax(-1)
         right = chosen == labels
         if obj.certainty_weight > 0:
