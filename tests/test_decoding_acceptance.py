@@ -10,6 +10,7 @@ from mars.decoding.acceptance import (
     choose_tokens,
     cut_at_eos,
     exact_ar_rows,
+    unverified_counts,
     validate_threshold,
 )
 
@@ -49,6 +50,18 @@ def test_per_row_thresholds_in_one_batch():
     _, score = choose_tokens(logits_from_probs([ROW, ROW, ROW]), "probability")
     counts = accept_counts(score, torch.tensor([0.95, 0.75, 0.45]), "probability", torch.tensor([4, 4, 4]))
     assert counts.tolist() == [1, 2, 4]
+
+
+def test_masks_after_verified_drafts_need_their_threshold_the_right_text_and_room():
+    """Verify below threshold 1.0: no forced first mask; none after a rejected draft or at threshold 1.0;
+    never more than were fed or fit in the budget."""
+    _, score = choose_tokens(logits_from_probs([ROW[:3]] * 6), "probability")  # scores 0.9, 0.8, 0.5
+    thresholds = torch.tensor([0.75, 0.95, 0.75, 0.75, 0.75, 1.0])
+    fed = torch.tensor([3, 3, 3, 1, 3, 3])
+    room = torch.tensor([9, 9, 9, 9, 1, 9])
+    right_text = torch.tensor([True, True, False, True, True, True])
+    counts = unverified_counts(score, thresholds, "probability", fed, room, right_text)
+    assert counts.tolist() == [2, 0, 0, 1, 1, 0]
 
 
 def test_entropy_metric_accepts_while_entropy_low():

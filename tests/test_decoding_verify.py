@@ -44,6 +44,39 @@ def test_draft_threshold_never_changes_the_output(model, tokenizer):
     assert proposed == sorted(proposed, reverse=True) and proposed[0] > proposed[-1]
 
 
+def test_verify_below_one_without_drafts_is_plain_mars(model, tokenizer):
+    """Below threshold 1.0 a verifying step accepts the masks that meet the threshold; with no draft ever
+    proposed (draft threshold 1.0: no mask is that sure) every step is a plain MARS step."""
+    prompts = random_prompts((5, 17, 9))
+    plain = generate(model, tokenizer, prompts, threshold=0.02, max_new_tokens=24)
+    composed = generate(model, tokenizer, prompts, verify=True, threshold=0.02, draft_threshold=1.0, max_new_tokens=24)
+    assert composed.token_ids == plain.token_ids and composed.from_mask == plain.from_mask
+    assert composed.stats.per_row_forwards == plain.stats.per_row_forwards
+    assert sum(composed.stats.extra["drafts_proposed"]) == 0 and any(map(any, plain.from_mask))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_verify_below_one_is_exact_except_the_masks_it_accepts(model, tokenizer, cache):
+    """Verified drafts plus masks accepted at a threshold (the paper's speculative composition, here with
+    prompt-lookup drafts, which the random model's repetitive text lets pass): every token not flagged as a
+    mask's is the greedy AR token given the output's own prefix, and the masks save forwards beyond what
+    verification alone saves."""
+    from mars.decoding.fidelity import ar_predictions
+
+    prompts = random_prompts((5, 17, 9, 30))
+    kwargs = dict(verify=True, draft_source="lookup", cache=cache, cache_block=8, max_new_tokens=24)
+    exact = generate(model, tokenizer, prompts, **kwargs)
+    out = generate(model, tokenizer, prompts, threshold=0.3, **kwargs)
+    predicted = ar_predictions(model, prompts, out.token_ids, suppress_ids=[tokenizer.mask_token_id])
+    for tokens, flags, ar in zip(out.token_ids, out.from_mask, predicted):
+        assert len(flags) == len(tokens) == 24
+        assert all(t == a for t, a, f in zip(tokens, ar, flags) if not f)
+    assert sum(map(sum, out.from_mask)) > 0 and sum(out.stats.extra["drafts_accepted"]) > 0
+    assert sum(out.stats.per_row_forwards) < sum(exact.stats.per_row_forwards)
+    # at threshold 1.0 nothing is accepted unverified: greedy AR
+    assert not any(map(any, exact.from_mask)) and exact.token_ids == hf_greedy(model, tokenizer, prompts, 24)
+
+
 def test_verify_row_does_not_depend_on_its_batch(model, tokenizer):
     prompts = random_prompts((5, 17, 9, 30))
     together = generate(model, tokenizer, prompts, verify=True, max_new_tokens=24)
@@ -93,7 +126,6 @@ def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
     [
         (dict(verify=True, max_accept=2), "max_accept does not apply"),
         (dict(verify=True, cache="block", window="cache_block"), "not 'cache_block'"),
-        (dict(verify=True, threshold=0.9), "means nothing there"),
         (dict(verify=True, decoder="jacobi"), "needs decoder='mars'"),
         (dict(verify=True, window=1), "window >= 2"),
         (dict(verify=True, fallback="tree"), "unknown fallback 'tree'"),

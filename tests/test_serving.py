@@ -155,6 +155,12 @@ def test_verify_requests_are_lossless(loaded, server):
     )
     assert r.choices[0].model_extra["token_ids"] == ref_ids and r.choices[0].text == ref
     assert r.model_extra["mars"]["verify"] is True and r.model_extra["mars"]["threshold"] == 1.0
+    # with a threshold of its own: verified drafts plus the masks that meet it, served at that threshold
+    r = c.completions.create(
+        model="tiny-random", prompt=PROMPTS[2], max_tokens=20, extra_body={"verify": True, "threshold": 0.5}
+    )
+    assert r.model_extra["mars"]["verify"] is True and r.model_extra["mars"]["threshold"] == 0.5
+    assert r.usage.completion_tokens == 20
 
 
 def test_models_health_and_page(server):
@@ -212,7 +218,7 @@ def test_the_page_reads_only_what_the_server_serves(server):
         ({"prompt": "hi", "treshold": 0.9}, "treshold"),
         ({"prompt": "hi", "n": 2}, "n"),
         ({"prompt": [5, 10**6]}, "prompt"),
-        ({"prompt": "hi", "verify": True, "threshold": 0.9}, "threshold"),
+        ({"prompt": "hi", "verify": True, "threshold": 0}, "threshold"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({}, "prompt"),
     ],

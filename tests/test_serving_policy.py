@@ -32,7 +32,8 @@ def test_fixed_policy_serves_its_tau_and_clamps_requests_to_the_bounds():
     assert p.for_request(None) == 0.9
     assert p.for_request(0.8) == 0.8
     assert p.for_request(0.2) == 0.7 and p.for_request(1.0) == 1.0
-    assert p.for_request(0.8, verify=True) == 1.0  # verification is lossless: served at the reference
+    assert p.for_request(None, verify=True) == 1.0  # verification without a threshold: lossless, at the reference
+    assert p.for_request(0.8, verify=True) == 0.8 and p.for_request(0.2, verify=True) == 0.7  # its own, bounded
 
 
 def test_rising_load_lowers_tau_to_the_lower_bound_and_falling_load_raises_it_back():

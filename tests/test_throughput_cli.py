@@ -109,16 +109,19 @@ def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
         main(args[:-4] + ["--draft-sources", "tree"])
 
 
-def test_verify_draft_thresholds_are_timed_side_by_side(tmp_path):
-    """Each draft threshold is its own lossless verify row in the same run; a value outside [0, 1] is refused
-    before any model loads."""
+def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
+    """Each draft threshold is its own lossless verify row in the same run; ``--verify-tau`` times verified
+    decoding at every threshold (at 1.0 lossless like ``mars-verify``); a draft threshold outside [0, 1] is
+    refused before any model loads."""
     out = tmp_path / "out"
     args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--num-prompts", "2"]
     args += ["--max-new-tokens", "6", "--caches", "cursor", "--verify", "--out", str(out)]
-    assert main([*args, "--verify-draft-thresholds", "0.3,0.9"]) == 0
-    rows = {r["decoder"]: r for r in csv.DictReader((out / "throughput.csv").open())}
+    assert main([*args, "--verify-draft-thresholds", "0.3,0.9", "--verify-tau", "--thresholds", "1.0,0.5"]) == 0
+    rows = list(csv.DictReader((out / "throughput.csv").open()))
     for name in ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9"):
-        assert rows[name]["same_as_ar"] == "2/2"
+        assert {r["same_as_ar"] for r in rows if r["decoder"] == name} == {"2/2"}
+    composed = {float(r["threshold"]): r for r in rows if r["decoder"] == "mars-verify-tau"}
+    assert sorted(composed) == [0.5, 1.0] and composed[1.0]["same_as_ar"] == "2/2"
     with pytest.raises(SystemExit, match="draft_threshold"):
         main([*args, "--verify-draft-thresholds", "1.5"])
 

@@ -113,14 +113,40 @@ def confidence(logp: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.T
     raise AssertionError("unreachable")
 
 
+def meets_threshold(score: torch.Tensor, thresholds: torch.Tensor, metric: str) -> torch.Tensor:
+    """Whether each position's score ``[rows, positions]`` meets its row's threshold."""
+    thr = thresholds.to(score.device, score.dtype).unsqueeze(1)
+    return score <= thr if metric == "entropy" else score >= thr
+
+
+def leading_run(flags: torch.Tensor) -> torch.Tensor:
+    """Per row, the length of the leading run of True in ``flags`` ``[rows, positions]``."""
+    return torch.cumprod(flags.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+
+
 def accept_counts(score: torch.Tensor, thresholds: torch.Tensor, metric: str, cap: torch.Tensor) -> torch.Tensor:
     """How many leading positions each row accepts: the run of positions meeting its threshold,
     at least one, at most ``cap`` (``cap`` 0 accepts nothing)."""
-    thr = thresholds.to(score.device, score.dtype).unsqueeze(1)
-    meets = score <= thr if metric == "entropy" else score >= thr
+    meets = meets_threshold(score, thresholds, metric)
     meets[:, 0] = True
-    run = torch.cumprod(meets.to(torch.int32), dim=1).sum(dim=1)
-    return torch.minimum(run.to(torch.long), cap.to(torch.long))
+    return torch.minimum(leading_run(meets), cap.to(torch.long))
+
+
+def unverified_counts(
+    score: torch.Tensor,
+    thresholds: torch.Tensor,
+    metric: str,
+    fed: torch.Tensor,
+    room: torch.Tensor,
+    followed_right_text: torch.Tensor,
+) -> torch.Tensor:
+    """How many masks after verified drafts each row accepts without verification: the leading run of its
+    first ``fed`` masks (``score`` ``[rows, masks]``) meeting its threshold, at most ``room``; none where the
+    masks did not follow the right text (a draft before them was rejected) or the threshold is exact."""
+    fed_mask = torch.arange(score.shape[1], device=score.device).unsqueeze(0) < fed.unsqueeze(1)
+    run = torch.minimum(leading_run(meets_threshold(score, thresholds, metric) & fed_mask), room.clamp_min(0))
+    keep = followed_right_text & ~exact_ar_rows(thresholds.to(score.device), metric)
+    return torch.where(keep, run, torch.zeros_like(run))
 
 
 def cut_at_eos(tokens: torch.Tensor, counts: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,10 @@ checked against the AR predictions of the same forward (:mod:`mars.decoding.veri
 exactly greedy AR (or exact AR sampling at temperature > 0).  Verified drafts were computed with the
 right prefix, so their keys/values are committed too.  When every draft passed, the masks' predictions
 (conditioned on them) are the next drafts; after a rejection the ``fallback`` decides (no drafts, or
-the unverified AR predictions as Jacobi guesses).
+the unverified AR predictions as Jacobi guesses).  Below threshold 1.0 a verifying row also accepts, when
+every draft passed, the leading masks after them that meet its threshold (the paper's speculative
+composition, Section 4.6, with the masks as drafts): those tokens are unverified, like a plain MARS step's,
+and the masks after them become the next drafts.
 
 The step is vectorised over rows; its one host sync is a small transfer of the accepted tokens and
 counts, which also feeds streaming.
@@ -53,7 +56,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .acceptance import accept_counts, confidence, cut_at_eos, gumbel_noise, never_emitted, suppress, tempered_log_probs
+from .acceptance import (
+    accept_counts,
+    confidence,
+    cut_at_eos,
+    gumbel_noise,
+    never_emitted,
+    suppress,
+    tempered_log_probs,
+    unverified_counts,
+)
 from .attention import gqa_attention
 from .drafts import DraftSource, draft_source_for
 from .forward import ModelRunner
@@ -454,12 +466,13 @@ class DecodeEngine:
             compared = min(plan.prediction_width - 1, self.guess_slots)
             guesses = rows.guesses[:, :compared]
             run = 1 + leading_matches(guesses, predicted[:, :compared], torch.full_like(cap_now, compared))
-            count = torch.minimum(run, cap_now)
+            count, score = torch.minimum(run, cap_now), None  # (Jacobi rows never verify)
         else:
-            count = accept_counts(confidence(logp, predicted, s.metric), rows.threshold, s.metric, cap_now)
+            score = confidence(logp, predicted, s.metric)
+            count = accept_counts(score, rows.threshold, s.metric, cap_now)
         tokens, verified, next_drafts = predicted, torch.zeros_like(count), None
         if plan.verifying.any():
-            tokens, count, verified, next_drafts = self._verify(plan, logp, predicted, count)
+            tokens, count, verified, next_drafts = self._verify(plan, logp, predicted, score, count)
         count, hit_eos = cut_at_eos(tokens, count, self.eos)
         return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts)
 
@@ -473,14 +486,30 @@ class DecodeEngine:
             predicted = torch.where(sampled.unsqueeze(1), torch.argmax(logp + noise, dim=-1), predicted)
         return logp, predicted
 
-    def _verify(self, plan: StepPlan, logp: torch.Tensor, predicted: torch.Tensor, count: torch.Tensor):
-        """Verifying rows accept their passing drafts plus the target's token after them; next drafts."""
-        verifying = torch.as_tensor(plan.verifying, device=self.device)
-        drafts_fed = torch.as_tensor(plan.drafts, device=self.device)
+    def _verify(self, plan: StepPlan, logp: torch.Tensor, predicted: torch.Tensor, score, count: torch.Tensor):
+        """Verifying rows accept their passing drafts plus the target's token after them, then (below
+        threshold 1.0) the masks that meet their threshold; next drafts."""
+        dev = self.device
+        verifying = torch.as_tensor(plan.verifying, device=dev)
+        drafts_fed = torch.as_tensor(plan.drafts, device=dev)
         tokens, passed = self._check_drafts(plan, logp, predicted, drafts_fed, verifying)
-        count = torch.where(verifying, passed + 1, count)
-        next_drafts = self._next_drafts(plan, logp, predicted, passed, drafts_fed, verifying)
+        # the masks followed the right text only when every draft passed
+        all_passed = (passed == drafts_fed) & torch.as_tensor(plan.draft_masks > 0, device=dev)
+        from_masks = self._confident_masks(plan, score, passed, drafts_fed, all_passed)
+        count = torch.where(verifying, passed + 1 + from_masks, count)
+        next_drafts = self._next_drafts(plan, logp, predicted, passed, drafts_fed, verifying, all_passed, from_masks)
         return tokens, count, passed.where(verifying, torch.zeros_like(passed)), next_drafts
+
+    def _confident_masks(self, plan: StepPlan, score, passed, drafts_fed, all_passed) -> torch.Tensor:
+        """Masks a verifying row accepts unverified: the leading ones after its drafts and their AR token
+        that meet its threshold, when every draft passed; none at an exact threshold (1.0)."""
+        rows, dev = self.rows.tensors, self.device
+        columns = (drafts_fed.unsqueeze(1) + 1 + torch.arange(self.window - 1, device=dev)).clamp_max(
+            score.shape[1] - 1
+        )
+        fed = torch.as_tensor(plan.draft_masks, device=dev)
+        room = rows.end - rows.length - passed - 1
+        return unverified_counts(score.gather(1, columns), rows.threshold, self.settings.metric, fed, room, all_passed)
 
     def _check_drafts(self, plan: StepPlan, logp, predicted, drafts_fed, verifying):
         """How many leading drafts pass (greedy: equal to the target's argmax before them; sampling:
@@ -500,19 +529,22 @@ class DecodeEngine:
         width = predicted.shape[1]
         columns = torch.arange(width, device=self.device).unsqueeze(0)
         drafted = torch.nn.functional.pad(rows.drafts, (0, max(0, width - self.max_drafts)))[:, :width]
-        appended = torch.where(columns < passed.unsqueeze(1), drafted, token.unsqueeze(1))
+        after = torch.where(columns == passed.unsqueeze(1), token.unsqueeze(1), predicted)  # then accepted masks
+        appended = torch.where(columns < passed.unsqueeze(1), drafted, after)
         return torch.where(verifying.unsqueeze(1), appended, predicted), passed
 
-    def _next_drafts(self, plan: StepPlan, logp, predicted, passed, drafts_fed, verifying) -> NextDrafts:
-        """The masks' predictions when every draft passed (they followed the right text), else the fallback:
-        none, or the target's unverified predictions after the rejected draft (Jacobi-style guesses)."""
+    def _next_drafts(
+        self, plan: StepPlan, logp, predicted, passed, drafts_fed, verifying, all_passed, accepted_masks
+    ) -> NextDrafts:
+        """The masks' predictions when every draft passed (they followed the right text; those after any the
+        row accepted), else the fallback: none, or the target's unverified predictions after the rejected
+        draft (Jacobi-style guesses)."""
         s, rows, dev = self.settings, self.rows.tensors, self.device
-        all_passed = (passed == drafts_fed) & torch.as_tensor(plan.draft_masks > 0, device=dev)
-        first = torch.where(all_passed, drafts_fed + 1, passed + 1)
+        first = torch.where(all_passed, drafts_fed + 1 + accepted_masks, passed + 1)
         read = (first.unsqueeze(1) + torch.arange(self.max_drafts, device=dev)).clamp_max(predicted.shape[1] - 1)
         tokens = predicted.gather(1, read)
-        from_masks = min(self.max_drafts, self.window - 1)
-        count = torch.where(all_passed, torch.full_like(drafts_fed, from_masks), torch.zeros_like(drafts_fed))
+        from_masks = (min(self.max_drafts, self.window - 1) - accepted_masks).clamp_min(0)
+        count = torch.where(all_passed, from_masks, torch.zeros_like(drafts_fed))
         if s.fallback == "jacobi":
             count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))
         if s.draft_threshold > 0:
@@ -603,9 +635,9 @@ class DecodeEngine:
                 if reason is not None:
                     done[i], reasons[i] = True, reason
             records.outputs[i].extend(new)
-            # a MARS row's tokens after the first of a step came from masks (verified and Jacobi ones did not)
-            from_mask = not self.guess_slots and not rows.host.verify[i]
-            records.from_mask[i].extend(from_mask and k > 0 for k in range(len(new)))
+            # a MARS row's tokens after its verified drafts and the AR token came from masks (Jacobi's did not)
+            exact_until = 0 if self.guess_slots else int(committed.verified[i])
+            records.from_mask[i].extend(not self.guess_slots and k > exact_until for k in range(len(new)))
             if done[i] and i not in reasons:
                 reasons[i] = "eos" if committed.hit_eos[i] else "length"
             events.append(StepEvent(records.requests[i], new, self.forwards))

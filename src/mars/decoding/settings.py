@@ -110,8 +110,9 @@ class DecodingSettings:
     verify: bool = field(
         default=False,
         metadata=_help(
-            "lossless self-speculation: the masks' predictions are drafts verified by the next forward; "
-            "output identical to greedy AR (exact sampling at temperature > 0)",
+            "self-speculation: the masks' predictions are drafts verified by the next forward; at threshold 1.0 "
+            "lossless (output identical to greedy AR, exact sampling at temperature > 0); below it the masks after "
+            "drafts that all passed are also accepted while they meet the threshold (unverified)",
             per_request=True,
         ),
     )
@@ -250,11 +251,6 @@ class DecodingSettings:
             raise ValueError("verify=True accepts every verified draft: max_accept does not apply (leave it None)")
         if self.window == "cache_block":
             raise ValueError("verify=True needs an integer window (the drafts plus W-1 masks), not 'cache_block'")
-        if self.threshold != reference_threshold(self.metric):
-            raise ValueError(
-                f"verify=True output is exactly greedy AR, so a threshold of {self.threshold:g} means nothing there; "
-                f"leave threshold at {reference_threshold(self.metric):g} (draft_threshold filters weak drafts)"
-            )
         if self.window is not None and self.window < 2 and self.draft_source == "masks":
             raise ValueError("verify=True needs window >= 2 (at least one mask to draft from)")
 

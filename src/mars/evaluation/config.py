@@ -207,11 +207,6 @@ def check_config(resolved: dict[str, Any]) -> CheckedConfig:
         DecodingSettings.from_mapping(decoding, threshold=reference)
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
-    if decoding.get("verify") and thresholds != [reference]:
-        raise ThresholdError(
-            f"decoding.verify=true decodes exactly greedy, so thresholds {thresholds} mean nothing there: run it at "
-            "threshold=1.0 with reference=false (sweep decoding.draft_threshold instead)"
-        )
     mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
     if mismatch:
         log.warning(mismatch)

@@ -169,6 +169,8 @@ def variants(args) -> list[Variant]:
             out.append(Variant(name, {**VERIFIED, "fallback": fallback}, fixed_threshold=1.0))
         for dt in args.verify_draft_thresholds:  # the same decoder spending columns only on confident drafts
             out.append(Variant(f"mars-verify-dt{dt:g}", {**VERIFIED, "draft_threshold": dt}, fixed_threshold=1.0))
+    if args.verify_tau:  # verified drafts plus the masks that meet each threshold: lossy below 1.0
+        out.append(Variant("mars-verify-tau", dict(VERIFIED)))
     return out + [draft_variant(entry, args) for entry in args.draft_sources]
 
 
@@ -452,6 +454,12 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="also time lossless verified decoding (verify=True, cursor cache; exact greedy output)",
+    )
+    p.add_argument(
+        "--verify-tau",
+        action="store_true",
+        help="also time verified decoding at every threshold (row `mars-verify-tau`: below 1.0 the masks after "
+        "drafts that all passed are accepted while they meet the threshold, the paper's speculative composition)",
     )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
     p.add_argument(

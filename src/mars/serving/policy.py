@@ -19,7 +19,8 @@ they drain.  The policy here is a small controller with no knowledge of the mode
   number relaxes), the relaxed end the other bound.
 
 A request's own threshold is honoured inside the server's bounds (clamped to them); a request with
-verification (``verify``) is served at the reference threshold, where it is lossless anyway.
+verification (``verify``) and no threshold of its own is served at the reference threshold, where it is
+lossless, and the load never moves it (with a threshold it asks for verified drafts plus the masks that meet it).
 """
 
 from __future__ import annotations
@@ -92,10 +93,11 @@ class ThresholdPolicy:
         return min(max(float(threshold), self.threshold_min), self.threshold_max)
 
     def for_request(self, requested: float | None, verify: bool = False) -> float:
-        """The threshold a request is served at: its own (inside the bounds) or the current one."""
-        if verify:
-            return self.reference
-        return self.threshold if requested is None else self.clamp(requested)
+        """The threshold a request is served at: its own (inside the bounds) or the current one; a verifying
+        request without one is served lossless (the reference), whatever the load."""
+        if requested is None:
+            return self.reference if verify else self.threshold
+        return self.clamp(requested)
 
     def is_exact(self, threshold: float) -> bool:
         return is_exact_threshold(threshold, self.metric)
