@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import CONF, REPO
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from mars.evaluation.config import prepare
 from mars.train import run
+from mars.train_config import validate
 
 EXPERIMENTS = sorted(
     str(p.relative_to(CONF / "experiment").with_suffix(""))
@@ -80,29 +81,62 @@ def test_the_paper_grid_is_complete():
         assert {f"{o}_b{b}" for o in ("mars", "mars_no_sft") for b in (4, 8, 16)} <= names
 
 
-def test_every_experiment_and_sweep_point_trains_one_step(compose_cfg, tmp_path):
+# Settings whose value the one tiny CPU step never reaches: the epoch count, log and checkpoint cadence (one
+# step ends first), the lr and warmup (a number in the same optimizer), the hub id (data.source=jsonl), FSDP's
+# options (strategy=auto) and the loader's worker count (trained both ways below). Points that differ only
+# there take the same code path: the default suite trains one of them; -m slow trains every distinct point.
+SAME_PATH = {
+    "optim": ("lr", "warmup_ratio"),
+    "trainer": ("max_epochs", "log_every_n_steps", "fsdp"),
+    "data": ("hub_id", "num_workers"),
+    "": ("checkpoint_every",),
+}
+
+
+def settings_key(cfg, same_path: dict[str, tuple[str, ...]]) -> str:
+    """The point's settings less names, paths and model ids (one job on the tiny model), less ``same_path``."""
+    settings = {
+        k: v
+        for k, v in OmegaConf.to_container(cfg).items()
+        if k not in ("run_name", "output_dir", "export_dir", "model")
+    }
+    for group, keys in same_path.items():
+        for key in keys:
+            (settings[group] if group else settings).pop(key, None)
+    return OmegaConf.to_yaml(settings)
+
+
+def train_distinct_points(compose_cfg, tmp_path, same_path) -> dict[str, DictConfig]:
+    """Composes and validates every point, and trains one step of each distinct ``settings_key``."""
     points = list(all_points())
     assert len(points) > 30
     seen = {}
     for label, overrides in points:
         cfg = compose_cfg("train", overrides + TINY + [f"data.path={REPO / 'tests/data/tiny_sft.jsonl'}"])
         assert cfg.run_name and cfg.block >= 1, label
-        # points that differ only in names/model ids are the same job on the tiny model: run each once
-        key = OmegaConf.to_yaml(
-            {
-                k: v
-                for k, v in OmegaConf.to_container(cfg).items()
-                if k not in ("run_name", "output_dir", "export_dir", "model")
-            }
-        )
+        validate(cfg)  # what run() checks first: every point, trained or not, holds valid settings
+        key = settings_key(cfg, same_path)
         if key in seen:
             continue
         cfg.output_dir = str(tmp_path / f"p{len(seen)}")
         cfg.export_dir = str(tmp_path / f"p{len(seen)}" / "hf")
         out = run(cfg)
         assert (out / "mars_config.json").is_file(), label
-        seen[key] = label
-    assert len(seen) >= 8
+        seen[key] = cfg
+    return seen
+
+
+def test_every_experiment_and_sweep_point_is_valid_and_each_code_path_trains_one_step(compose_cfg, tmp_path):
+    trained = train_distinct_points(compose_cfg, tmp_path, SAME_PATH)
+    assert len(trained) >= 8
+    # the loader's worker count is left out of the key: both ways of loading still train
+    workers = {cfg.data.num_workers for cfg in trained.values()}
+    assert 0 in workers and any(w > 0 for w in workers), workers
+
+
+@pytest.mark.slow
+def test_every_experiment_and_sweep_point_trains_one_step(compose_cfg, tmp_path):
+    assert len(train_distinct_points(compose_cfg, tmp_path, {})) >= 8
 
 
 def train_export_dirs(compose_cfg) -> dict[str, tuple[int, str]]:
@@ -121,6 +155,7 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
     points = list(sweep_points(HYDRA_EVAL_SWEEPS, "evaluate.py"))
     assert len(points) >= 12
     monkeypatch.chdir(tmp_path)  # checkpoint paths are relative to the working directory, as on the CLI
+    folders, checkpoints = set(), set()
     for label, overrides in points:
         cfg = compose_cfg("evaluate", overrides)
         assert cfg.checkpoint in exports, f"{label}: {cfg.checkpoint} is not written by any training sweep"
@@ -131,10 +166,12 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
         (ckpt / "mars_config.json").write_text(
             json.dumps({"block_size": block, "objective": objective, "mask_token": "<mask>", "mask_token_id": 0})
         )
+        # resolved now that the checkpoint is there (the folder's name reads its block), before prepare()
+        folders.add(str(cfg.output_dir))
+        checkpoints.add(cfg.checkpoint)
         plan = prepare(cfg, check_results_dir=False)
         assert plan.block_size == block, label
         assert 1.0 in plan.thresholds and len(plan.thresholds) >= 2, label  # the AR reference is always there
         assert str(plan.output_dir).startswith("outputs/eval/"), label
     # each point gets its own results folder
-    folders = {str(compose_cfg("evaluate", o).output_dir) for _, o in points}
-    assert len(folders) == len({compose_cfg("evaluate", o).checkpoint for _, o in points})
+    assert len(folders) == len(checkpoints)
