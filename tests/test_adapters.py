@@ -11,6 +11,7 @@ from mars.adapters import (
     base_digest,
     load_adapter,
     merge_adapter,
+    recorded_base_digest,
     save_adapter,
     truncate_adapter_rank,
 )
@@ -108,6 +109,21 @@ def test_an_adapter_refuses_another_base_a_second_application_and_another_block_
         load_adapter(model, folder, MASK_ID)
     with pytest.raises(AdapterError, match="block size 4, not 8"):
         load_adapter(tiny(), folder, MASK_ID, block_size=8)
+
+
+def test_an_adapter_records_its_base_before_training_casts_it(tmp_path):
+    """bf16-true training (CPUs with native bf16) casts the whole model after the adapter is attached; the
+    export must record the fp32 base the adapter will be loaded onto, or loading it refuses its own base."""
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2), MASK_ID)
+    model.to(torch.bfloat16)
+    assert base_digest(model) != base_digest(tiny()) and recorded_base_digest(model) == base_digest(tiny())
+    folder = save_adapter(
+        model, tmp_path / "adapter", {"base_model": "tiny", "base_digest": recorded_base_digest(model)}
+    )
+    load_adapter(tiny(), folder, MASK_ID)
+    with pytest.raises(AdapterError, match="another base model"):
+        load_adapter(tiny(seed=5), folder, MASK_ID)
 
 
 @pytest.mark.parametrize(

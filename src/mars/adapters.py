@@ -193,6 +193,10 @@ def attach_adapter(model: nn.Module, settings: AdapterSettings, mask_token_id: i
         raise ValueError("attach_adapter needs adapter.kind gated_lora or lora")
     if has_adapter(model):
         raise AdapterError("this model already carries an adapter: an adapter is applied once, to its base model")
+    if getattr(model, "mars_base_digest", None) is None:
+        # taken now, in the precision the base was loaded in: bf16-true training casts the whole model later,
+        # and an adapter must record the base it will be loaded onto, not the cast copy it trained beside
+        model.mars_base_digest = base_digest(model)
     for p in model.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(lora_config(settings, model.config.num_hidden_layers), model)
@@ -251,6 +255,11 @@ def base_digest(model: nn.Module) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def recorded_base_digest(model: nn.Module) -> str:
+    """The digest of ``model``'s base as it was when the adapter was attached (before any cast)."""
+    return getattr(model, "mars_base_digest", None) or base_digest(model)
 
 
 def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any]) -> None:
@@ -321,6 +330,7 @@ def load_adapter(
         raise AdapterError(
             f"{folder} uses mask token id {meta.get('mask_token_id')}; this tokenizer's is {mask_token_id}"
         )
+    model.mars_base_digest = have  # checked above: attach_adapter need not read the weights again
     gate = attach_adapter(model, settings, mask_token_id)
     from peft import set_peft_model_state_dict
 

@@ -54,7 +54,7 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
     """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`), the tokenizer with
     its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base model), in one folder that
     :func:`mars.models.load_model` turns back into base + adapter.  Written atomically."""
-    from mars.adapters import adapter_state_dict, base_digest, write_adapter
+    from mars.adapters import adapter_state_dict, recorded_base_digest, write_adapter
 
     meta = MarsMetadata.from_dict(
         {**metadata, "adapter": "gated_lora", "num_parameters": metadata.get("base_num_parameters")},
@@ -64,7 +64,7 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
     adapter_meta = {
         "base_model": meta.base_model,
         "base_tiny": metadata.get("base_tiny"),
-        "base_digest": base_digest(model),
+        "base_digest": recorded_base_digest(model),
         "block_size": meta.block_size,
         "mask_token": meta.mask_token,
         "mask_token_id": meta.mask_token_id,
