@@ -298,7 +298,7 @@ class DecodeEngine:
         for i, r in enumerate(self.rows.records.requests):
             if r.id == request_id:
                 if r.verify:
-                    return False  # verified rows are exact at any threshold
+                    return False  # a verifying request keeps its own threshold (lossless without one)
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
                 with torch.inference_mode():  # the row tensors were made inside a step
                     self.rows.tensors.threshold[i] = thr
@@ -636,7 +636,7 @@ class DecodeEngine:
                     done[i], reasons[i] = True, reason
             records.outputs[i].extend(new)
             # a MARS row's tokens after its verified drafts and the AR token came from masks (Jacobi's did not)
-            exact_until = 0 if self.guess_slots else int(committed.verified[i])
+            exact_until = int(committed.verified[i])
             records.from_mask[i].extend(not self.guess_slots and k > exact_until for k in range(len(new)))
             if done[i] and i not in reasons:
                 reasons[i] = "eos" if committed.hit_eos[i] else "length"
