@@ -495,7 +495,11 @@ class DecodeEngine:
         tokens, passed = self._check_drafts(plan, logp, predicted, drafts_fed, verifying)
         # the masks followed the right text only when every draft passed
         all_passed = (passed == drafts_fed) & torch.as_tensor(plan.draft_masks > 0, device=dev)
-        from_masks = self._confident_masks(plan, score, passed, drafts_fed, all_passed)
+        requests = self.rows.records.requests
+        if any(not r.exact for r, v in zip(requests, plan.verifying) if v):
+            from_masks = self._confident_masks(plan, score, passed, drafts_fed, all_passed)
+        else:  # lossless verify (every verifying row at threshold 1.0), the usual case: no work per step
+            from_masks = torch.zeros_like(passed)
         count = torch.where(verifying, passed + 1 + from_masks, count)
         next_drafts = self._next_drafts(plan, logp, predicted, passed, drafts_fed, verifying, all_passed, from_masks)
         return tokens, count, passed.where(verifying, torch.zeros_like(passed)), next_drafts
