@@ -127,6 +127,46 @@ def test_build_key_changes_with_torch_version_and_source(monkeypatch, tmp_path, 
     assert kernels.build_key() != key
 
 
+def test_kernel_isa_follows_the_cpu_and_an_override(monkeypatch):
+    monkeypatch.delenv("MARS_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert kernels.kernel_isa() == "avx512" and "-mavx512f" in kernels.cflags()
+    wide = kernels.build_key()
+    monkeypatch.setenv("MARS_KERNEL_ISA", "avx2")
+    assert kernels.kernel_isa() == "avx2" and "-mavx512f" not in kernels.cflags()
+    assert kernels.build_key() != wide  # another ISA is another build, never the cached one
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.delenv("MARS_KERNEL_ISA")
+    assert kernels.kernel_isa() == "avx2"
+    monkeypatch.setenv("MARS_KERNEL_ISA", "avx512")
+    with pytest.raises(KernelUnavailable, match="no AVX-512F"):
+        kernels.kernel_isa()
+    monkeypatch.setenv("MARS_KERNEL_ISA", "sse4")
+    with pytest.raises(KernelUnavailable, match="choose one of"):
+        kernels.build_key()
+
+
+@pytest.mark.slow
+def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
+    """The default suite tests the build this CPU gets; on an AVX-512 CPU the AVX2 build is tested here too."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx512f" not in kernels.cpu_flags():
+        pytest.skip("this CPU has only the AVX2 build, which the default suite tests")
+    env = {**os.environ, "MARS_KERNEL_ISA": "avx2"}
+    selected = "small_linear or row_does_not or fused_linear or lean or greedy_outputs"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", __file__, "tests/test_lean_forward.py", "-k", selected],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
 def test_fast_path_patches_only_inside_the_block_and_restores_on_error(model):  # noqa: F811
     kernel_or_skip()
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]

@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for small M, fp32, AVX2 + FMA.
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for small M, fp32, AVX2 + FMA (AVX-512 where the build targets it).
 //
 // Decoding reads every weight once per step for a handful of columns (M = batch x new columns, 1-16),
 // so the step is bound by the weight stream from memory, not by arithmetic.  A BLAS tuned for large M
@@ -6,8 +6,8 @@
 // instead streams R weight rows at a time (row-major, as nn.Linear stores them: nothing is copied or
 // repacked, tied weights stay tied) and computes all M columns from them while they sit in L1.
 //
-// Batch invariance: the output element (m, n) is always the same sequence of operations -- an 8-lane
-// FMA chain over k ascending from zero, one fixed horizontal sum, a scalar FMA tail, then + bias -- no
+// Batch invariance: the output element (m, n) is always the same sequence of operations -- an 8-lane (16 with
+// AVX-512) FMA chain over k ascending from zero, one fixed horizontal sum, a scalar FMA tail, then + bias -- no
 // matter M, how the columns are blocked, how rows are blocked, or how many threads share the rows.  So
 // a row's output does not change with how many other columns ride along in the step.
 //
@@ -22,14 +22,30 @@
 
 #include "small_gemm.h"
 
-// Rows x columns per tile from 3 columns on: 3 x 4 (12 accumulators, 4 column vectors, 1 weight vector)
-// beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 on the 2-vCPU EPYC (hot weights, one thread,
-// interleaved); one column uses 8 rows, two columns 4 x 2.
+// Rows x columns per tile from 3 columns on, and rows per tile at one and at two columns.  More rows per tile
+// means more weight rows streaming at once; the accumulators (R x MB) + MB column vectors + 1 weight vector must
+// fit the vector registers (16 ymm with AVX2, 32 zmm with AVX-512).  Measured on the step's real shapes with
+// cold weights (benchmarks/decode_step_cpu/avx512/): AVX-512 6 x 4 and 8 x 2 beat 3 x 4 and 4 x 2 by 11% and
+// 15% at 4 and 2 columns on a Zen 4 EPYC; AVX2 code there gained 11% at 2 columns from 6 x 2 over 4 x 2.  On
+// the AVX2-only Zen 3 EPYC, 3 x 4 beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 (hot weights, one thread).
+#ifdef __AVX512F__
+#define MARS_DEFAULT_R 6
+#define MARS_DEFAULT_R2 8
+#else
+#define MARS_DEFAULT_R 3
+#define MARS_DEFAULT_R2 6
+#endif
 #ifndef MARS_R
-#define MARS_R 3
+#define MARS_R MARS_DEFAULT_R
 #endif
 #ifndef MARS_MB
 #define MARS_MB 4
+#endif
+#ifndef MARS_R1
+#define MARS_R1 8
+#endif
+#ifndef MARS_R2
+#define MARS_R2 MARS_DEFAULT_R2
 #endif
 // Software prefetch distance in tiles (0 = off): the rows of the tile MARS_PF tiles ahead are fetched
 // while this one computes, so that memory and arithmetic overlap once M makes a tile compute-bound.
@@ -49,28 +65,51 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector <= 17 ymm values
-// (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA).
+// The vector the FMA chains run on: 16 lanes where the build targets AVX-512 (mars.kernels adds -mavx512f on
+// CPUs that have it), else 8.  Within one build every output element is still one fixed sequence of operations.
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// Fixed order: the two 256-bit halves added, then hsum8.
+inline float vsum(Vec v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum8(_mm256_add_ps(lo, hi));
+}
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return hsum8(v); }
+#endif
+
+// R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector: at most 17 ymm values
+// with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
 template <int R, int MB>
 inline void tile(const float* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
                  float* __restrict y, int64_t ldy, int64_t K, const float* __restrict bias) {
-  __m256 acc[R][MB];
+  Vec acc[R][MB];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if (MARS_PF > 0 && (k & 15) == 0)
+  for (; k + kLanes <= K; k += kLanes) {
+    if (MARS_PF > 0 && (k & 15) == 0)  // one prefetch per 64-byte line of each row
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + MARS_PF * R) * ldw + k), _MM_HINT_T0);
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    Vec xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = vload(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * ldw + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      const Vec wv = vload(w + r * ldw + k);
+      for (int m = 0; m < MB; ++m) acc[r][m] = vfma(wv, xv[m], acc[r][m]);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MB; ++m) {
-      float s = hsum8(acc[r][m]);
+      float s = vsum(acc[r][m]);
       for (int64_t t = k; t < K; ++t) s = std::fma(w[r * ldw + t], x[m * ldx + t], s);
       if (bias) s += bias[r];
       y[m * ldy + r] = s;
@@ -154,7 +193,7 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
 // Rows per weight block by the number of columns (1 column: 8 rows; 2: 4 x 2; more: MARS_R x MARS_MB tiles),
 // the blocks numbered across the segments, and one parallel pass over them all.
 void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols, int64_t ncols) {
-  const int R = M == 1 ? 8 : (M == 2 ? 4 : MARS_R);
+  const int R = M == 1 ? MARS_R1 : (M == 2 ? MARS_R2 : MARS_R);
   int64_t blocks = 0;
   for (Segment& g : segs) {
     g.first_block = blocks;
@@ -163,9 +202,9 @@ void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, c
   // Rows per task: about 64 KB of weights, so a thread gets a long sequential stream per task.
   const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
   if (M == 1) {
-    run_segments<8, 1>(segs, x, M, K, cols, ncols, blocks, grain / 2 + 1);
+    run_segments<MARS_R1, 1>(segs, x, M, K, cols, ncols, blocks, grain / 2 + 1);
   } else if (M == 2) {
-    run_segments<4, 2>(segs, x, M, K, cols, ncols, blocks, grain);
+    run_segments<MARS_R2, 2>(segs, x, M, K, cols, ncols, blocks, grain);
   } else {
     run_segments<MARS_R, MARS_MB>(segs, x, M, K, cols, ncols, blocks, grain);
   }
