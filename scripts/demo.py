@@ -80,10 +80,6 @@ def main() -> None:
             str(ckpt),
             "--thresholds",
             LOSSY_THRESHOLD,
-            # fp32 runs the decode fast path, the fastest batch-1 decoder even where bf16 is native
-            # (benchmarks/decode_step_cpu/native_bf16_host_ar/); dtype auto would pick eager bf16 there
-            "--dtype",
-            "float32",
             "--batch-sizes",
             "1",
             "--repeats",

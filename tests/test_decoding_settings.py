@@ -4,6 +4,7 @@ and the server; dtype resolution by hardware."""
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from conftest import CONF
@@ -89,6 +90,32 @@ def test_auto_dtype_follows_native_bf16(monkeypatch):
     assert hardware.resolve_dtype_name("auto", "cpu") == "float32"
     assert hardware.resolve_dtype_name("auto", "cuda:0") == "bfloat16"
     assert hardware.resolve_dtype_name("float32", "cpu") == "float32"
+
+
+def test_auto_dtype_for_decoding_is_fp32_where_the_cpu_fast_path_runs(monkeypatch):
+    from mars import kernels
+    from mars.decoding import fastpath
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "check_cpu", lambda: None)
+    monkeypatch.setattr(kernels, "build_dir", lambda: Path("/nonexistent-mars-build"))
+    monkeypatch.setenv("CXX", "sh")  # a compiler on PATH: the kernel could be built here
+    monkeypatch.delenv("MARS_FAST_PATH", raising=False)
+    assert fastpath.decode_dtype_name("auto", "cpu") == "float32"
+    assert fastpath.decode_dtype_name("auto", "cuda:0") == "bfloat16"
+    assert fastpath.decode_dtype_name("bfloat16", "cpu") == "bfloat16"  # an explicit dtype is kept
+    monkeypatch.setenv("MARS_FAST_PATH", "0")  # no fast path: native bf16 is the faster decoder again
+    assert fastpath.decode_dtype_name("auto", "cpu") == "bfloat16"
+    monkeypatch.delenv("MARS_FAST_PATH")
+    monkeypatch.setenv("CXX", "no-such-compiler-mars")  # nothing to build the kernel with, no finished build
+    assert fastpath.decode_dtype_name("auto", "cpu") == "bfloat16"
+
+    def no_kernel():
+        raise kernels.KernelUnavailable("not x86-64")
+
+    monkeypatch.setenv("CXX", "sh")
+    monkeypatch.setattr(kernels, "check_cpu", no_kernel)
+    assert fastpath.decode_dtype_name("auto", "cpu") == "bfloat16"
 
 
 def test_bf16_without_native_support_warns_and_is_honoured(monkeypatch):

@@ -52,7 +52,8 @@ def add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
         "--dtype",
         default=default,
         choices=list(DTYPES),
-        help="auto: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else float32",
+        help="auto: bf16 on GPUs; float32 on CPUs (the fp32 decode fast path beats bf16 there), bf16 only where it is "
+        "native (AVX512-BF16/AMX) and the fast path cannot run",
     )
 
 

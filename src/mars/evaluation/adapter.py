@@ -198,7 +198,8 @@ class MarsLM(TemplateLM):
     def _load_pretrained(self, pretrained: str, device: str | None, dtype: str | None, settings: dict[str, Any]):
         """Model, tokenizer and mask token id of a checkpoint folder or hub id, on this rank's device; the
         block size it was trained with becomes the decoding default (``settings`` is updated)."""
-        from mars.hardware import resolve_device, resolve_dtype_name
+        from mars.decoding.fastpath import decode_dtype_name
+        from mars.hardware import resolve_device
         from mars.models import load_model
 
         where = resolve_device(device)
@@ -208,7 +209,7 @@ class MarsLM(TemplateLM):
             where = "cpu"
         if self._world_size > 1 and where == "cuda":
             where = str(self.accelerator.device)  # this rank's GPU
-        loaded = load_model(pretrained, device=where, dtype=resolve_dtype_name(dtype, where) if dtype else "float32")
+        loaded = load_model(pretrained, device=where, dtype=decode_dtype_name(dtype, where) if dtype else "float32")
         _adopt_trained_block_size(settings, (loaded.metadata or {}).get("block_size"))
         return loaded.model, loaded.tokenizer, loaded.mask.id
 

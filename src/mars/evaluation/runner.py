@@ -62,10 +62,10 @@ def _device(name: str | None) -> str:
 
 
 def _dtype(name: str | None, device: str) -> str:
-    """``auto``: bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32."""
-    from mars.hardware import resolve_dtype_name
+    """``auto``: bf16 on GPUs, fp32 on CPUs (bf16 only where it is native and the fp32 decode fast path cannot run)."""
+    from mars.decoding.fastpath import decode_dtype_name
 
-    return resolve_dtype_name(name, device)
+    return decode_dtype_name(name, device)
 
 
 def load_for_plan(plan: Plan):

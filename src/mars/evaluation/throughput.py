@@ -382,9 +382,9 @@ def parse_args(argv: list[str] | None):
         raise SystemExit(f"--threads: {err}") from err
     if args.no_fast_path:
         os.environ["MARS_FAST_PATH"] = "0"
-    from mars.hardware import resolve_dtype_name
+    from mars.decoding.fastpath import decode_dtype_name
 
-    args.dtype = resolve_dtype_name(args.dtype, args.device)
+    args.dtype = decode_dtype_name(args.dtype, args.device)
     return args, batch_sizes, thresholds
 
 

@@ -245,7 +245,8 @@ def build_state(sc: ServeConfig, loaded=None):
 def _load_served_model(sc: ServeConfig):
     """The checkpoint (or configured base model) on the configured device and dtype, with the mask token
     the checkpoint was trained with."""
-    from mars.hardware import resolve_device, resolve_dtype_name
+    from mars.decoding.fastpath import decode_dtype_name
+    from mars.hardware import resolve_device
     from mars.models import load_model
 
     device = resolve_device(sc.device)
@@ -256,7 +257,7 @@ def _load_served_model(sc: ServeConfig):
         tiny=sc.model.get("tiny") if not sc.checkpoint else None,
         mask_token=mask_token,
         allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
-        dtype=resolve_dtype_name(sc.dtype, device),
+        dtype=decode_dtype_name(sc.dtype, device),
         attn_implementation=sc.model.get("attn_implementation") or "sdpa",
         device=device,
     )
