@@ -10,8 +10,9 @@ step); ``small_gemm.cpp`` streams each weight row once and computes all columns 
 source for the blocking and why the result does not depend on how many columns ride along).
 
 The extension is built with ``torch.utils.cpp_extension`` (needs a C++ compiler and an x86-64 CPU
-with AVX2 and FMA; on a CPU with AVX-512F it is built for that, see :func:`kernel_isa`) into ``<mars cache>/kernels/<name>-torch<version>-<hash>``: the hash covers the
-sources, the flags and the Python/torch ABI, so a build for another torch or another source is never
+with AVX2 and FMA; on a CPU with AVX-512F it is built for that, see :func:`kernel_isa`) into
+``<mars cache>/kernels/<name>-torch<version>-<hash>``: the hash covers the sources, the flags (the ISA
+among them) and the Python/torch ABI, so a build for another torch or another source is never
 loaded, a build killed half-way is redone (see :func:`ensure_built`), and later processes load the cached
 library directly (no compiler run).
 """
