@@ -78,27 +78,13 @@ def decode_dtype_name(name: str | None, device: object = "cpu") -> str:
     float32 even where bf16 is native: at batch 1 the fp32 fast path beats eager bf16 (29.5 vs 21.5 tokens
     per second of AR on an AVX-512/bf16 EPYC: benchmarks/decode_step_cpu/native_bf16_host_ar), and fp32 is
     what the quality figures are measured in.  Training keeps bf16 there (``mars.precision``)."""
+    from mars import kernels
     from mars.hardware import device_type, resolve_dtype_name, validate_dtype
 
-    if validate_dtype(name) == "auto" and device_type(device) == "cpu" and _fast_path_can_build():
+    auto_on_cpu = validate_dtype(name) == "auto" and device_type(device) == "cpu"
+    if auto_on_cpu and enabled_by_env() and kernels.can_run_here():
         return "float32"
     return resolve_dtype_name(name, device)
-
-
-def _fast_path_can_build() -> bool:
-    import shutil
-
-    from mars import kernels
-
-    if not enabled_by_env():
-        return False
-    try:
-        kernels.check_cpu()
-        if (kernels.build_dir() / "complete").is_file():
-            return True
-    except kernels.KernelUnavailable:
-        return False
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def usable(model: torch.nn.Module) -> bool:

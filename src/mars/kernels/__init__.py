@@ -168,12 +168,27 @@ def ensure_built(target: Path) -> Path:
     return library
 
 
-def _build(target: Path, name: str) -> None:
+def has_compiler() -> bool:
+    """Whether the C++ compiler the build would use (``$CXX``, else ``c++``) is on the PATH."""
     import shutil
 
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def can_run_here() -> bool:
+    """Whether the kernels can run here: the CPU takes them, and a finished build is cached or a compiler can
+    make one.  Builds and loads nothing."""
+    try:
+        check_cpu()
+        return (build_dir() / "complete").is_file() or has_compiler()
+    except KernelUnavailable:
+        return False
+
+
+def _build(target: Path, name: str) -> None:
     from torch.utils import cpp_extension
 
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not has_compiler():
         raise KernelUnavailable("no C++ compiler (c++ or $CXX) to build the small-M GEMM kernel")
     target.mkdir(parents=True, exist_ok=True)
     print(f"mars: compiling the CPU decode kernels once into {target} (about a minute) ...", file=sys.stderr)
