@@ -190,7 +190,7 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
   });
 }
 
-// Rows per weight block by the number of columns (1 column: 8 rows; 2: 4 x 2; more: MARS_R x MARS_MB tiles),
+// Rows per weight block by the number of columns (1 column: MARS_R1 rows; 2: MARS_R2 x 2; more: MARS_R x MARS_MB),
 // the blocks numbered across the segments, and one parallel pass over them all.
 void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols, int64_t ncols) {
   const int R = M == 1 ? MARS_R1 : (M == 2 ? MARS_R2 : MARS_R);

@@ -16,7 +16,8 @@ MARS extras: the per-request fields of :class:`~mars.decoding.settings.DecodingS
 (:class:`RequestOptions`, derived from the dataclass: ``threshold``, the request's own threshold,
 honoured inside the server's bounds; ``verify``, self-speculative decoding: without a threshold lossless,
 exactly greedy output at more than one token per forward, with one also the masks that meet it;
-``lookup_ngram``; and whatever field is declared ``per_request`` there) and ``return_token_ids`` (the generated ids with each choice and each streamed chunk).
+``lookup_ngram``; and whatever field is declared ``per_request`` there) and ``return_token_ids`` (the
+generated ids with each choice and each streamed chunk).
 """
 
 from __future__ import annotations
