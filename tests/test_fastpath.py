@@ -57,25 +57,46 @@ def test_a_row_does_not_depend_on_the_other_columns():
     assert torch.equal(op(x[5:9], w, None), alone[5:9])
 
 
+@pytest.mark.parametrize("n,r", [(576, 32), (100, 5), (7, 64), (1536, 16)])
+def test_lowrank_linear_is_a_batch_invariant_up_product(n, r):
+    """A LoRA up factor's product: close to F.linear for any number of rows (panel-aligned or not, more than 16
+    included), and each row's output the same bits whatever rides along."""
+    kernel_or_skip()
+    op = kernels.lowrank_linear_op()
+    g = torch.Generator().manual_seed(n + r)
+    b, x = torch.randn(n, r, generator=g), torch.randn(20, r, generator=g)
+    alone = torch.cat([op(x[i : i + 1], b) for i in range(20)])
+    torch.testing.assert_close(alone, F.linear(x, b), rtol=1e-5, atol=1e-4)
+    for m in (2, 3, 4, 5, 16, 20):
+        assert torch.equal(op(x[:m], b), alone[:m]), m
+    assert op(x.view(4, 5, r), b).shape == (4, 5, n)
+    packed = kernels.pack_lowrank_op()(b)
+    assert packed.dim() == 3 and packed.shape[1] == r and packed.shape[0] * packed.shape[2] >= n
+    torch.library.opcheck(op, (x[:3], b))
+
+
 def test_custom_op_has_a_working_fake_for_compile():
     op = kernel_or_skip()
     torch.library.opcheck(op, (torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)))
 
 
-@pytest.mark.parametrize("rank", [32, 5])
-def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(rank):
+@pytest.mark.parametrize("rank,k,sizes", [(32, 72, (48, 16, 16)), (5, 72, (48, 16, 16)), (16, 576, (1000, 192, 330))])
+def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(rank, k, sizes):
     """One pass over q/k/v-like weights (with and without bias, one without an adapter) equals the separate
-    kernel calls, and its LoRA term at the given rows equals peft's ``y + B(A(x) * gate) * scaling``."""
+    kernel calls, and its LoRA term at the given rows equals peft's ``y + B(A(x) * gate) * scaling`` with the
+    up factor through ``lowrank_linear`` (the order the fused pass adds it in)."""
     op = kernel_or_skip()
     fused = kernels.fused_linear_op()
     g = torch.Generator().manual_seed(rank)
-    k = 72
-    weights = [torch.randn(n, k, generator=g) for n in (48, 16, 16)]
-    biases = [torch.randn(48, generator=g), None, torch.randn(16, generator=g)]
+    # the large case: several threads' row ranges, split inside the up factor's panels
+    weights = [torch.randn(n, k, generator=g) for n in sizes]
+    biases = [torch.randn(sizes[0], generator=g), None, torch.randn(sizes[2], generator=g)]
     a = [torch.randn(rank, k, generator=g), None, torch.randn(rank, k, generator=g)]
-    b = [torch.randn(n, rank, generator=g) for n in (48, 16, 16)]
+    b = [torch.randn(n, rank, generator=g) for n in sizes]
     b[1] = None
     scalings = [2.0, 0.0, 0.5]
+    lowrank = kernels.lowrank_linear_op()
+    packed = [None if f is None else kernels.pack_lowrank_op()(f) for f in b]
     for m in (1, 2, 3, 4, 7, 16):
         x = torch.randn(m, k, generator=g)
         plain = fused(x, weights, biases, [], [], [], None)
@@ -85,11 +106,11 @@ def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(r
         for rows in (torch.arange(m)[m // 2 :], torch.arange(m)[::2]):
             gate = torch.zeros(m, 1)
             gate[rows] = 1.0
-            gated = fused(x, weights, biases, a, b, scalings, rows)
+            gated = fused(x, weights, biases, a, packed, scalings, rows)
             for i, y in enumerate(gated):
                 expected = op(x, weights[i], biases[i])
                 if a[i] is not None:
-                    expected = expected + op(op(x, a[i], None) * gate, b[i], None) * scalings[i]
+                    expected = expected + lowrank(op(x, a[i], None) * gate, b[i]) * scalings[i]
                 assert torch.equal(y, expected), (m, rows, i)
             assert not torch.equal(gated[0][rows], plain[0][rows])  # the adapter acted at its rows only
             others = gate.squeeze(1) == 0
@@ -100,15 +121,20 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
     kernel_or_skip()
     fused = kernels.fused_linear_op()
     x, w = torch.randn(2, 8), torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match="do not fit"):
-        fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(5, 3)], [1.0], torch.tensor([1]))
+    pack = kernels.pack_lowrank_op()
+    up = pack(torch.randn(4, 3))
+    for wrong in (torch.randn(4, 5), torch.randn(200, 3)):  # another rank; another size (by panels)
+        with pytest.raises(RuntimeError, match="do not fit"):
+            fused(x, [w], [None], [torch.randn(3, 8)], [pack(wrong)], [1.0], torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="do not fit"):  # an up factor not packed
+        fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([1]))
     with pytest.raises(RuntimeError, match="outside the 2 input rows"):
-        fused(x, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([2]))
+        fused(x, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([2]))
     with pytest.raises(RuntimeError, match="one entry per weight"):
-        fused(x, [w, w], [None, None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.tensor([1]))
+        fused(x, [w, w], [None, None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([1]))
     wide = torch.randn(17, 8)  # more adapted columns than the kernel's low-rank buffer holds
     with pytest.raises(RuntimeError, match="at most 16 adapted columns"):
-        fused(wide, [w], [None], [torch.randn(3, 8)], [torch.randn(4, 3)], [1.0], torch.arange(17))
+        fused(wide, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.arange(17))
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
 
 

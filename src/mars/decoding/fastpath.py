@@ -107,11 +107,31 @@ def _warn_once(reason: str) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through the kernel where it applies (fp32, no autograd, at most :data:`MAX_COLUMNS` columns,
     or only the live columns of an :func:`only_columns` block); ``F.linear`` otherwise."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_grad_enabled():
+    if not _kernel_takes(x, weight):
         return F.linear(x, weight, bias)
     from mars.kernels import small_linear_op
 
-    op = small_linear_op()
+    return _at_live_rows(small_linear_op(), x, weight, bias)
+
+
+def lowrank_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA up factor's ``F.linear(x, weight)``, where :func:`linear` would take the kernel in the order the
+    fused pass (:func:`fused_linears`) adds the low-rank term, so that the two agree bit for bit."""
+    if not _kernel_takes(x, weight):
+        return F.linear(x, weight)
+    from mars.kernels import lowrank_linear_op
+
+    op = lowrank_linear_op()
+    return _at_live_rows(lambda x, w, _: op(x, w), x, weight, None)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled()
+
+
+def _at_live_rows(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``op(x, weight, bias)`` on the live rows of an :func:`only_columns` block (zeros elsewhere), on all rows
+    up to :data:`MAX_COLUMNS`, else ``F.linear``."""
     n, k = weight.shape
     index = computed_rows(tuple(x.shape[:-1]))
     if index is not None:
@@ -140,9 +160,10 @@ def fused_linears(
     columns: torch.Tensor | None = None,
 ) -> list[torch.Tensor] | None:
     """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` in one pass of the kernel; with ``lora``
-    (``(A factors, B factors, scalings)``, None entries for weights without an adapter) each adapted output
-    also gets ``(B (A x)) * scaling`` at the flattened rows ``columns`` (of the rows computed, see
-    :func:`computed_rows`) -- a gated LoRA at mask columns.  Bit-identical to the separate calls.
+    (``(A factors, B factors packed by pack_lowrank, scalings)``, None entries for weights without an adapter)
+    each adapted output also gets ``(B (A x)) * scaling`` at the flattened rows ``columns`` (of the rows
+    computed, see :func:`computed_rows`) -- a gated LoRA at mask columns.  Bit-identical to the separate calls
+    (:func:`linear` for the weights and the down factors, :func:`lowrank_linear` for the up factors).
 
     None where the kernel does not apply (autograd, other dtypes, more than :data:`MAX_COLUMNS` rows):
     the caller then runs the linears one by one."""
@@ -174,6 +195,23 @@ def _fast_forward(module: torch.nn.Linear):
         return linear(x, module.weight, module.bias)
 
     return forward
+
+
+def _lowrank_forward(module: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return lowrank_linear(x, module.weight)
+
+    return forward
+
+
+def _lora_up_factors(model: torch.nn.Module) -> set[int]:
+    """ids of the LoRA up factors (peft's ``lora_B`` linears, bias-free) among ``model``'s modules."""
+    ups = set()
+    for m in model.modules():
+        factors = getattr(m, "lora_B", None)
+        if isinstance(factors, torch.nn.ModuleDict):
+            ups.update(id(f) for f in factors.values() if type(f) is torch.nn.Linear and f.bias is None)
+    return ups
 
 
 @contextmanager
@@ -211,10 +249,11 @@ def fast_linear(model: torch.nn.Module, enabled: bool | None = None):
         yield False
         return
     patched = []
+    ups = _lora_up_factors(model)  # in the fused pass's order (lowrank_linear), so the two agree bit for bit
     for m in _linears(model):
         if "forward" in m.__dict__ or m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
             continue  # already patched by an outer block, or not for this kernel
-        m.forward = _fast_forward(m)
+        m.forward = _lowrank_forward(m) if id(m) in ups else _fast_forward(m)
         patched.append(m)
     try:
         yield True

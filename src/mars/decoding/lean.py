@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mars.kernels import KernelUnavailable
 
-from .fastpath import MAX_COLUMNS, computed_rows, enabled_by_env, fused_linears, linear
+from .fastpath import MAX_COLUMNS, computed_rows, enabled_by_env, fused_linears, linear, lowrank_linear
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,22 @@ class _Group:
         self.biases = [b.bias for b in bases]
         adapted = [m is not b for m, b in zip(self.modules, bases)]
         self.lora = None
+        self._fused_lora = None
         if any(adapted):
             self.lora = (
                 [m.lora_A["default"].weight if a else None for m, a in zip(self.modules, adapted)],
                 [m.lora_B["default"].weight if a else None for m, a in zip(self.modules, adapted)],
                 [float(m.scaling["default"]) if a else 0.0 for m, a in zip(self.modules, adapted)],
             )
+
+    def fused_lora(self):
+        """:attr:`lora` as :func:`~mars.decoding.fastpath.fused_linears` takes it (up factors packed, once)."""
+        if self.lora is not None and self._fused_lora is None:
+            from mars.kernels import pack_lowrank_op
+
+            down, up, scalings = self.lora
+            self._fused_lora = (down, [None if b is None else pack_lowrank_op()(b) for b in up], scalings)
+        return self._fused_lora
 
 
 class LeanDecoder:
@@ -201,7 +211,7 @@ class LeanDecoder:
     def _project_group(self, h: torch.Tensor, group: _Group) -> list[torch.Tensor]:
         """Projections of one input (q/k/v, gate/up, or one alone) in one pass of the kernel, the gated LoRA
         terms included; each one on its own where the fused kernel does not apply.  Same results either way."""
-        lora = group.lora if self.gate_columns is not None else None
+        lora = group.fused_lora() if self.gate_columns is not None else None
         outputs = fused_linears(h, group.weights, group.biases, lora, self.mask_rows)
         if outputs is None:
             return [self._project(h, m) for m in group.modules]
@@ -215,7 +225,7 @@ class LeanDecoder:
         if self.gate_columns is None or base is module:
             return y
         a = linear(h, module.lora_A["default"].weight) * self.gate_columns
-        return y + linear(a, module.lora_B["default"].weight) * module.scaling["default"]
+        return y + lowrank_linear(a, module.lora_B["default"].weight) * module.scaling["default"]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # the embedding's weights directly: the module may carry the gated adapter's hook, mirrored here

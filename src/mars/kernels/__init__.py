@@ -1,6 +1,7 @@
 """CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps, and
 ``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
-terms at given columns); and ``mars.DecoderStep``, a Llama-family decoder pass for one batch-1 decode step
+terms at given columns; ``mars::lowrank_linear`` is a LoRA up factor's product in the same order, and
+``mars::pack_lowrank`` the factor's layout for the fused pass); and ``mars.DecoderStep``, a Llama-family decoder pass for one batch-1 decode step
 written against ATen (``decoder_step.cpp``: the lean forward's loop without the interpreter).
 
 A decode step multiplies a handful of columns (batch x new tokens) by every weight matrix once, so on
@@ -137,6 +138,27 @@ def fused_linear_op():
 
 
 @functools.cache
+def lowrank_linear_op():
+    """``torch.ops.mars.lowrank_linear``: ``x @ B^T`` for a LoRA up factor ``B`` [N, r], each element one FMA chain
+    over r, the order in which ``fused_linear`` adds the term (so a model's own forward and the fused pass agree
+    bit for bit); built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.lowrank_linear.default
+
+
+@functools.cache
+def pack_lowrank_op():
+    """``torch.ops.mars.pack_lowrank``: a LoRA up factor in the layout ``fused_linear`` takes it (row panels of this
+    build's width); built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.pack_lowrank.default
+
+
+@functools.cache
 def decoder_step_class():
     """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
     :class:`KernelUnavailable` likewise."""
@@ -211,6 +233,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("mars::small_linear")
     def _(x, weight, bias=None):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("mars::lowrank_linear")
+    def _(x, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("mars::fused_linear")

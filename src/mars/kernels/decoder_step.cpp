@@ -28,7 +28,7 @@ using OptionalList = c10::List<c10::optional<at::Tensor>>;
 // The projections of one input (q/k/v, o, gate/up, down): weights, biases, and a gated LoRA's factors.
 struct Group {
   std::vector<at::Tensor> weights;
-  OptionalList biases, lora_a, lora_b;
+  OptionalList biases, lora_a, lora_b, lora_b_packed;  // packed: the up factors as fused_linear takes them
   std::vector<double> scalings;  // empty with lora_a when the group has no adapter
   bool adapted = false;
 };
@@ -43,8 +43,9 @@ struct DecoderStep : torch::CustomClassHolder {
   int64_t head_dim;
 
   // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b: 7 per layer (None where
-  // absent; lora lists empty for a model without an adapter); scalings: 7 per layer (0 where not adapted);
-  // norms: 2 per layer then the final one, with their epsilons.
+  // absent; lora lists empty for a model without an adapter; the up factors lora_b as peft holds them, packed
+  // here once for fused_linear); scalings: 7 per layer (0 where not adapted); norms: 2 per layer then the
+  // final one, with their epsilons.
   DecoderStep(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<double> attn_scales,
               std::vector<at::Tensor> weights, OptionalList biases, OptionalList lora_a, OptionalList lora_b,
               std::vector<double> scalings, int64_t head_dim_)
@@ -76,13 +77,17 @@ struct DecoderStep : torch::CustomClassHolder {
             const c10::optional<at::Tensor> a = lora_a.get(i);
             g.adapted = g.adapted || (a.has_value() && a->defined());
             g.lora_a.push_back(a);
-            g.lora_b.push_back(lora_b.get(i));
+            const c10::optional<at::Tensor> b = lora_b.get(i);
+            g.lora_b.push_back(b);
+            g.lora_b_packed.push_back(b.has_value() && b->defined() ? c10::optional<at::Tensor>(pack_lowrank(*b))
+                                                                   : c10::optional<at::Tensor>());
             g.scalings.push_back(scalings[i]);
           }
         }
         if (!g.adapted) {  // as LeanDecoder's _Group: no LoRA entries for a group without an adapter
           g.lora_a = OptionalList();
           g.lora_b = OptionalList();
+          g.lora_b_packed = OptionalList();
           g.scalings.clear();
         }
         groups.push_back(std::move(g));
@@ -131,7 +136,7 @@ struct DecoderStep : torch::CustomClassHolder {
     const int64_t k = h.size(-1);
     const at::Tensor flat = h.reshape({-1, k});
     std::vector<at::Tensor> out = fused_linear(rows.has_value() ? flat.index_select(0, *rows) : flat, g.weights,
-                                               g.biases, lora ? g.lora_a : none, lora ? g.lora_b : none,
+                                               g.biases, lora ? g.lora_a : none, lora ? g.lora_b_packed : none,
                                                lora ? at::ArrayRef<double>(g.scalings) : at::ArrayRef<double>(),
                                                lora ? mask_rows : c10::nullopt);
     for (at::Tensor& y : out) {

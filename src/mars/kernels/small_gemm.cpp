@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <ATen/Config.h>
+
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -73,6 +76,10 @@ constexpr int64_t kLanes = 16;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // Fixed order: the two 256-bit halves added, then hsum8.
 inline float vsum(Vec v) {
   const __m256 lo = _mm512_castps512_ps256(v);
@@ -85,6 +92,10 @@ constexpr int64_t kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(Vec v) { return hsum8(v); }
 #endif
 
@@ -137,27 +148,127 @@ inline void rows_all_columns(const float* w, int64_t ldw, const float* x, int64_
   }
 }
 
+// The low-rank product of a LoRA's up factor B [N, r], low[c][t] = sum_j B[t][j] a[c][j], for rows t in [t0, t1)
+// and the columns c < C.  Each element is one FMA chain over j ascending from zero, vectorised across rows (lanes
+// are rows), so no horizontal sums: with r = 16-64 a dot product per element spent most of its time in them.  B
+// is read packed in panels of kPanel rows, [ceil(N / kPanel), r, kPanel] zero-padded (pack_lowrank), so each panel
+// is one contiguous stream.  Part-panels take single vectors, then a scalar tail that runs the same chain (a
+// vector FMA lane and std::fma round alike).  kAdd: y[c][t] = y[c][t] + low * scaling (peft's order, the product
+// rounded on its own); else y[c][t] = low.
+constexpr int64_t kPanelVecs = 4;
+constexpr int64_t kPanel = kPanelVecs * kLanes;
+
+template <int C, int V, bool kAdd>
+inline void lowrank_block(const float* __restrict panel, const float* __restrict a, int64_t r, float* const* y,
+                          int64_t t, float scaling) {
+  Vec acc[C][V];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) acc[c][v] = vzero();
+  for (int64_t j = 0; j < r; ++j) {
+    Vec b[V];
+    for (int v = 0; v < V; ++v) b[v] = vload(panel + j * kPanel + v * kLanes);
+    for (int c = 0; c < C; ++c) {
+      const Vec av = vset1(a[c * r + j]);
+      for (int v = 0; v < V; ++v) acc[c][v] = vfma(b[v], av, acc[c][v]);
+    }
+  }
+  const Vec sv = vset1(scaling);
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) {
+      float* p = y[c] + t + v * kLanes;
+      vstore(p, kAdd ? vadd(vload(p), vmul(acc[c][v], sv)) : acc[c][v]);
+    }
+}
+
+template <int V, bool kAdd>
+inline void lowrank_columns(const float* panel, const float* a, int64_t r, float* const* y, int64_t C, int64_t t,
+                            float scaling) {
+  int64_t c = 0;
+  for (; c + 4 <= C; c += 4) lowrank_block<4, V, kAdd>(panel, a + c * r, r, y + c, t, scaling);
+  switch (C - c) {
+    case 3: lowrank_block<3, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
+    case 2: lowrank_block<2, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
+    case 1: lowrank_block<1, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
+    default: break;
+  }
+}
+
+template <bool kAdd>
+void lowrank_rows(const float* packed, const float* a, int64_t r, float* const* y, int64_t C, int64_t t0, int64_t t1,
+                  float scaling) {
+  int64_t t = t0;
+  while (t < t1) {
+    const int64_t p = t / kPanel, stop = std::min(t1, (p + 1) * kPanel);
+    const float* panel = packed + p * r * kPanel;
+    if (t == p * kPanel && stop - t == kPanel) {
+      lowrank_columns<kPanelVecs, kAdd>(panel, a, r, y, C, t, scaling);
+      t = stop;
+      continue;
+    }
+    for (; t + kLanes <= stop; t += kLanes)
+      lowrank_columns<1, kAdd>(panel + (t - p * kPanel), a, r, y, C, t, scaling);
+    for (; t < stop; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < r; ++j) s = std::fma(panel[j * kPanel + (t - p * kPanel)], a[c * r + j], s);
+        if (kAdd) {
+          const float low_rank = s * scaling;
+          y[c][t] = y[c][t] + low_rank;
+        } else {
+          y[c][t] = s;
+        }
+      }
+  }
+}
+
 // One weight of a pass (small_linear: the only one; fused_linear: one of its group): its output, where its
-// rows start in the pass's block numbering (set by run_all), and its LoRA term (a = A x at the adapted
-// columns, computed before the parallel pass; null when none).
+// rows start in the pass's block numbering (set by run_all), and its gated LoRA (null lora_down when none):
+// the down factor A, the buffer for a = A x at the adapted columns (filled in the same pass), B packed.
 struct Segment {
   const float* w;
   const float* bias;
   float* y;
   int64_t n;
   int64_t first_block;
-  const float* lora_b;  // [n, r]
-  const float* lora_a;  // [columns, r]
+  const float* lora_down;  // A [r, K]
+  float* lora_a;           // [columns, r]
+  const float* lora_up;    // B packed (pack_lowrank)
   int64_t r;
   float scaling;
+  int64_t first_down_block;
 };
 
-template <int R, int MB>
-void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols,
-                  int64_t ncols, int64_t total_blocks, int64_t grain) {
-  at::parallel_for(0, total_blocks, grain, [&](int64_t begin, int64_t end) {
+// One parallel pass over a group's blocks: first the LoRA down products (a = A x at the adapted columns, R rows
+// of A per block), then the weights' rows (R per block); then each thread adds the low-rank terms to the rows
+// it computed, once every down block is done.  The wait is a counter, not a second parallel region (a region
+// costs a thread wake-up, and a step has 120 groups); it cannot deadlock: the down blocks come first in the
+// numbering and every thread finishes its own blocks before it waits, and OpenMP runs a team's threads at once
+// (builds on another parallel backend compute the down products before the pass instead).
+template <int R, int MB, bool kLora>
+void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
+                  const int64_t* cols, int64_t ncols, int64_t down_blocks, int64_t first, int64_t last,
+                  int64_t grain, bool epilogue = true) {
+  // down blocks this pass must see done before its low-rank terms (none when an earlier pass did them)
+  const int64_t downs_here = std::max<int64_t>(0, down_blocks - first);
+  std::atomic<int64_t> downs_done{0};
+  at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
+    int64_t mine = 0;
     size_t s = 0;
     for (int64_t blk = begin; blk < end; ++blk) {
+      if (kLora && blk < down_blocks) {
+        while (segs[s].lora_down == nullptr || blk >= segs[s].first_down_block + (segs[s].r + R - 1) / R) ++s;
+        const Segment& g = segs[s];
+        const int64_t n = (blk - g.first_down_block) * R, stop = std::min<int64_t>(n + R, g.r);
+        if (stop - n == R) {
+          rows_all_columns<R, MB>(g.lora_down + n * K, K, xm, K, g.lora_a + n, g.r, ncols, K, nullptr);
+        } else {
+          for (int64_t t = n; t < stop; ++t)
+            rows_all_columns<1, MB>(g.lora_down + t * K, K, xm, K, g.lora_a + t, g.r, ncols, K, nullptr);
+        }
+        ++mine;
+        if (blk + 1 == down_blocks) s = 0;
+        continue;
+      }
       while (blk >= segs[s].first_block + (segs[s].n + R - 1) / R) ++s;
       const Segment& g = segs[s];
       const int64_t n = (blk - g.first_block) * R;
@@ -168,45 +279,66 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
         for (int64_t t = n; t < stop; ++t)
           rows_all_columns<1, MB>(g.w + t * K, K, x, K, g.y + t, g.n, M, K, g.bias ? g.bias + t : nullptr);
       }
-      if (g.lora_a == nullptr) continue;
-      // The low-rank term of these rows at every adapted column, B[rows] a^T, as one small tile product
-      // (the same per-element sequence as small_linear(a, B), so bit for bit what peft computes), then
-      // peft's order: base + (B (A x * gate)) * scaling, each product rounded on its own (no contraction).
-      float low[R * kMaxColumns];
-      if (stop - n == R) {
-        rows_all_columns<R, MB>(g.lora_b + n * g.r, g.r, g.lora_a, g.r, low, R, ncols, g.r, nullptr);
-      } else {
-        for (int64_t t = n; t < stop; ++t)
-          rows_all_columns<1, MB>(g.lora_b + t * g.r, g.r, g.lora_a, g.r, low + (t - n), R, ncols, g.r, nullptr);
+    }
+    if (!kLora || !epilogue || ncols == 0) return;
+    if (mine > 0) downs_done.fetch_add(mine, std::memory_order_release);
+    bool ready = false;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const Segment& g = segs[i];
+      const int64_t blocks = (g.n + R - 1) / R;
+      const int64_t lo = std::max(begin, g.first_block), hi = std::min(end, g.first_block + blocks);
+      if (g.lora_down == nullptr || lo >= hi) continue;
+      while (!ready) {
+        ready = downs_done.load(std::memory_order_acquire) >= downs_here;
+        if (!ready) _mm_pause();
       }
-      for (int64_t c = 0; c < ncols; ++c) {
-        float* yc = g.y + cols[c] * g.n;
-        for (int64_t t = n; t < stop; ++t) {
-          const float low_rank = low[c * R + (t - n)] * g.scaling;
-          yc[t] = yc[t] + low_rank;
-        }
-      }
+      float* cols_y[kMaxColumns];
+      for (int64_t c = 0; c < ncols; ++c) cols_y[c] = g.y + cols[c] * g.n;
+      lowrank_rows<true>(g.lora_up, g.lora_a, g.r, cols_y, ncols, (lo - g.first_block) * R,
+                         std::min<int64_t>((hi - g.first_block) * R, g.n), g.scaling);
     }
   });
 }
 
 // Rows per weight block by the number of columns (1 column: MARS_R1 rows; 2: MARS_R2 x 2; more: MARS_R x MARS_MB),
-// the blocks numbered across the segments, and one parallel pass over them all.
-void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const int64_t* cols, int64_t ncols) {
-  const int R = M == 1 ? MARS_R1 : (M == 2 ? MARS_R2 : MARS_R);
+// the blocks numbered across the segments (the LoRA down factors' rows first), and one parallel pass over them.
+template <int R, int MB>
+void run_blocks(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
+                const int64_t* cols, int64_t ncols, int64_t grain) {
   int64_t blocks = 0;
+  for (Segment& g : segs) {
+    if (g.lora_down == nullptr) continue;
+    g.first_down_block = blocks;
+    blocks += (g.r + R - 1) / R;
+  }
+  const int64_t down_blocks = blocks;
   for (Segment& g : segs) {
     g.first_block = blocks;
     blocks += (g.n + R - 1) / R;
   }
+  if (down_blocks == 0) {  // no adapter in this pass: the plain loop
+    run_segments<R, MB, false>(segs, x, M, K, xm, cols, 0, 0, 0, blocks, grain);
+    return;
+  }
+#if AT_PARALLEL_OPENMP
+  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, 0, blocks, grain);
+#else
+  // another backend may queue a pass's chunks on fewer threads: no waiting inside a pass, the downs go first
+  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, 0, down_blocks, grain, false);
+  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, down_blocks, blocks, grain);
+#endif
+}
+
+void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm, const int64_t* cols,
+             int64_t ncols) {
   // Rows per task: about 64 KB of weights, so a thread gets a long sequential stream per task.
   const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / 4);
   if (M == 1) {
-    run_segments<MARS_R1, 1>(segs, x, M, K, cols, ncols, blocks, grain / 2 + 1);
+    run_blocks<MARS_R1, 1>(segs, x, M, K, xm, cols, ncols, grain / 2 + 1);
   } else if (M == 2) {
-    run_segments<MARS_R2, 2>(segs, x, M, K, cols, ncols, blocks, grain);
+    run_blocks<MARS_R2, 2>(segs, x, M, K, xm, cols, ncols, grain);
   } else {
-    run_segments<MARS_R, MARS_MB>(segs, x, M, K, cols, ncols, blocks, grain);
+    run_blocks<MARS_R, MARS_MB>(segs, x, M, K, xm, cols, ncols, grain);
   }
 }
 
@@ -234,35 +366,69 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
   if (M == 0) return y;
-  std::vector<Segment> one{{wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, 0, 0.0f}};
-  run_all(one, xc.data_ptr<float>(), M, K, nullptr, 0);
+  std::vector<Segment> one{{wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0}};
+  run_all(one, xc.data_ptr<float>(), M, K, nullptr, nullptr, 0);
   return y;
 }
 
 namespace {
 
-// a[c, :] = A x[cols[c], :] for the adapted columns, serially (r x K is a few KB to a few hundred KB).
-void lora_down(const float* A, int64_t r, const float* xm, int64_t mc, int64_t K, float* a) {
-  int64_t n = 0;
-  if (mc == 1) {
-    for (; n + 8 <= r; n += 8) rows_all_columns<8, 1>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
-  } else if (mc == 2) {
-    for (; n + 4 <= r; n += 4) rows_all_columns<4, 2>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
-  } else {
-    for (; n + MARS_R <= r; n += MARS_R)
-      rows_all_columns<MARS_R, MARS_MB>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
-  }
-  for (; n < r; ++n) rows_all_columns<1, MARS_MB>(A + n * K, K, xm, K, a + n, r, mc, K, nullptr);
+at::Tensor pack_up(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), r = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, r}, weight.options());
+  padded.slice(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, r}).transpose(1, 2).contiguous();
 }
 
 }  // namespace
 
+// A LoRA up factor B [N, r] in the layout fused_linear reads it: panels of kPanel rows, [ceil(N / kPanel), r,
+// kPanel], zero-padded.  kPanel depends on the build (4 vectors), so callers take this op's output as is.
+at::Tensor pack_lowrank(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "mars::pack_lowrank: a float32 CPU matrix only, got ", weight.sizes());
+  return pack_up(weight);
+}
+
+// A LoRA's up product, x [..., r] @ weight[N, r]^T -> [..., N], in the order fused_linear adds it at adapted
+// columns (lowrank_rows: one FMA chain over r per element, across rows), so that a model's own forward, with its
+// LoRA up factors through this op, and the fused decode pass give the same bits.  The factor is packed per call
+// (N x r floats: a few hundred KB at most); the fused pass takes it packed once.
+at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat,
+              "mars::lowrank_linear: float32 CPU tensors only");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "mars::lowrank_linear: shapes ", x.sizes(), " and ",
+              weight.sizes(), " do not match");
+  const int64_t r = weight.size(1), N = weight.size(0);
+  const at::Tensor xc = x.reshape({-1, r}).contiguous();
+  const at::Tensor packed = pack_up(weight);
+  const int64_t M = xc.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (M == 0) return y;
+  const float* ap = xc.data_ptr<float>();
+  const float* bp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kMaxColumns) {
+      const int64_t C = std::min<int64_t>(kMaxColumns, M - m);
+      float* rows[kMaxColumns];
+      for (int64_t c = 0; c < C; ++c) rows[c] = yp + (m + c) * N;
+      lowrank_rows<false>(bp, ap + m * r, r, rows, C, begin * kPanel, std::min<int64_t>(end * kPanel, N), 1.0f);
+    }
+  });
+  return y;
+}
+
 // Several linears of one input in one pass: outputs[i] = x @ weights[i]^T + biases[i], and where
-// lora_a[i] is given, + (lora_b[i] @ (lora_a[i] @ x^T)) * scalings[i] at the rows `columns` of x only
-// (a gated LoRA acting at mask columns).  One parallel region for the whole group instead of one per
-// matmul: at batch 1 a decode step is hundreds of small matmuls, and each region costs a thread wake-up.
-// Every output element is the same sequence of operations as small_linear (and, for the LoRA term, as
-// small_linear of the low-rank factors followed by peft's scaling and sum), so results are bit-identical.
+// lora_a[i] is given, + (lora_b[i]^T @ (lora_a[i] @ x^T)) * scalings[i] at the rows `columns` of x only
+// (a gated LoRA acting at mask columns; lora_b[i] is the up factor B packed by pack_lowrank, once, by
+// the caller).  One parallel region for the whole group instead of one per matmul: at batch 1 a decode
+// step is hundreds of small matmuls, and each region costs a thread wake-up.  Every output element is the
+// same sequence of operations as small_linear (and, for the LoRA term, as small_linear of the down factor,
+// lowrank_linear of the up factor, then peft's scaling and sum), so results are bit-identical.
 std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights,
                                      const c10::List<c10::optional<at::Tensor>>& biases,
                                      const c10::List<c10::optional<at::Tensor>>& lora_a,
@@ -313,7 +479,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     const at::Tensor wc = w.contiguous();
     keep.push_back(wc);
     const int64_t N = wc.size(0);
-    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, 0, 0.0f};
+    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0};
     const c10::optional<at::Tensor> bias = biases.get(i);
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
@@ -331,13 +497,16 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
         const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
         const int64_t r = Ac.size(0);
         TORCH_CHECK(Ac.scalar_type() == at::kFloat && Ac.dim() == 2 && Ac.size(1) == K && Bc.scalar_type() == at::kFloat &&
-                        Bc.dim() == 2 && Bc.size(0) == N && Bc.size(1) == r,
-                    "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(), " do not fit");
-        at::Tensor a = at::empty({ncols, r}, x.options());
-        lora_down(Ac.data_ptr<float>(), r, xm, ncols, K, a.data_ptr<float>());
+                        Bc.dim() == 3 && Bc.size(0) == (N + kPanel - 1) / kPanel && Bc.size(1) == r &&
+                        Bc.size(2) == kPanel,
+                    "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
+                    " (packed by pack_lowrank) do not fit");
+        at::Tensor a = at::empty({ncols, r}, x.options());  // filled by the pass
+        keep.push_back(Ac);
         keep.push_back(Bc);
         keep.push_back(a);
-        g.lora_b = Bc.data_ptr<float>();
+        g.lora_down = Ac.data_ptr<float>();
+        g.lora_up = Bc.data_ptr<float>();
         g.lora_a = a.data_ptr<float>();
         g.r = r;
         g.scaling = static_cast<float>(scalings[i]);
@@ -346,12 +515,14 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     segs.push_back(g);
   }
   if (M == 0) return outputs;
-  run_all(segs, xc.data_ptr<float>(), M, K, ncols > 0 ? cols.data_ptr<int64_t>() : nullptr, ncols);
+  run_all(segs, xc.data_ptr<float>(), M, K, xm, ncols > 0 ? cols.data_ptr<int64_t>() : nullptr, ncols);
   return outputs;
 }
 
 TORCH_LIBRARY(MARS_NAMESPACE, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("lowrank_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("pack_lowrank(Tensor weight) -> Tensor");
   m.def(
       "fused_linear(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] lora_a, Tensor?[] lora_b, float[] scalings, "
       "Tensor? columns) -> Tensor[]");
@@ -359,5 +530,7 @@ TORCH_LIBRARY(MARS_NAMESPACE, m) {
 
 TORCH_LIBRARY_IMPL(MARS_NAMESPACE, CPU, m) {
   m.impl("small_linear", &small_linear);
+  m.impl("lowrank_linear", &lowrank_linear);
+  m.impl("pack_lowrank", &pack_lowrank);
   m.impl("fused_linear", &fused_linear);
 }
