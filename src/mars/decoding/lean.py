@@ -119,11 +119,15 @@ class _Group:
             )
 
     def fused_lora(self):
-        """:attr:`lora` as :func:`~mars.decoding.fastpath.fused_linears` takes it (up factors packed, once)."""
-        if self.lora is not None and self._fused_lora is None:
+        """:attr:`lora` as :func:`~mars.decoding.fastpath.fused_linears` takes it (up factors packed, once), or
+        None where the kernel does not take the factors (autograd, not float32 on the CPU)."""
+        if self._fused_lora is None:
+            down, up, scalings = self.lora
+            factors = [f for f in (*down, *up) if f is not None]
+            if torch.is_grad_enabled() or any(f.dtype != torch.float32 or f.device.type != "cpu" for f in factors):
+                return None
             from mars.kernels import pack_lowrank_op
 
-            down, up, scalings = self.lora
             self._fused_lora = (down, [None if b is None else pack_lowrank_op()(b) for b in up], scalings)
         return self._fused_lora
 
@@ -189,7 +193,8 @@ class LeanDecoder:
                     lora_a += a
                     lora_b += b
                     scalings += s
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*norms, *weights)):
+        factors = [f for f in (*lora_a, *lora_b) if f is not None]
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*norms, *weights, *factors)):
             return False
         norms.append(self.norm.weight)
         eps.append(float(self.norm.variance_epsilon))
@@ -211,7 +216,11 @@ class LeanDecoder:
     def _project_group(self, h: torch.Tensor, group: _Group) -> list[torch.Tensor]:
         """Projections of one input (q/k/v, gate/up, or one alone) in one pass of the kernel, the gated LoRA
         terms included; each one on its own where the fused kernel does not apply.  Same results either way."""
-        lora = group.fused_lora() if self.gate_columns is not None else None
+        lora = None
+        if self.gate_columns is not None and group.lora is not None:
+            lora = group.fused_lora()
+            if lora is None:
+                return [self._project(h, m) for m in group.modules]
         outputs = fused_linears(h, group.weights, group.biases, lora, self.mask_rows)
         if outputs is None:
             return [self._project(h, m) for m in group.modules]
