@@ -330,6 +330,30 @@ def test_wait_policy_follows_the_load_before_torch_loads_and_an_explicit_one_win
     assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 
 
+def test_a_multi_stage_run_decides_its_decoding_stages_wait_when_it_starts(tmp_path, monkeypatch):
+    """make demo / make reproduce: the decoding stages take the wait decided from the load when the run
+    started, not the load its own training stage left (which made make demo decode PASSIVE on an idle
+    machine); a training stage gets none of it; a wait already in the environment is kept."""
+    import os
+
+    from mars.pipeline import Stages
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))  # idle when the run starts
+    assert threads.decoding_wait_env() == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}
+    stages = Stages(tmp_path, dry_run=False, cwd=tmp_path)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 1.0))  # after a training stage on both cores
+    show = "import os; open({!r}, 'w').write(repr([os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))"
+    stages.run("eval", ["-c", show.format(str(tmp_path / "eval"))], done=False, decoding=True)
+    stages.run("train", ["-c", show.format(str(tmp_path / "train"))], done=False)
+    assert (tmp_path / "eval").read_text() == repr([None, threads.SHORT_SPIN])
+    assert (tmp_path / "train").read_text() == repr([None, None])
+    assert threads.decoding_wait_env() == {"OMP_WAIT_POLICY": "PASSIVE"}  # a busy machine at the start
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
+    assert threads.decoding_wait_env() == {"GOMP_SPINCOUNT": "50"}
+
+
 def test_a_half_finished_kernel_build_is_redone_and_a_finished_one_reused(tmp_path, monkeypatch):
     builds = []
 

@@ -41,6 +41,21 @@ def wait_policy(load: float | None) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
+def decoding_wait_env() -> dict[str, str]:
+    """The OpenMP wait for the decoding stages of a run of several stages (``make demo``, ``make reproduce``, the
+    recipe search), decided once when the run starts and handed to each decoding stage.  A stage that decided
+    at its own start would see the load the run's previous stage left: after a training stage on every core the
+    1-minute load average stays above :data:`IDLE_LOAD` for minutes, and ``make demo`` timed its decoders
+    ``PASSIVE`` on an otherwise idle machine.  A wait already in the environment is kept."""
+    if wait_policy_chosen():
+        return {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        load = None
+    return wait_policy(load)
+
+
 def wait_policy_chosen() -> bool:
     """True when the environment already sets an OpenMP wait (then nothing here overrides it)."""
     return any(k in os.environ for k in WAIT_VARIABLES)
