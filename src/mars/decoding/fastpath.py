@@ -204,14 +204,22 @@ def _lowrank_forward(module: torch.nn.Linear):
     return forward
 
 
-def _lora_up_factors(model: torch.nn.Module) -> set[int]:
-    """ids of the LoRA up factors (peft's ``lora_B`` linears, bias-free) among ``model``'s modules."""
-    ups = set()
+def _fast_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, object]]:
+    """Each fp32 CPU ``nn.Linear`` of ``model`` not patched yet, with its fast forward: LoRA up factors (peft's
+    ``lora_B`` linears) in the fused pass's order (:func:`lowrank_linear`), so the two agree bit for bit.  One
+    walk over the modules (a parent comes before its children, so its up factors are known when they come)."""
+    ups: set[int] = set()
+    plan = []
     for m in model.modules():
-        factors = getattr(m, "lora_B", None)
+        factors = m._modules.get("lora_B")
         if isinstance(factors, torch.nn.ModuleDict):
-            ups.update(id(f) for f in factors.values() if type(f) is torch.nn.Linear and f.bias is None)
-    return ups
+            ups.update(id(f) for f in factors.values())
+        if type(m) is not torch.nn.Linear or "forward" in m.__dict__:
+            continue  # not exactly nn.Linear, or already patched by an outer block
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
+            continue
+        plan.append((m, _lowrank_forward(m) if id(m) in ups and m.bias is None else _fast_forward(m)))
+    return plan
 
 
 @contextmanager
@@ -249,11 +257,8 @@ def fast_linear(model: torch.nn.Module, enabled: bool | None = None):
         yield False
         return
     patched = []
-    ups = _lora_up_factors(model)  # in the fused pass's order (lowrank_linear), so the two agree bit for bit
-    for m in _linears(model):
-        if "forward" in m.__dict__ or m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
-            continue  # already patched by an outer block, or not for this kernel
-        m.forward = _lowrank_forward(m) if id(m) in ups else _fast_forward(m)
+    for m, forward in _fast_forwards(model):
+        m.forward = forward
         patched.append(m)
     try:
         yield True

@@ -157,6 +157,13 @@ inline void rows_all_columns(const float* w, int64_t ldw, const float* x, int64_
 // rounded on its own); else y[c][t] = low.
 constexpr int64_t kPanelVecs = 4;
 constexpr int64_t kPanel = kPanelVecs * kLanes;
+// Columns per register block: C x kPanelVecs accumulators + kPanelVecs factor vectors + 1 broadcast must fit the
+// registers (32 zmm: 4 x 4 + 5; 16 ymm: 2 x 4 + 5).
+#ifdef __AVX512F__
+constexpr int kLowrankColumns = 4;
+#else
+constexpr int kLowrankColumns = 2;
+#endif
 
 template <int C, int V, bool kAdd>
 inline void lowrank_block(const float* __restrict panel, const float* __restrict a, int64_t r, float* const* y,
@@ -184,7 +191,8 @@ template <int V, bool kAdd>
 inline void lowrank_columns(const float* panel, const float* a, int64_t r, float* const* y, int64_t C, int64_t t,
                             float scaling) {
   int64_t c = 0;
-  for (; c + 4 <= C; c += 4) lowrank_block<4, V, kAdd>(panel, a + c * r, r, y + c, t, scaling);
+  for (; c + kLowrankColumns <= C; c += kLowrankColumns)
+    lowrank_block<kLowrankColumns, V, kAdd>(panel, a + c * r, r, y + c, t, scaling);
   switch (C - c) {
     case 3: lowrank_block<3, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
     case 2: lowrank_block<2, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
