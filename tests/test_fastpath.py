@@ -72,7 +72,16 @@ def test_lowrank_linear_is_a_batch_invariant_up_product(n, r):
     assert op(x.view(4, 5, r), b).shape == (4, 5, n)
     packed = kernels.pack_lowrank_op()(b)
     assert packed.dim() == 3 and packed.shape[1] == r and packed.shape[0] * packed.shape[2] >= n
+    assert torch.equal(op(x, packed, n), alone)  # packed once by the caller: the same bits
+    with pytest.raises(RuntimeError, match="needs its row count"):
+        op(x, packed)
     torch.library.opcheck(op, (x[:3], b))
+    # the fast path packs a factor once and again after an in-place update (its version moves)
+    first = fastpath.packed_lowrank(b)
+    assert fastpath.packed_lowrank(b) is first
+    b.mul_(2.0)
+    again = fastpath.packed_lowrank(b)
+    assert again is not first and torch.equal(again, kernels.pack_lowrank_op()(b))
 
 
 def test_custom_op_has_a_working_fake_for_compile():

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,25 @@ def lowrank_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     from mars.kernels import lowrank_linear_op
 
-    op = lowrank_linear_op()
-    return _at_live_rows(lambda x, w, _: op(x, w), x, weight, None)
+    op, packed = lowrank_linear_op(), packed_lowrank(weight)
+    return _at_live_rows(lambda x, w, _: op(x, packed, w.shape[0]), x, weight, None)
+
+
+# LoRA up factors packed for the kernel, by factor: packing one costs about as much as its product at 4 columns
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def packed_lowrank(weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA up factor [N, r] in the layout the kernel reads (``mars::pack_lowrank``), packed once and kept while
+    the factor lives unchanged (an in-place update or new storage packs it again)."""
+    stamp = (weight._version, weight.data_ptr())
+    hit = _packed.get(weight)
+    if hit is None or hit[0] != stamp:
+        from mars.kernels import pack_lowrank_op
+
+        hit = (stamp, pack_lowrank_op()(weight.detach()))
+        _packed[weight] = hit
+    return hit[1]
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

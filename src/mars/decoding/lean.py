@@ -32,7 +32,15 @@ import torch.nn.functional as F
 
 from mars.kernels import KernelUnavailable
 
-from .fastpath import MAX_COLUMNS, computed_rows, enabled_by_env, fused_linears, linear, lowrank_linear
+from .fastpath import (
+    MAX_COLUMNS,
+    computed_rows,
+    enabled_by_env,
+    fused_linears,
+    linear,
+    lowrank_linear,
+    packed_lowrank,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +134,7 @@ class _Group:
             factors = [f for f in (*down, *up) if f is not None]
             if torch.is_grad_enabled() or any(f.dtype != torch.float32 or f.device.type != "cpu" for f in factors):
                 return None
-            from mars.kernels import pack_lowrank_op
-
-            self._fused_lora = (down, [None if b is None else pack_lowrank_op()(b) for b in up], scalings)
+            self._fused_lora = (down, [None if b is None else packed_lowrank(b) for b in up], scalings)
         return self._fused_lora
 
 

@@ -139,9 +139,10 @@ def fused_linear_op():
 
 @functools.cache
 def lowrank_linear_op():
-    """``torch.ops.mars.lowrank_linear``: ``x @ B^T`` for a LoRA up factor ``B`` [N, r], each element one FMA chain
-    over r, the order in which ``fused_linear`` adds the term (so a model's own forward and the fused pass agree
-    bit for bit); built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    """``torch.ops.mars.lowrank_linear``: ``x @ B^T`` for a LoRA up factor ``B`` [N, r] (or ``B`` packed by
+    :func:`pack_lowrank_op` and ``rows=N``), each element one FMA chain over r, the order in which ``fused_linear``
+    adds the term (so a model's own forward and the fused pass agree bit for bit); built with
+    :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
     import torch
 
     small_linear_op()
@@ -236,8 +237,8 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("mars::lowrank_linear")
-    def _(x, weight):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    def _(x, weight, rows=None):
+        return x.new_empty((*x.shape[:-1], weight.shape[0] if rows is None else rows))
 
     @torch.library.register_fake("mars::fused_linear")
     def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):

@@ -400,17 +400,21 @@ at::Tensor pack_lowrank(const at::Tensor& weight) {
 
 // A LoRA's up product, x [..., r] @ weight[N, r]^T -> [..., N], in the order fused_linear adds it at adapted
 // columns (lowrank_rows: one FMA chain over r per element, across rows), so that a model's own forward, with its
-// LoRA up factors through this op, and the fused decode pass give the same bits.  The factor is packed per call
-// (N x r floats: a few hundred KB at most); the fused pass takes it packed once.
-at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight) {
+// LoRA up factors through this op, and the fused decode pass give the same bits.  `weight` is the factor [N, r]
+// (packed per call) or already packed by pack_lowrank, with its row count N as `rows`.
+at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::optional<int64_t> rows) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
                   weight.scalar_type() == at::kFloat,
               "mars::lowrank_linear: float32 CPU tensors only");
-  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "mars::lowrank_linear: shapes ", x.sizes(), " and ",
-              weight.sizes(), " do not match");
-  const int64_t r = weight.size(1), N = weight.size(0);
+  const bool is_packed = weight.dim() == 3;
+  TORCH_CHECK(is_packed ? rows.has_value() && weight.size(0) == (*rows + kPanel - 1) / kPanel &&
+                              weight.size(2) == kPanel && x.size(-1) == weight.size(1)
+                        : weight.dim() == 2 && x.size(-1) == weight.size(1),
+              "mars::lowrank_linear: shapes ", x.sizes(), " and ", weight.sizes(), " do not match",
+              is_packed ? " (a packed factor needs its row count)" : "");
+  const int64_t r = weight.size(1), N = is_packed ? *rows : weight.size(0);
   const at::Tensor xc = x.reshape({-1, r}).contiguous();
-  const at::Tensor packed = pack_up(weight);
+  const at::Tensor packed = is_packed ? weight.contiguous() : pack_up(weight);
   const int64_t M = xc.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -529,7 +533,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
 
 TORCH_LIBRARY(MARS_NAMESPACE, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  m.def("lowrank_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("lowrank_linear(Tensor x, Tensor weight, int? rows=None) -> Tensor");
   m.def("pack_lowrank(Tensor weight) -> Tensor");
   m.def(
       "fused_linear(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] lora_a, Tensor?[] lora_b, float[] scalings, "
