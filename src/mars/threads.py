@@ -41,6 +41,14 @@ def wait_policy(load: float | None) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
+def _load_now() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        return None
+
+
 def decoding_wait_env() -> dict[str, str]:
     """The OpenMP wait for the decoding stages of a run of several stages (``make demo``, ``make reproduce``, the
     recipe search), decided once when the run starts and handed to each decoding stage.  A stage that decided
@@ -49,11 +57,7 @@ def decoding_wait_env() -> dict[str, str]:
     ``PASSIVE`` on an otherwise idle machine.  A wait already in the environment is kept."""
     if wait_policy_chosen():
         return {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
-        load = None
-    return wait_policy(load)
+    return wait_policy(_load_now())
 
 
 def wait_policy_chosen() -> bool:
@@ -69,11 +73,7 @@ def apply_process_defaults() -> bool:
         return False
     if wait_policy_chosen():
         return True
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
-        load = None
-    os.environ.update(wait_policy(load))
+    os.environ.update(wait_policy(_load_now()))
     return True
 
 
