@@ -261,11 +261,11 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
   std::atomic<int64_t> downs_done{0};
   at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
     int64_t mine = 0;
-    size_t s = 0;
+    size_t d = 0, s = 0;  // the segment of the current down block, of the current weight block
     for (int64_t blk = begin; blk < end; ++blk) {
       if (kLora && blk < down_blocks) {
-        while (segs[s].lora_down == nullptr || blk >= segs[s].first_down_block + (segs[s].r + R - 1) / R) ++s;
-        const Segment& g = segs[s];
+        while (segs[d].lora_down == nullptr || blk >= segs[d].first_down_block + (segs[d].r + R - 1) / R) ++d;
+        const Segment& g = segs[d];
         const int64_t n = (blk - g.first_down_block) * R, stop = std::min<int64_t>(n + R, g.r);
         if (stop - n == R) {
           rows_all_columns<R, MB>(g.lora_down + n * K, K, xm, K, g.lora_a + n, g.r, ncols, K, nullptr);
@@ -274,7 +274,6 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
             rows_all_columns<1, MB>(g.lora_down + t * K, K, xm, K, g.lora_a + t, g.r, ncols, K, nullptr);
         }
         ++mine;
-        if (blk + 1 == down_blocks) s = 0;
         continue;
       }
       while (blk >= segs[s].first_block + (segs[s].n + R - 1) / R) ++s;
