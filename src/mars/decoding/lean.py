@@ -204,7 +204,9 @@ class LeanDecoder:
             return False
         norms.append(self.norm.weight)
         eps.append(float(self.norm.variance_epsilon))
-        return decoder_step_class()(norms, eps, scales, weights, biases, lora_a, lora_b, scalings, self.head_dim)
+        packed = [None if b is None else packed_lowrank(b) for b in lora_b]  # the Python loop's packs, shared
+        step = decoder_step_class()
+        return step(norms, eps, scales, weights, biases, lora_a, lora_b, packed, scalings, self.head_dim)
 
     @staticmethod
     def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:  # LlamaRMSNorm.forward, op for op

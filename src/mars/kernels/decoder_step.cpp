@@ -42,13 +42,13 @@ struct DecoderStep : torch::CustomClassHolder {
   double final_eps;
   int64_t head_dim;
 
-  // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b: 7 per layer (None where
-  // absent; lora lists empty for a model without an adapter; the up factors lora_b as peft holds them, packed
-  // here once for fused_linear); scalings: 7 per layer (0 where not adapted); norms: 2 per layer then the
-  // final one, with their epsilons.
+  // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b, lora_b_packed: 7 per layer
+  // (None where absent; lora lists empty for a model without an adapter; the up factors as peft holds them, for
+  // steps wider than the kernel, and packed by mars::pack_lowrank, for fused_linear); scalings: 7 per layer (0
+  // where not adapted); norms: 2 per layer then the final one, with their epsilons.
   DecoderStep(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<double> attn_scales,
               std::vector<at::Tensor> weights, OptionalList biases, OptionalList lora_a, OptionalList lora_b,
-              std::vector<double> scalings, int64_t head_dim_)
+              OptionalList lora_b_packed, std::vector<double> scalings, int64_t head_dim_)
       : head_dim(head_dim_) {
     const size_t layers = attn_scales.size();
     TORCH_CHECK(norms.size() == 2 * layers + 1 && eps.size() == norms.size(), "mars::DecoderStep: ", layers,
@@ -57,8 +57,8 @@ struct DecoderStep : torch::CustomClassHolder {
                 "biases per layer");
     const bool lora = lora_a.size() > 0;
     TORCH_CHECK(!lora || (lora_a.size() == weights.size() && lora_b.size() == weights.size() &&
-                          scalings.size() == weights.size()),
-                "mars::DecoderStep: lora_a, lora_b and scalings need 7 entries per layer");
+                          lora_b_packed.size() == weights.size() && scalings.size() == weights.size()),
+                "mars::DecoderStep: lora_a, lora_b, lora_b_packed and scalings need 7 entries per layer");
     // q/k/v, o, gate/up, down: the groups LeanDecoder runs as one kernel pass each
     const int sizes[4] = {3, 1, 2, 1};
     for (size_t l = 0; l < layers; ++l) {
@@ -77,10 +77,8 @@ struct DecoderStep : torch::CustomClassHolder {
             const c10::optional<at::Tensor> a = lora_a.get(i);
             g.adapted = g.adapted || (a.has_value() && a->defined());
             g.lora_a.push_back(a);
-            const c10::optional<at::Tensor> b = lora_b.get(i);
-            g.lora_b.push_back(b);
-            g.lora_b_packed.push_back(b.has_value() && b->defined() ? c10::optional<at::Tensor>(pack_lowrank(*b))
-                                                                   : c10::optional<at::Tensor>());
+            g.lora_b.push_back(lora_b.get(i));
+            g.lora_b_packed.push_back(lora_b_packed.get(i));
             g.scalings.push_back(scalings[i]);
           }
         }
@@ -207,6 +205,6 @@ struct DecoderStep : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(MARS_NAMESPACE, m) {
   m.class_<DecoderStep>("DecoderStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, std::vector<at::Tensor>,
-                       OptionalList, OptionalList, OptionalList, std::vector<double>, int64_t>())
+                       OptionalList, OptionalList, OptionalList, OptionalList, std::vector<double>, int64_t>())
       .def("step", &DecoderStep::step);
 }

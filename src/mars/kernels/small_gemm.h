@@ -14,5 +14,3 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
                                      const c10::List<c10::optional<at::Tensor>>& lora_a,
                                      const c10::List<c10::optional<at::Tensor>>& lora_b, at::ArrayRef<double> scalings,
                                      const c10::optional<at::Tensor>& columns);
-
-at::Tensor pack_lowrank(const at::Tensor& weight);
