@@ -1,8 +1,9 @@
 """CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps, and
 ``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
 terms at given columns; ``mars::lowrank_linear`` is a LoRA up factor's product in the same order, and
-``mars::pack_lowrank`` the factor's layout for the fused pass); and ``mars.DecoderStep``, a Llama-family decoder pass for one batch-1 decode step
-written against ATen (``decoder_step.cpp``: the lean forward's loop without the interpreter).
+``mars::pack_lowrank`` the factor's layout for the fused pass); and ``mars.DecoderStep``, a Llama-family
+decoder pass for one batch-1 decode step written against ATen (``decoder_step.cpp``: the lean forward's loop
+without the interpreter).
 
 A decode step multiplies a handful of columns (batch x new tokens) by every weight matrix once, so on
 a CPU it is bound by reading the weights from memory.  MKL's sgemm handles one column at that bound
