@@ -38,6 +38,7 @@ from mars.threads import configure_threads  # noqa: E402
 DECODERS = {
     "ar-cursor": dict(decoder="mars", cache="cursor", threshold=1.0),
     "verify": VERIFIED,  # the throughput command's lossless decoder
+    "verify, masks after drafts": {**VERIFIED, "chain_drafts": "always"},
     "verify window 3": {**VERIFIED, "window": 3},
     "verify window 2": {**VERIFIED, "window": 2},
 }

@@ -121,9 +121,35 @@ def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
     assert done[reqs[1].id] == lossy.token_ids[0]
 
 
+@pytest.mark.parametrize("chain", ["auto", "always", "never"])
+def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(model, tokenizer, monkeypatch, chain):
+    """``chain_drafts``: with ``never`` (and ``auto`` for a lossless row on this CPU) a step that carries drafts
+    feeds no masks after them, with ``always`` it does; a lossy verifying row chains under ``auto`` (it
+    accepts those masks unverified); the lossless output is greedy AR whatever the choice."""
+    from mars.decoding import engine as engine_module
+
+    plans = []
+    plan = engine_module.DecodeEngine._plan
+    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: plans.append(plan(self)) or plans[-1])
+    prompts = random_prompts((5, 17, 9))
+    kwargs = dict(verify=True, chain_drafts=chain, draft_threshold=0.0, max_new_tokens=20)
+    out = generate(model, tokenizer, prompts, **kwargs)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 20)
+    drafting = [(p.drafts > 0) & p.verifying for p in plans]
+    assert any(d.any() for d in drafting)
+    chained = any((p.draft_masks[d] > 0).any() for p, d in zip(plans, drafting))
+    assert chained == (chain == "always")
+    assert all((p.draft_masks[~d & p.verifying & (p.predictions > 1)] > 0).all() for p, d in zip(plans, drafting))
+    plans.clear()
+    generate(model, tokenizer, prompts, threshold=0.3, **kwargs)
+    lossy_chained = any((p.draft_masks[(p.drafts > 0) & p.verifying] > 0).any() for p in plans)
+    assert lossy_chained == (chain != "never")
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
+        (dict(verify=True, chain_drafts="sometimes"), "unknown chain_drafts 'sometimes'"),
         (dict(verify=True, max_accept=2), "max_accept does not apply"),
         (dict(verify=True, cache="block", window="cache_block"), "not 'cache_block'"),
         (dict(verify=True, decoder="jacobi"), "needs decoder='mars'"),

@@ -110,20 +110,26 @@ def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
 
 
 def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
-    """Each draft threshold is its own lossless verify row in the same run; ``--verify-tau`` times verified
-    decoding at every threshold (at 1.0 lossless like ``mars-verify``); a draft threshold outside [0, 1] is
-    refused before any model loads."""
+    """Each draft threshold, window and chain choice is its own lossless verify row in the same run;
+    ``--verify-tau`` times verified decoding at every threshold (at 1.0 lossless like ``mars-verify``); a draft
+    threshold outside [0, 1], an unknown chain choice or a window below 1 is refused before any model loads."""
     out = tmp_path / "out"
     args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--num-prompts", "2"]
     args += ["--max-new-tokens", "6", "--caches", "cursor", "--verify", "--out", str(out)]
-    assert main([*args, "--verify-draft-thresholds", "0.3,0.9", "--verify-tau", "--thresholds", "1.0,0.5"]) == 0
+    extra = ["--verify-draft-thresholds", "0.3,0.9", "--verify-chains", "always,never", "--verify-windows", "2"]
+    assert main([*args, *extra, "--verify-tau", "--thresholds", "1.0,0.5"]) == 0
     rows = list(csv.DictReader((out / "throughput.csv").open()))
-    for name in ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9"):
+    lossless = ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9", "mars-verify-w2")
+    for name in (*lossless, "mars-verify-chain-always", "mars-verify-chain-never"):
         assert {r["same_as_ar"] for r in rows if r["decoder"] == name} == {"2/2"}
     composed = {float(r["threshold"]): r for r in rows if r["decoder"] == "mars-verify-tau"}
     assert sorted(composed) == [0.5, 1.0] and composed[1.0]["same_as_ar"] == "2/2"
     with pytest.raises(SystemExit, match="draft_threshold"):
         main([*args, "--verify-draft-thresholds", "1.5"])
+    with pytest.raises(SystemExit, match="--verify-chains"):
+        main([*args, "--verify-chains", "sometimes"])
+    with pytest.raises(SystemExit, match="--verify-windows"):
+        main([*args, "--verify-windows", "0"])
 
 
 def test_adapter_rank_is_checked_before_loading_and_needs_a_gated_adapter(tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ own AR prediction in the same forward (:mod:`mars.decoding.verify`), so the outp
 (or exactly sampled) AR output whatever the drafts are: a source only decides how many tokens a forward
 yields.  When every draft passed, the masks after them were conditioned on the right text, and their
 predictions become the first drafts of the next step (the checkpoint's masks extend the drafts); a
-:class:`DraftSource` then tops them up at the plan phase of the next step, to the step's draft budget:
+:class:`DraftSource` then tops them up at the plan phase of the next step, to the step's draft budget.
+(With ``chain_drafts=never``, and ``auto`` for lossless rows on a CPU, the masks ride only on steps that
+carry no draft: every column costs there, and the masks after drafts pay only when all of them pass.)
 
 - ``masks`` (:class:`DraftSource` itself): nothing more; the drafts are the masks' (self-speculation).
 - ``lookup`` (:class:`PromptLookup`): the tokens that followed the latest earlier occurrence of the last

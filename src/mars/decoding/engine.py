@@ -384,12 +384,14 @@ class DecodeEngine:
             # predictions; at threshold 1.0 no masks are appended and MARS costs what AR costs.
             predictions = np.minimum(predictions, np.maximum(np.minimum(host.cap, budget), 1))
         # Verifying rows: the AR column, their drafts (no more than can still be accepted), and masks
-        # for the next drafts when tokens can follow this step's.
+        # for the next drafts when tokens can follow this step's (after drafts only for chaining rows).
         verifying = host.verify & ~waiting
         if verifying.any():
             self.drafter.propose(self.rows, verifying, np.minimum(self.max_drafts, budget - 1))
         drafts = np.where(verifying, np.minimum(host.draft_count, budget - 1), 0)
         draft_masks = np.where(budget > drafts + 1, self.window - 1, 0)
+        if drafts.any():
+            draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
         predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
         predictions = np.where(waiting, 1, predictions)
         if s.max_step_columns is not None:
@@ -397,6 +399,14 @@ class DecodeEngine:
             kept = masks_within(masks, s.max_step_columns - int((uncached + drafts).sum()))
             predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
         return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit)
+
+    def _chains(self) -> np.ndarray:
+        """Which rows' masks ride after their drafts (``chain_drafts``; ``auto`` on a CPU asks each row's
+        threshold)."""
+        mode = self.settings.chain_drafts
+        if mode == "auto" and self.device.type == "cpu":
+            return np.array([not r.exact for r in self.rows.records.requests], dtype=bool)
+        return np.full(len(self.rows), mode != "never")
 
     def _block_schedule(self, uncached: np.ndarray) -> tuple[bool, np.ndarray]:
         """Whether this step's real tokens enter the KV cache, and which rows wait.  The block cache

@@ -46,7 +46,7 @@ from typing import Any
 from mars import bench_cli
 from mars.bench_cli import check_settings, comma_list, decoding_values, positive_ints
 from mars.checkpoint_meta import decoding_block_size
-from mars.decoding.settings import DecodingSettings
+from mars.decoding.settings import CHAINING, DecodingSettings
 from mars.threads import apply_process_defaults, describe_wait_policy
 
 apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.threads says why)
@@ -169,6 +169,10 @@ def variants(args) -> list[Variant]:
             out.append(Variant(name, {**VERIFIED, "fallback": fallback}, fixed_threshold=1.0))
         for dt in args.verify_draft_thresholds:  # the same decoder spending columns only on confident drafts
             out.append(Variant(f"mars-verify-dt{dt:g}", {**VERIFIED, "draft_threshold": dt}, fixed_threshold=1.0))
+        for window in args.verify_windows:  # fewer masks per step: cheaper steps, shallower drafts
+            out.append(Variant(f"mars-verify-w{window}", {**VERIFIED, "window": window}, fixed_threshold=1.0))
+        for chain in args.verify_chains:  # the same decoder with the masks after its drafts or without them
+            out.append(Variant(f"mars-verify-chain-{chain}", {**VERIFIED, "chain_drafts": chain}, fixed_threshold=1.0))
     if args.verify_tau:  # verified drafts plus the masks that meet each threshold: lossy below 1.0
         out.append(Variant("mars-verify-tau", dict(VERIFIED)))
     return out + [draft_variant(entry, args) for entry in args.draft_sources]
@@ -186,7 +190,9 @@ def draft_variant(entry: str, args) -> Variant:
     kwargs = {**VERIFIED, "draft_source": source}
     if source == "model":
         kwargs["draft_model"] = args.draft_model
-    if not entry.endswith("+masks"):
+    if entry.endswith("+masks"):
+        kwargs["chain_drafts"] = "always"  # the masks ride after every step's drafts, extending them
+    else:
         kwargs["window"] = 1
     return Variant(f"verify-{entry}", kwargs, fixed_threshold=1.0)
 
@@ -365,6 +371,9 @@ def parse_args(argv: list[str] | None):
         raise SystemExit(f"--adapter-rank must be >= 1, got {args.adapter_rank}")
     dts = args.verify_draft_thresholds
     args.verify_draft_thresholds = comma_list(dts, "--verify-draft-thresholds", float) if dts else []
+    args.verify_windows = positive_ints(args.verify_windows, "--verify-windows") if args.verify_windows else []
+    chains = args.verify_chains
+    args.verify_chains = comma_list(chains, "--verify-chains", allowed=CHAINING) if chains else []
     args.draft_sources = [d for d in args.draft_sources.split(",") if d]
     for d in args.draft_sources:
         if d not in DRAFT_SOURCE_ROWS:
@@ -467,6 +476,19 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="with --verify, also time verified decoding at each of these draft thresholds, comma-separated "
         "(rows `mars-verify-dt<value>`; --draft-threshold sets the plain `mars-verify` row's)",
+    )
+    p.add_argument(
+        "--verify-windows",
+        default="",
+        help="with --verify, also time verified decoding at each of these windows (1 + masks per step), "
+        "comma-separated (rows `mars-verify-w<window>`; --window sets the plain `mars-verify` row's)",
+    )
+    p.add_argument(
+        "--verify-chains",
+        default="",
+        help="with --verify, also time verified decoding with each of these chain_drafts choices, comma-separated "
+        "from auto,always,never (rows `mars-verify-chain-<choice>`; --chain-drafts sets the plain `mars-verify` "
+        "row's)",
     )
     p.add_argument(
         "--draft-sources",
