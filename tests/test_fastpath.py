@@ -323,8 +323,8 @@ def test_wait_policy_follows_the_load_before_torch_loads_and_an_explicit_one_win
 
     def run(env, load):  # a fresh process (torch not loaded yet) on a machine at ``load``
         code = (
-            f"import os; os.getloadavg = lambda: ({load}, 0.0, 0.0); "
-            "from mars.threads import apply_process_defaults as a, describe_wait_policy as d; print(a(), d())"
+            f"import mars.threads as t; t._load_now = lambda: {load}; "
+            "print(t.apply_process_defaults(), t.describe_wait_policy())"
         )
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split()
 
@@ -339,6 +339,25 @@ def test_wait_policy_follows_the_load_before_torch_loads_and_an_explicit_one_win
     assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
 
 
+def test_the_load_is_the_tasks_running_now_besides_this_one(monkeypatch):
+    """The wait follows what runs now (the kernel's runnable count, less this process), not the 1-minute
+    average a job that just ended leaves behind; without /proc/stat the 1-minute average is the fallback."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))  # a job that just ended
+    readings = iter([1, 1, 3, 1])
+    monkeypatch.setattr(threads, "_procs_running", lambda: next(readings))
+    assert threads._load_now(samples=4, interval=0.0) == 0.5
+    monkeypatch.setattr(threads, "_procs_running", lambda: 1)
+    assert threads.wait_policy(threads._load_now(interval=0.0)) == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}
+    monkeypatch.setattr(threads, "_procs_running", lambda: None)
+    assert threads._load_now(interval=0.0) == 2.0
+    monkeypatch.undo()
+    assert os.path.exists("/proc/stat") == (threads._procs_running() is not None)
+    if threads._procs_running() is not None:
+        assert threads._procs_running() >= 1  # this process is running while it reads
+
+
 def test_a_multi_stage_run_decides_its_decoding_stages_wait_when_it_starts(tmp_path, monkeypatch):
     """make demo / make reproduce: the decoding stages take the wait decided from the load when the run
     started, not the load its own training stage left (which made make demo decode PASSIVE on an idle
@@ -349,10 +368,10 @@ def test_a_multi_stage_run_decides_its_decoding_stages_wait_when_it_starts(tmp_p
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))  # idle when the run starts
+    monkeypatch.setattr(threads, "_load_now", lambda: 0.1)  # idle when the run starts
     assert threads.decoding_wait_env() == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}
     stages = Stages(tmp_path, dry_run=False, cwd=tmp_path)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 1.0))  # after a training stage on both cores
+    monkeypatch.setattr(threads, "_load_now", lambda: 2.0)  # a training stage on both cores
     show = "import os; open({!r}, 'w').write(repr([os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))"
     stages.run("eval", ["-c", show.format(str(tmp_path / "eval"))], done=False, decoding=True)
     stages.run("train", ["-c", show.format(str(tmp_path / "train"))], done=False)

@@ -10,8 +10,8 @@ Python between them.  How long an idle OpenMP thread spins before it sleeps deci
   ``PASSIVE``, and a spin without end (``ACTIVE``) 300 ms; single 1536x576 matmuls took 2-16 ms
   instead of 0.2-0.6 ms.
 
-So :func:`apply_process_defaults` looks at the machine when the process starts: the short spin when the
-1-minute load average is under :data:`IDLE_LOAD`, ``PASSIVE`` otherwise.  libgomp reads these variables
+So :func:`apply_process_defaults` looks at the machine when the process starts: the short spin when fewer
+than :data:`IDLE_LOAD` other tasks are running on average over a tenth of a second, ``PASSIVE`` otherwise.  libgomp reads these variables
 when torch loads it, so it must run before ``import torch`` (the entry points call it first); an
 ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already in the environment wins.
 
@@ -25,36 +25,62 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 
 WAIT_POLICY = "PASSIVE"
 SHORT_SPIN = "3000"  # GOMP_SPINCOUNT on an idle machine: a few microseconds of spinning
-IDLE_LOAD = 0.5  # 1-minute load average below which the machine counts as idle
+IDLE_LOAD = 0.5  # other running tasks (see _load_now) below which the machine counts as idle
 THREADS_ENV = "MARS_THREADS"
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp's wait settings; a caller's value wins
 
 
 def wait_policy(load: float | None) -> dict[str, str]:
-    """The OpenMP variables for a machine whose 1-minute load average is ``load`` (None: unknown)."""
+    """The OpenMP variables for a machine with ``load`` other tasks running (see :func:`_load_now`; None: unknown)."""
     if load is not None and load < IDLE_LOAD:
         return {"GOMP_SPINCOUNT": SHORT_SPIN}
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
-def _load_now() -> float | None:
-    """The 1-minute load average (None where the platform has none)."""
+def _load_now(samples: int = 10, interval: float = 0.01) -> float | None:
+    """How many other tasks are running now: the mean of ``samples`` readings of the kernel's runnable count
+    (``procs_running`` in ``/proc/stat``) less this process.  The 1-minute load average lags by minutes: a run
+    started just after another job ended decoded ``PASSIVE`` on an idle machine (``make demo``: AR at 26 instead
+    of 35 tokens/s).  Where there is no ``/proc/stat``, the 1-minute load average; None where neither exists."""
+    readings = []
+    for i in range(samples):
+        running = _procs_running()
+        if running is None:
+            break
+        readings.append(running - 1)
+        if i + 1 < samples:
+            time.sleep(interval)
+    if readings:
+        return max(0.0, sum(readings) / len(readings))
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
         return None
 
 
+def _procs_running() -> int | None:
+    """The kernel's count of runnable tasks at this moment, this one included (Linux), else None."""
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def decoding_wait_env() -> dict[str, str]:
     """The OpenMP wait for the decoding stages of a run of several stages (``make demo``, ``make reproduce``, the
-    recipe search), decided once when the run starts and handed to each decoding stage.  A stage that decided
-    at its own start would see the load the run's previous stage left: after a training stage on every core the
-    1-minute load average stays above :data:`IDLE_LOAD` for minutes, and ``make demo`` timed its decoders
-    ``PASSIVE`` on an otherwise idle machine.  A wait already in the environment is kept."""
+    recipe search), decided once when the run starts and handed to each decoding stage, so that no stage
+    mistakes the run's own previous stage for another job (read from the 1-minute load average, a training
+    stage on every core made ``make demo`` decode ``PASSIVE`` on an otherwise idle machine).  A wait already
+    in the environment is kept."""
     if wait_policy_chosen():
         return {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}
     return wait_policy(_load_now())
