@@ -11,9 +11,9 @@ Python between them.  How long an idle OpenMP thread spins before it sleeps deci
   instead of 0.2-0.6 ms.
 
 So :func:`apply_process_defaults` looks at the machine when the process starts: the short spin when fewer
-than :data:`IDLE_LOAD` other tasks are running on average over a tenth of a second, ``PASSIVE`` otherwise.  libgomp reads these variables
-when torch loads it, so it must run before ``import torch`` (the entry points call it first); an
-``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already in the environment wins.
+than :data:`IDLE_LOAD` other tasks are running on average over a tenth of a second, ``PASSIVE`` otherwise.
+libgomp reads these variables when torch loads it, so it must run before ``import torch`` (the entry points
+call it first); an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already in the environment wins.
 
 Thread count.  :func:`configure_threads` takes an explicit count, else ``MARS_THREADS``, else every CPU
 this process may run on (``os.sched_getaffinity``): on the 2-vCPU EPYC with the fast path and ``PASSIVE``,
@@ -36,7 +36,7 @@ WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp's wait setting
 
 
 def wait_policy(load: float | None) -> dict[str, str]:
-    """The OpenMP variables for a machine with ``load`` other tasks running (see :func:`_load_now`; None: unknown)."""
+    """The OpenMP variables for a machine with ``load`` other tasks running (:func:`_load_now`; None: unknown)."""
     if load is not None and load < IDLE_LOAD:
         return {"GOMP_SPINCOUNT": SHORT_SPIN}
     return {"OMP_WAIT_POLICY": WAIT_POLICY}
