@@ -380,6 +380,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 
 namespace {
 
+// Whether `packed` is an up factor with N rows and rank r as pack_lowrank lays it out.
+bool packed_fits(const at::Tensor& packed, int64_t N, int64_t r) {
+  return packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel && packed.size(1) == r &&
+         packed.size(2) == kPanel;
+}
+
 at::Tensor pack_up(const at::Tensor& weight) {
   const int64_t N = weight.size(0), r = weight.size(1), panels = (N + kPanel - 1) / kPanel;
   at::Tensor padded = at::zeros({panels * kPanel, r}, weight.options());
@@ -406,8 +412,7 @@ at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::op
                   weight.scalar_type() == at::kFloat,
               "mars::lowrank_linear: float32 CPU tensors only");
   const bool is_packed = weight.dim() == 3;
-  TORCH_CHECK(is_packed ? rows.has_value() && weight.size(0) == (*rows + kPanel - 1) / kPanel &&
-                              weight.size(2) == kPanel && x.size(-1) == weight.size(1)
+  TORCH_CHECK(is_packed ? rows.has_value() && packed_fits(weight, *rows, x.size(-1))
                         : weight.dim() == 2 && x.size(-1) == weight.size(1),
               "mars::lowrank_linear: shapes ", x.sizes(), " and ", weight.sizes(), " do not match",
               is_packed ? " (a packed factor needs its row count)" : "");
@@ -508,8 +513,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
         const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
         const int64_t r = Ac.size(0);
         TORCH_CHECK(Ac.scalar_type() == at::kFloat && Ac.dim() == 2 && Ac.size(1) == K && Bc.scalar_type() == at::kFloat &&
-                        Bc.dim() == 3 && Bc.size(0) == (N + kPanel - 1) / kPanel && Bc.size(1) == r &&
-                        Bc.size(2) == kPanel,
+                        packed_fits(Bc, N, r),
                     "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
                     " (packed by pack_lowrank) do not fit");
         at::Tensor a = at::empty({ncols, r}, x.options());  // filled by the pass
