@@ -110,16 +110,19 @@ def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
 
 
 def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
-    """Each draft threshold, window and chain choice is its own lossless verify row in the same run;
-    ``--verify-tau`` times verified decoding at every threshold (at 1.0 lossless like ``mars-verify``); a draft
-    threshold outside [0, 1], an unknown chain choice or a window below 1 is refused before any model loads."""
+    """Each draft threshold, window and chain choice, and each combination given to ``--verify-rows``, is its
+    own lossless verify row in the same run; ``--verify-tau`` times verified decoding at every threshold (at
+    1.0 lossless like ``mars-verify``); a draft threshold outside [0, 1], an unknown chain choice, a window
+    below 1, an unknown setting or an entry without ``=`` is refused before any model loads."""
     out = tmp_path / "out"
     args = ["--model", "tiny-random", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--num-prompts", "2"]
     args += ["--max-new-tokens", "6", "--caches", "cursor", "--verify", "--out", str(out)]
     extra = ["--verify-draft-thresholds", "0.3,0.9", "--verify-chains", "always,never", "--verify-windows", "2"]
+    extra += ["--verify-rows", "window=3,draft_threshold=0.2; chain_drafts=never,window=2"]
     assert main([*args, *extra, "--verify-tau", "--thresholds", "1.0,0.5"]) == 0
     rows = list(csv.DictReader((out / "throughput.csv").open()))
-    lossless = ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9", "mars-verify-w2")
+    lossless = ("mars-verify", "mars-verify-dt0.3", "mars-verify-dt0.9", "mars-verify-w2", "mars-verify-w3-dt0.2")
+    lossless += ("mars-verify-chain-never-w2",)
     for name in (*lossless, "mars-verify-chain-always", "mars-verify-chain-never"):
         assert {r["same_as_ar"] for r in rows if r["decoder"] == name} == {"2/2"}
     composed = {float(r["threshold"]): r for r in rows if r["decoder"] == "mars-verify-tau"}
@@ -130,6 +133,12 @@ def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
         main([*args, "--verify-chains", "sometimes"])
     with pytest.raises(SystemExit, match="--verify-windows"):
         main([*args, "--verify-windows", "0"])
+    with pytest.raises(SystemExit, match="--verify-rows.*window must be"):
+        main([*args, "--verify-rows", "window=3;window=0"])
+    with pytest.raises(SystemExit, match="--verify-rows: unknown settings \\['windw'\\]"):
+        main([*args, "--verify-rows", "windw=3"])
+    with pytest.raises(SystemExit, match="field=value"):
+        main([*args, "--verify-rows", "window"])
 
 
 def test_adapter_rank_is_checked_before_loading_and_needs_a_gated_adapter(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ from typing import Any
 from mars import bench_cli
 from mars.bench_cli import check_settings, comma_list, decoding_values, positive_ints
 from mars.checkpoint_meta import decoding_block_size
-from mars.decoding.settings import CHAINING, DecodingSettings
+from mars.decoding.settings import DecodingSettings
 from mars.threads import apply_process_defaults, describe_wait_policy
 
 apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.threads says why)
@@ -167,18 +167,65 @@ def variants(args) -> list[Variant]:
         for fallback in args.verify_fallbacks:
             name = f"mars-verify{'' if fallback == 'none' else '-' + fallback}"
             out.append(Variant(name, {**VERIFIED, "fallback": fallback}, fixed_threshold=1.0))
-        for dt in args.verify_draft_thresholds:  # the same decoder spending columns only on confident drafts
-            out.append(Variant(f"mars-verify-dt{dt:g}", {**VERIFIED, "draft_threshold": dt}, fixed_threshold=1.0))
-        for window in args.verify_windows:  # fewer masks per step: cheaper steps, shallower drafts
-            out.append(Variant(f"mars-verify-w{window}", {**VERIFIED, "window": window}, fixed_threshold=1.0))
-        for chain in args.verify_chains:  # the same decoder with the masks after its drafts or without them
-            out.append(Variant(f"mars-verify-chain-{chain}", {**VERIFIED, "chain_drafts": chain}, fixed_threshold=1.0))
+        for overrides in args.verify_rows:  # the same lossless decoder with other settings, side by side
+            out.append(Variant(verify_row_name(overrides), {**VERIFIED, **overrides}, fixed_threshold=1.0))
     if args.verify_tau:  # verified drafts plus the masks that meet each threshold: lossy below 1.0
         out.append(Variant("mars-verify-tau", dict(VERIFIED)))
     return out + [draft_variant(entry, args) for entry in args.draft_sources]
 
 
 DRAFT_SOURCE_ROWS = ("lookup", "lookup+masks", "model", "model+masks")
+# Sweeps of one verify setting: flag -> (DecodingSettings field, how its rows' names spell it).  Each value is
+# a row `mars-verify-<spelling><value>`; `--verify-rows` combines several fields in one row.
+VERIFY_SWEEPS = {
+    "--verify-draft-thresholds": ("draft_threshold", "dt"),
+    "--verify-windows": ("window", "w"),
+    "--verify-chains": ("chain_drafts", "chain-"),
+}
+VERIFY_SPELLING = dict(VERIFY_SWEEPS.values())
+
+
+def verify_row_name(overrides: dict) -> str:
+    """``{"window": 3, "draft_threshold": 0.3}`` -> ``mars-verify-w3-dt0.3``."""
+    parts = [
+        f"{VERIFY_SPELLING.get(k, k + '=')}{format(v, 'g') if isinstance(v, float) else v}"
+        for k, v in overrides.items()
+    ]
+    return "-".join(["mars-verify", *parts])
+
+
+def _setting_value(text: str):
+    """A flag's value as the int, float or word it spells."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_verify_rows(args, base: DecodingSettings) -> list[dict]:
+    """The extra lossless verify rows: one per value of each sweep flag, then each `--verify-rows` entry
+    (``field=value,field=value`` entries separated by ``;``); each is checked on the run's settings, its
+    error naming the flag."""
+    rows: list[tuple[str, dict]] = []
+    for flag, (field_name, _) in VERIFY_SWEEPS.items():
+        text = getattr(args, flag[2:].replace("-", "_"))
+        rows += [(flag, {field_name: _setting_value(v)}) for v in comma_list(text, flag)] if text else []
+    for entry in filter(None, (e.strip() for e in args.verify_rows.split(";"))):
+        pairs = [item.partition("=") for item in entry.split(",") if item.strip()]
+        if not pairs or any(not sep or not key.strip() for key, sep, _ in pairs):
+            raise SystemExit(f"--verify-rows takes field=value[,field=value] entries separated by ';', got {entry!r}")
+        rows.append(("--verify-rows", {key.strip(): _setting_value(value.strip()) for key, _, value in pairs}))
+    known = set(DecodingSettings.field_names())
+    for flag, overrides in rows:
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise SystemExit(f"{flag}: unknown settings {unknown}; DecodingSettings has {sorted(known)}")
+        check_settings(flag, **{**base.as_dict(), **VERIFIED, **overrides})
+    return [overrides for _, overrides in rows]
+
+
 # every lossless row: the MARS engine verifying its drafts, per-row KV cache
 VERIFIED = dict(decoder="mars", cache="cursor", verify=True)
 
@@ -369,16 +416,12 @@ def parse_args(argv: list[str] | None):
     args.verify_fallbacks = comma_list(args.verify_fallbacks, "--verify-fallbacks")
     if args.adapter_rank is not None and args.adapter_rank < 1:
         raise SystemExit(f"--adapter-rank must be >= 1, got {args.adapter_rank}")
-    dts = args.verify_draft_thresholds
-    args.verify_draft_thresholds = comma_list(dts, "--verify-draft-thresholds", float) if dts else []
-    args.verify_windows = positive_ints(args.verify_windows, "--verify-windows") if args.verify_windows else []
-    chains = args.verify_chains
-    args.verify_chains = comma_list(chains, "--verify-chains", allowed=CHAINING) if chains else []
     args.draft_sources = [d for d in args.draft_sources.split(",") if d]
     for d in args.draft_sources:
         if d not in DRAFT_SOURCE_ROWS:
             raise SystemExit(f"unknown draft source {d!r} in --draft-sources; choose from {list(DRAFT_SOURCE_ROWS)}")
     base = base_settings(args)  # the decoding settings, checked now: the base, each threshold, each variant
+    args.verify_rows = parse_verify_rows(args, base)
     for t in thresholds:
         check_settings("--thresholds", **{**base.as_dict(), "threshold": t})
     for v in variants(args):
@@ -471,24 +514,19 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         "drafts that all passed are accepted while they meet the threshold, the paper's speculative composition)",
     )
     p.add_argument("--verify-fallbacks", default="none", help="fallbacks after a rejected draft: none,jacobi")
+    for flag, (field_name, spelling) in VERIFY_SWEEPS.items():
+        p.add_argument(
+            flag,
+            default="",
+            help=f"with --verify, also time verified decoding at each of these {field_name} values, comma-separated "
+            f"(rows `mars-verify-{spelling}<value>`; --{field_name.replace('_', '-')} sets the plain `mars-verify` row's)",
+        )
     p.add_argument(
-        "--verify-draft-thresholds",
+        "--verify-rows",
         default="",
-        help="with --verify, also time verified decoding at each of these draft thresholds, comma-separated "
-        "(rows `mars-verify-dt<value>`; --draft-threshold sets the plain `mars-verify` row's)",
-    )
-    p.add_argument(
-        "--verify-windows",
-        default="",
-        help="with --verify, also time verified decoding at each of these windows (1 + masks per step), "
-        "comma-separated (rows `mars-verify-w<window>`; --window sets the plain `mars-verify` row's)",
-    )
-    p.add_argument(
-        "--verify-chains",
-        default="",
-        help="with --verify, also time verified decoding with each of these chain_drafts choices, comma-separated "
-        "from auto,always,never (rows `mars-verify-chain-<choice>`; --chain-drafts sets the plain `mars-verify` "
-        "row's)",
+        help="with --verify, also time verified decoding with these settings combined, entries "
+        "`field=value[,field=value]` separated by ';' (e.g. 'window=3,draft_threshold=0.3;window=2': rows "
+        "`mars-verify-w3-dt0.3`, `mars-verify-w2`)",
     )
     p.add_argument(
         "--draft-sources",
