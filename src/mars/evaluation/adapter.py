@@ -31,6 +31,7 @@ results (file and printed table): ``tokens_per_forward`` per task, and pooled ov
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -236,6 +237,9 @@ class MarsLM(TemplateLM):
         torch.set_num_threads(threads)  # accelerate picks its own on CPU when OMP_NUM_THREADS is unset
         self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
         log.info("data parallel: rank %d of %d", self._rank, self._world_size)
+        # a gloo group still alive at interpreter exit can abort the rank ("terminate called without an active
+        # exception", exit code -6: seen once in the suite's two-process test), failing a finished evaluation
+        atexit.register(_leave_process_group)
 
     def all_gather(self, tensor):
         """Every rank's ``tensor`` concatenated along the first dimension (a 0-d tensor counts as one)."""
@@ -619,3 +623,11 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     # lm-eval's CLI looks simple_evaluate up on the package when it runs: wrap it there, for this command only
     lm_eval.simple_evaluate = _with_decoder_stats(lm_eval.simple_evaluate)
     cli_evaluate()
+
+
+def _leave_process_group() -> None:
+    """Destroy the default process group if this process still has one (at exit, after lm-eval is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
