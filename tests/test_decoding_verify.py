@@ -2,6 +2,7 @@
 cache strategy, ragged batches and stop strings; batch independence; statistics; bad input; and the
 speculative-sampling rule reproduces the target distribution on hand-made distributions."""
 
+import numpy as np
 import pytest
 import torch
 from decoding_fixtures import CACHES, extra_eos, hf_greedy, model, ragged, random_prompts, tokenizer  # noqa: F401
@@ -144,6 +145,36 @@ def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(mode
     generate(model, tokenizer, prompts, threshold=0.3, **kwargs)
     lossy_chained = any((p.draft_masks[(p.drafts > 0) & p.verifying] > 0).any() for p in plans)
     assert lossy_chained == (chain != "never")
+
+
+@pytest.mark.parametrize("verify_masks,lossless,lossy", [("auto", 2, 5), ("all", 5, 5), (3, 3, 3), (1, 1, 1)])
+def test_verify_masks_decides_how_many_masks_a_verifying_row_feeds(
+    model, tokenizer, monkeypatch, verify_masks, lossless, lossy
+):
+    """``verify_masks`` (window 6: up to 5 masks): ``auto`` on this CPU trims a lossless row to
+    LEAN_VERIFY_MASKS masks and keeps every mask for a lossy row, ``all`` keeps the window's, an integer sets
+    it; a row never drafts more than the masks it fed, and the lossless output is greedy AR whatever the
+    choice."""
+    from mars.decoding import engine as engine_module
+
+    plans = []
+    plan = engine_module.DecodeEngine._plan
+    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: plans.append(plan(self)) or plans[-1])
+    prompts = random_prompts((5, 17, 9))
+    kwargs = dict(verify=True, window=6, verify_masks=verify_masks, draft_threshold=0.0, max_new_tokens=24)
+    for threshold, fed in ((1.0, lossless), (0.3, lossy)):
+        plans.clear()
+        out = generate(model, tokenizer, prompts, threshold=threshold, **kwargs)
+        if threshold == 1.0:
+            assert out.token_ids == hf_greedy(model, tokenizer, prompts, 24)
+        masks = np.concatenate([p.draft_masks[p.verifying] for p in plans])
+        assert masks.max() == fed
+        drafts = np.concatenate([p.drafts[p.verifying] for p in plans])
+        assert drafts.max() <= fed and drafts.max() >= 1
+    with pytest.raises(ValueError, match="more than the window's 5 masks"):
+        generate(model, tokenizer, prompts, verify=True, window=6, verify_masks=6, max_new_tokens=4)
+    with pytest.raises(ValueError, match="verify_masks must be"):
+        generate(model, tokenizer, prompts, verify=True, verify_masks=0, max_new_tokens=4)
 
 
 @pytest.mark.parametrize(

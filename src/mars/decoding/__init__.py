@@ -25,7 +25,7 @@ there, ``DecodingSettings.help()`` lists them), or ``settings=`` one such object
   ``cache="block"``) lets the masks fill the rest of the cache block (the paper's block-level sampler).
 - ``verify=True``: lossless self-speculation; the masks' predictions are drafts verified by the next
   forward, output identical to greedy AR (exact sampling at temperature > 0); ``draft_length``,
-  ``draft_threshold`` and ``fallback`` tune it (see :class:`DecodingSettings`).
+  ``draft_threshold``, ``fallback``, ``chain_drafts`` and ``verify_masks`` tune it (see :class:`DecodingSettings`).
 - ``max_accept`` caps tokens accepted per step; ``temperature > 0`` samples (Gumbel-max, ``seed`` for
   reproducibility, one generator per row) with the same acceptance rule; ``stop``: stop strings.
 - ``decoder``: ``mars`` (default), ``ar`` (``transformers`` ``generate``, KV cache, greedy) or

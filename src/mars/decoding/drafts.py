@@ -7,7 +7,8 @@ yields.  When every draft passed, the masks after them were conditioned on the r
 predictions become the first drafts of the next step (the checkpoint's masks extend the drafts); a
 :class:`DraftSource` then tops them up at the plan phase of the next step, to the step's draft budget.
 (With ``chain_drafts=never``, and ``auto`` for lossless rows on a CPU, the masks ride only on steps that
-carry no draft: every column costs there, and the masks after drafts pay only when all of them pass.)
+carry no draft: every column costs there, and the masks after drafts pay only when all of them pass; with
+``verify_masks=auto`` such rows also feed at most two masks, since the deepest drafts rarely pass.)
 
 - ``masks`` (:class:`DraftSource` itself): nothing more; the drafts are the masks' (self-speculation).
 - ``lookup`` (:class:`PromptLookup`): the tokens that followed the latest earlier occurrence of the last

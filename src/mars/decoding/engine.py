@@ -33,7 +33,8 @@ Jacobi (``decoder="jacobi"``): the ``W-1`` columns after the last real token car
 masks; a row accepts the AR token plus every guess that matches the prediction made from the exact
 prefix before it — greedy AR output, fewer forwards when guesses converge.
 
-Verification (a request with ``verify=True``): a row feeds ``[real | drafts | W-1 masks]``; drafts are
+Verification (a request with ``verify=True``): a row feeds ``[real | drafts | masks]`` (``W-1`` masks, or
+``verify_masks``; none after the drafts unless the row chains, ``chain_drafts``); drafts are
 checked against the AR predictions of the same forward (:mod:`mars.decoding.verify`), so its output is
 exactly greedy AR (or exact AR sampling at temperature > 0).  Verified drafts were computed with the
 right prefix, so their keys/values are committed too.  When every draft passed, the masks' predictions
@@ -71,7 +72,7 @@ from .drafts import DraftSource, draft_source_for
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
-from .settings import DecodingSettings, is_exact_threshold, validate_threshold
+from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept
 
@@ -389,7 +390,7 @@ class DecodeEngine:
         if verifying.any():
             self.drafter.propose(self.rows, verifying, np.minimum(self.max_drafts, budget - 1))
         drafts = np.where(verifying, np.minimum(host.draft_count, budget - 1), 0)
-        draft_masks = np.where(budget > drafts + 1, self.window - 1, 0)
+        draft_masks = np.where(budget > drafts + 1, self._masks_fed(), 0)
         if drafts.any():
             draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
         predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
@@ -399,6 +400,19 @@ class DecodeEngine:
             kept = masks_within(masks, s.max_step_columns - int((uncached + drafts).sum()))
             predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
         return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit)
+
+    def _masks_fed(self) -> np.ndarray:
+        """How many masks each verifying row feeds on a step (``verify_masks``; ``auto`` on a CPU trims the
+        lossless rows drafting from the masks to LEAN_VERIFY_MASKS)."""
+        s, full = self.settings, self.window - 1
+        if s.verify_masks == "all":
+            return np.full(len(self.rows), full)
+        if s.verify_masks != "auto":
+            return np.full(len(self.rows), min(int(s.verify_masks), full))
+        if self.device.type != "cpu" or s.draft_source != "masks":
+            return np.full(len(self.rows), full)
+        lean = min(LEAN_VERIFY_MASKS, full)
+        return np.array([lean if r.exact else full for r in self.rows.records.requests], dtype=np.int64)
 
     def _chains(self) -> np.ndarray:
         """Which rows' masks ride after their drafts (``chain_drafts``; ``auto`` on a CPU asks each row's
@@ -557,7 +571,8 @@ class DecodeEngine:
         first = torch.where(all_passed, drafts_fed + 1 + accepted_masks, passed + 1)
         read = (first.unsqueeze(1) + torch.arange(self.max_drafts, device=dev)).clamp_max(predicted.shape[1] - 1)
         tokens = predicted.gather(1, read)
-        from_masks = (min(self.max_drafts, self.window - 1) - accepted_masks).clamp_min(0)
+        fed = torch.as_tensor(plan.draft_masks, device=dev).clamp_max(self.max_drafts)  # the masks this step fed
+        from_masks = (fed - accepted_masks).clamp_min(0)
         count = torch.where(all_passed, from_masks, torch.zeros_like(drafts_fed))
         if s.fallback == "jacobi":
             count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))

@@ -19,6 +19,8 @@ CACHES = ("none", "block", "cursor")
 METRICS = ("probability", "entropy", "margin")
 FALLBACKS = ("none", "jacobi")
 CHAINING = ("auto", "always", "never")
+VERIFY_MASKS = ("auto", "all")  # or an integer
+LEAN_VERIFY_MASKS = 2  # verify_masks=auto for lossless rows on a CPU (see the field)
 DRAFT_SOURCES = ("masks", "model", "lookup")
 AR_CACHES = ("dynamic", "static")
 # Keys of a decoding config that are not decoding settings: the config's name and the batch size
@@ -123,11 +125,11 @@ class DecodingSettings:
             "drafts verified per step with verify=True (default: window - 1 with draft_source=masks, else block_size)"
         ),
     )
-    # 0.5 by measurement (benchmarks/decode_step_cpu/README.md): on the reference checkpoint the quality suite
-    # accepts as many tokens per forward as with every draft (1.49 vs 1.50), and a rejected draft no longer
-    # spends the step's columns nor discards the masks after it
+    # 0.3 by measurement (benchmarks/decode_step_cpu/verify_masks/): once the masks no longer ride after the
+    # drafts on a CPU (chain_drafts=auto) a draft column is cheap, and 0.3 verifies more tokens per forward
+    # for the same time (0.5 was chosen while every draft also carried the masks after it)
     draft_threshold: float = field(
-        default=0.5,
+        default=0.3,
         metadata=_help(
             "verify=True: propose a draft only while the mask's top probability is >= this (0: always); "
             "never changes the output, only how many columns a step spends on drafts"
@@ -153,6 +155,17 @@ class DecodingSettings:
             "(never for lossless rows on a CPU, else always: a row below threshold 1.0 also accepts those masks "
             "unverified, and on accelerators extra columns are nearly free)",
             CHAINING,
+        ),
+    )
+    # auto by measurement (benchmarks/decode_step_cpu/verify_masks/): on a 2-core CPU lossless verify on the
+    # reference checkpoint (block 4) ran 1.10x AR with 2 masks and draft threshold 0.3 against 1.05x with 3
+    verify_masks: int | str = field(
+        default="auto",
+        metadata=_help(
+            "verify=True: masks a verifying row feeds per step, i.e. the most drafts its next step can verify: an "
+            "integer (at most window - 1), all (window - 1) or auto (window - 1, but at most "
+            f"{LEAN_VERIFY_MASKS} for lossless rows drafting from the masks on a CPU: there every column costs "
+            "about 5% of a step and the deepest drafts rarely pass)"
         ),
     )
     draft_source: str = field(
@@ -240,6 +253,9 @@ class DecodingSettings:
         dt = self.draft_threshold
         if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not 0 <= dt <= 1:
             raise ValueError(f"draft_threshold must be a number in [0, 1], got {dt!r}")
+        vm = self.verify_masks
+        if vm not in VERIFY_MASKS and (not _is_int(vm) or vm < 1):
+            raise ValueError(f"verify_masks must be an integer >= 1 or one of {list(VERIFY_MASKS)}, got {vm!r}")
         if self.draft_length is not None and (not _is_int(self.draft_length) or self.draft_length < 1):
             raise ValueError(f"draft_length must be None or an integer >= 1, got {self.draft_length!r}")
         self._check_draft_source()
@@ -270,6 +286,9 @@ class DecodingSettings:
             raise ValueError("verify=True needs an integer window (the drafts plus W-1 masks), not 'cache_block'")
         if self.window is not None and self.window < 2 and self.draft_source == "masks":
             raise ValueError("verify=True needs window >= 2 (at least one mask to draft from)")
+        window = self.effective_window
+        if _is_int(self.verify_masks) and _is_int(window) and self.verify_masks > window - 1:
+            raise ValueError(f"verify_masks={self.verify_masks} is more than the window's {window - 1} masks")
 
     # ------------------------------------------------------------------ derived values
     @property
