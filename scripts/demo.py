@@ -21,17 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-from mars.threads import decoding_wait_env
-
 REPO = Path(__file__).resolve().parents[1]
 THRESHOLDS = "[1.0,0.95,0.9]"  # certainty forcing makes the masks confident: 0.8 costs far more than it buys
 LOSSY_THRESHOLD = "0.95"
 
 
-def stage(name: str, cmd: list[str], env: dict[str, str] | None = None) -> float:
+def stage(name: str, cmd: list[str]) -> float:
     print(f"\n=== {name}: python {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, env={**os.environ, **(env or {})})
+    subprocess.run([sys.executable, *cmd], cwd=REPO, check=True)
     seconds = time.perf_counter() - start
     print(f"=== {name} took {seconds / 60:.1f} min", flush=True)
     return seconds
@@ -52,9 +50,6 @@ def speedups(path: Path) -> list[str]:
 
 
 def main() -> None:
-    # the decoding stages' OpenMP wait, from the machine's load now: after the training stage the load average
-    # is the demo's own, and they would decode with sleeping threads on an idle machine
-    decoding = decoding_wait_env()
     limit = os.environ.get("DEMO_LIMIT", "24")
     train_cmd = ["train.py", "experiment=demo"]
     if os.environ.get("DEMO_MINUTES"):
@@ -75,7 +70,6 @@ def main() -> None:
             f"output_dir={out}",
             "run_name=demo",
         ],
-        decoding,
     )
     times["wall clock"] = stage(
         "wall clock",
@@ -102,7 +96,6 @@ def main() -> None:
             "--out",
             str(out / "throughput"),
         ],
-        decoding,
     )
     print("\n" + (out / "table.md").read_text())
     print("=== wall clock at batch 1, same checkpoint, same prompts (median of 3):")

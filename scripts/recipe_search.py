@@ -131,7 +131,6 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
             [f"checkpoint={hf}"], work / name / "eval", spec, [f"thresholds={thresholds}", f"compare=[{base_eval}]"]
         ),
         done=has_points(work / name / "eval", spec["thresholds"]),
-        decoding=True,
     )
     stages.run(
         f"{name}/verify",
@@ -142,7 +141,6 @@ def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec
             ["decoding=mars_verified", "threshold=1.0", "reference=false", f"compare=[{base_eval}]"],
         ),
         done=has_points(work / name / "verify", [1.0]),
-        decoding=True,
     )
 
 
@@ -383,7 +381,6 @@ def main(argv: list[str] | None = None) -> int:
             [f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]
         ),
         done=has_points(base_eval, [1.0]),
-        decoding=True,
     )
     for variant in spec["variants"]:
         run_variant(stages, variant, work, base_eval, spec)

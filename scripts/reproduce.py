@@ -143,7 +143,6 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
         "eval-base",
         evaluate(f"model={args.base}", base, args, ["threshold=1.0", "reference=false"], args.eval_limit),
         done=has_points(base, [1.0]),
-        decoding=True,
     )
     compare = f"compare=[{base}]"
     curve = "[" + ",".join(str(t) for t in CURVE_THRESHOLDS) + "]"
@@ -156,7 +155,6 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
             f"curve-{minutes:g}min",
             evaluate(f"checkpoint={folder}", out, args, [f"thresholds={curve}", compare], args.curve_limit),
             done=has_points(out, CURVE_THRESHOLDS),
-            decoding=True,
         )
     thresholds = [float(t) for t in args.thresholds.strip("[]").split(",")]
     stages.run(
@@ -165,14 +163,12 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
             f"checkpoint={lay.hf}", lay.eval("final"), args, [f"thresholds={args.thresholds}", compare], args.eval_limit
         ),
         done=has_points(lay.eval("final"), thresholds),
-        decoding=True,
     )
     verify = ["decoding=mars_verified", "threshold=1.0", "reference=false", compare]
     stages.run(
         "verify",
         evaluate(f"checkpoint={lay.hf}", lay.eval("verify"), args, verify, args.eval_limit),
         done=has_points(lay.eval("verify"), [1.0]),
-        decoding=True,
     )
     if args.ar_sft:
         ar = lay.eval("ar-sft")
@@ -186,7 +182,6 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
                 args.eval_limit,
             ),
             done=has_points(ar, [1.0]),
-            decoding=True,
         )
 
 
@@ -211,7 +206,7 @@ def run_throughput(stages: Stages, lay: Layout, args) -> Path:
     cmd += ["--batch-sizes", "1,8", "--repeats", "3", "--max-new-tokens", str(args.throughput_tokens)]
     cmd += ["--caches", "cursor", "--verify", "--prompts-file", "data/prompts/heldout.jsonl"]
     cmd += ["--num-prompts", str(args.throughput_prompts), "--out", str(tput)]
-    stages.run("throughput", cmd, done=(tput / "throughput.csv").is_file(), decoding=True)
+    stages.run("throughput", cmd, done=(tput / "throughput.csv").is_file())
     return tput
 
 

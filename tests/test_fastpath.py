@@ -358,28 +358,23 @@ def test_the_load_is_the_tasks_running_now_besides_this_one(monkeypatch):
         assert threads._procs_running() >= 1  # this process is running while it reads
 
 
-def test_a_multi_stage_run_decides_its_decoding_stages_wait_when_it_starts(tmp_path, monkeypatch):
-    """make demo / make reproduce: the decoding stages take the wait decided from the load when the run
-    started, not the load its own training stage left (which made make demo decode PASSIVE on an idle
-    machine); a training stage gets none of it; a wait already in the environment is kept."""
+def test_the_decoding_stages_of_a_job_choose_their_own_wait_when_they_start():
+    """make demo / make reproduce / the recipe search hand their decoding stages no OpenMP wait: evaluate.py and
+    the throughput command each choose one from the tasks running when they start (the job's finished stages do
+    not count), before torch loads."""
     import os
+    import subprocess
+    import sys
 
-    from mars.pipeline import Stages
+    from mars.paths import CHECKOUT
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(threads, "_load_now", lambda: 0.1)  # idle when the run starts
-    assert threads.decoding_wait_env() == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}
-    stages = Stages(tmp_path, dry_run=False, cwd=tmp_path)
-    monkeypatch.setattr(threads, "_load_now", lambda: 2.0)  # a training stage on both cores
-    show = "import os; open({!r}, 'w').write(repr([os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))"
-    stages.run("eval", ["-c", show.format(str(tmp_path / "eval"))], done=False, decoding=True)
-    stages.run("train", ["-c", show.format(str(tmp_path / "train"))], done=False)
-    assert (tmp_path / "eval").read_text() == repr([None, threads.SHORT_SPIN])
-    assert (tmp_path / "train").read_text() == repr([None, None])
-    assert threads.decoding_wait_env() == {"OMP_WAIT_POLICY": "PASSIVE"}  # a busy machine at the start
-    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
-    assert threads.decoding_wait_env() == {"GOMP_SPINCOUNT": "50"}
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_VARIABLES}
+    show = "import os; print(sorted(k for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') if k in os.environ))"
+    for load in ("import runpy; runpy.run_path('evaluate.py', run_name='stage')", "import mars.evaluation.throughput"):
+        out = subprocess.run(
+            [sys.executable, "-c", f"{load}; {show}"], cwd=CHECKOUT, env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip().splitlines()[-1] in ("['GOMP_SPINCOUNT']", "['OMP_WAIT_POLICY']"), out.stderr
 
 
 def test_a_half_finished_kernel_build_is_redone_and_a_finished_one_reused(tmp_path, monkeypatch):

@@ -13,24 +13,20 @@ from pathlib import Path
 
 from mars.checkpoint_meta import is_complete
 from mars.persistence import atomic_write_text
-from mars.threads import decoding_wait_env
 
 
 class Stages:
-    """Runs each stage's command once (from ``cwd``); remembers wall times in ``<out>/stages.json``.  Decoding
-    stages (``decoding=True``) get the OpenMP wait decided when the job started (:func:`decoding_wait_env`), not
-    one from the load the job's own earlier stages left."""
+    """Runs each stage's command once (from ``cwd``); remembers wall times in ``<out>/stages.json``.  A decoding
+    stage picks its own OpenMP wait when it starts (:func:`mars.threads.apply_process_defaults`, from the tasks
+    running then: the job's finished stages do not count)."""
 
     def __init__(self, out: Path, dry_run: bool, cwd: Path):
         self.out, self.dry_run, self.cwd = out, dry_run, cwd
         self.record_path = out / "stages.json"
         self.record = json.loads(self.record_path.read_text()) if self.record_path.is_file() else {}
         self.commands: list[str] = []
-        self.decoding_env = decoding_wait_env()
 
-    def run(self, name: str, cmd: list[str], done: bool, env: dict | None = None, decoding: bool = False) -> None:
-        if decoding:
-            env = {**self.decoding_env, **(env or {})}
+    def run(self, name: str, cmd: list[str], done: bool, env: dict | None = None) -> None:
         text = "python " + " ".join(cmd)
         self.commands.append(f"# {name}\n{text}")
         if done:

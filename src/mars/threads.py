@@ -75,17 +75,6 @@ def _procs_running() -> int | None:
     return None
 
 
-def decoding_wait_env() -> dict[str, str]:
-    """The OpenMP wait for the decoding stages of a run of several stages (``make demo``, ``make reproduce``, the
-    recipe search), decided once when the run starts and handed to each decoding stage, so that no stage
-    mistakes the run's own previous stage for another job (read from the 1-minute load average, a training
-    stage on every core made ``make demo`` decode ``PASSIVE`` on an otherwise idle machine).  A wait already
-    in the environment is kept."""
-    if wait_policy_chosen():
-        return {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}
-    return wait_policy(_load_now())
-
-
 def wait_policy_chosen() -> bool:
     """True when the environment already sets an OpenMP wait (then nothing here overrides it)."""
     return any(k in os.environ for k in WAIT_VARIABLES)
