@@ -127,18 +127,17 @@ def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
         assert {r["same_as_ar"] for r in rows if r["decoder"] == name} == {"2/2"}
     composed = {float(r["threshold"]): r for r in rows if r["decoder"] == "mars-verify-tau"}
     assert sorted(composed) == [0.5, 1.0] and composed[1.0]["same_as_ar"] == "2/2"
-    with pytest.raises(SystemExit, match="draft_threshold"):
-        main([*args, "--verify-draft-thresholds", "1.5"])
-    with pytest.raises(SystemExit, match="--verify-chains"):
-        main([*args, "--verify-chains", "sometimes"])
-    with pytest.raises(SystemExit, match="--verify-windows"):
-        main([*args, "--verify-windows", "0"])
-    with pytest.raises(SystemExit, match="--verify-rows.*window must be"):
-        main([*args, "--verify-rows", "window=3;window=0"])
-    with pytest.raises(SystemExit, match="--verify-rows: unknown settings \\['windw'\\]"):
-        main([*args, "--verify-rows", "windw=3"])
-    with pytest.raises(SystemExit, match="field=value"):
-        main([*args, "--verify-rows", "window"])
+    refused = [
+        ("--verify-draft-thresholds", "1.5", "draft_threshold"),
+        ("--verify-chains", "sometimes", "--verify-chains"),
+        ("--verify-windows", "0", "--verify-windows"),
+        ("--verify-rows", "window=3;window=0", "--verify-rows.*window must be"),
+        ("--verify-rows", "windw=3", "--verify-rows: unknown settings \\['windw'\\]"),
+        ("--verify-rows", "window", "field=value"),
+    ]
+    for flag, value, message in refused:
+        with pytest.raises(SystemExit, match=message):
+            main([*args, flag, value])
 
 
 def test_adapter_rank_is_checked_before_loading_and_needs_a_gated_adapter(tmp_path, monkeypatch):
