@@ -132,7 +132,7 @@ def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
         ("--verify-chains", "sometimes", "--verify-chains"),
         ("--verify-windows", "0", "--verify-windows"),
         ("--verify-rows", "window=3;window=0", "--verify-rows.*window must be"),
-        ("--verify-rows", "windw=3", "--verify-rows: unknown settings \\['windw'\\]"),
+        ("--verify-rows", "windw=3", "--verify-rows: unknown decoding setting\\(s\\) \\['windw'\\]"),
         ("--verify-rows", "window", "field=value"),
     ]
     for flag, value, message in refused:

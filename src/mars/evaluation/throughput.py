@@ -194,36 +194,27 @@ def verify_row_name(overrides: dict) -> str:
     return "-".join(["mars-verify", *parts])
 
 
-def _setting_value(text: str):
-    """A flag's value as the int, float or word it spells."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_verify_rows(args, base: DecodingSettings) -> list[dict]:
     """The extra lossless verify rows: one per value of each sweep flag, then each `--verify-rows` entry
-    (``field=value,field=value`` entries separated by ``;``); each is checked on the run's settings, its
-    error naming the flag."""
+    (``field=value,field=value`` entries separated by ``;``).  Values are read as a decoding config's are
+    (:meth:`DecodingSettings.from_mapping`) and checked on the run's settings, an error naming the flag."""
     rows: list[tuple[str, dict]] = []
     for flag, (field_name, _) in VERIFY_SWEEPS.items():
         text = getattr(args, flag[2:].replace("-", "_"))
-        rows += [(flag, {field_name: _setting_value(v)}) for v in comma_list(text, flag)] if text else []
+        rows += [(flag, {field_name: v}) for v in comma_list(text, flag)] if text else []
     for entry in filter(None, (e.strip() for e in args.verify_rows.split(";"))):
         pairs = [item.partition("=") for item in entry.split(",") if item.strip()]
         if not pairs or any(not sep or not key.strip() for key, sep, _ in pairs):
             raise SystemExit(f"--verify-rows takes field=value[,field=value] entries separated by ';', got {entry!r}")
-        rows.append(("--verify-rows", {key.strip(): _setting_value(value.strip()) for key, _, value in pairs}))
-    known = set(DecodingSettings.field_names())
-    for flag, overrides in rows:
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise SystemExit(f"{flag}: unknown settings {unknown}; DecodingSettings has {sorted(known)}")
-        check_settings(flag, **{**base.as_dict(), **VERIFIED, **overrides})
-    return [overrides for _, overrides in rows]
+        rows.append(("--verify-rows", {key.strip(): value.strip() for key, _, value in pairs}))
+    parsed = []
+    for flag, text in rows:
+        try:
+            settings = DecodingSettings.from_mapping({**base.as_dict(), **VERIFIED}, **text)
+        except ValueError as err:
+            raise SystemExit(f"{flag}: {err}") from None
+        parsed.append({k: getattr(settings, k) for k in text})
+    return parsed
 
 
 # every lossless row: the MARS engine verifying its drafts, per-row KV cache
