@@ -387,13 +387,14 @@ class DecodeEngine:
         # Verifying rows: the AR column, their drafts (no more than can still be accepted), and masks
         # for the next drafts when tokens can follow this step's (after drafts only for chaining rows).
         verifying = host.verify & ~waiting
+        drafts = draft_masks = np.zeros(len(uncached), dtype=np.int64)  # read only when a row verifies
         if verifying.any():
             self.drafter.propose(self.rows, verifying, np.minimum(self.max_drafts, budget - 1))
-        drafts = np.where(verifying, np.minimum(host.draft_count, budget - 1), 0)
-        draft_masks = np.where(budget > drafts + 1, self._masks_fed(), 0)
-        if drafts.any():
-            draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
-        predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
+            drafts = np.where(verifying, np.minimum(host.draft_count, budget - 1), 0)
+            draft_masks = np.where(budget > drafts + 1, self._masks_fed(), 0)
+            if drafts.any():
+                draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
+            predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
         predictions = np.where(waiting, 1, predictions)
         if s.max_step_columns is not None:
             masks = predictions - 1 - drafts  # masks or guesses: what a row can do without
