@@ -412,16 +412,20 @@ class DecodeEngine:
             return np.full(len(self.rows), min(int(s.verify_masks), full))
         if self.device.type != "cpu" or s.draft_source != "masks":
             return np.full(len(self.rows), full)
-        lean = min(LEAN_VERIFY_MASKS, full)
-        return np.array([lean if r.exact else full for r in self.rows.records.requests], dtype=np.int64)
+        return np.where(self._exact_rows(), min(LEAN_VERIFY_MASKS, full), full)
 
     def _chains(self) -> np.ndarray:
         """Which rows' masks ride after their drafts (``chain_drafts``; ``auto`` on a CPU asks each row's
         threshold)."""
         mode = self.settings.chain_drafts
         if mode == "auto" and self.device.type == "cpu":
-            return np.array([not r.exact for r in self.rows.records.requests], dtype=bool)
+            return ~self._exact_rows()
         return np.full(len(self.rows), mode != "never")
+
+    def _exact_rows(self) -> np.ndarray:
+        """Which rows decode at their exact threshold (1.0: lossless when verifying); the CPU ``auto`` choices
+        of ``chain_drafts`` and ``verify_masks`` differ for them."""
+        return np.array([r.exact for r in self.rows.records.requests], dtype=bool)
 
     def _block_schedule(self, uncached: np.ndarray) -> tuple[bool, np.ndarray]:
         """Whether this step's real tokens enter the KV cache, and which rows wait.  The block cache
