@@ -122,16 +122,22 @@ def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
     assert done[reqs[1].id] == lossy.token_ids[0]
 
 
+@pytest.fixture
+def plans(monkeypatch) -> list:
+    """Every step plan the decoding engine makes while the test runs, in order."""
+    from mars.decoding import engine as engine_module
+
+    made = []
+    plan = engine_module.DecodeEngine._plan
+    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: made.append(plan(self)) or made[-1])
+    return made
+
+
 @pytest.mark.parametrize("chain", ["auto", "always", "never"])
-def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(model, tokenizer, monkeypatch, chain):
+def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(model, tokenizer, plans, chain):
     """``chain_drafts``: with ``never`` (and ``auto`` for a lossless row on this CPU) a step that carries drafts
     feeds no masks after them, with ``always`` it does; a lossy verifying row chains under ``auto`` (it
     accepts those masks unverified); the lossless output is greedy AR whatever the choice."""
-    from mars.decoding import engine as engine_module
-
-    plans = []
-    plan = engine_module.DecodeEngine._plan
-    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: plans.append(plan(self)) or plans[-1])
     prompts = random_prompts((5, 17, 9))
     kwargs = dict(verify=True, chain_drafts=chain, draft_threshold=0.0, max_new_tokens=20)
     out = generate(model, tokenizer, prompts, **kwargs)
@@ -149,17 +155,12 @@ def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(mode
 
 @pytest.mark.parametrize("verify_masks,lossless,lossy", [("auto", 2, 5), ("all", 5, 5), (3, 3, 3), (1, 1, 1)])
 def test_verify_masks_decides_how_many_masks_a_verifying_row_feeds(
-    model, tokenizer, monkeypatch, verify_masks, lossless, lossy
+    model, tokenizer, plans, verify_masks, lossless, lossy
 ):
     """``verify_masks`` (window 6: up to 5 masks): ``auto`` on this CPU trims a lossless row to
     LEAN_VERIFY_MASKS masks and keeps every mask for a lossy row, ``all`` keeps the window's, an integer sets
     it; a row never drafts more than the masks it fed, and the lossless output is greedy AR whatever the
     choice."""
-    from mars.decoding import engine as engine_module
-
-    plans = []
-    plan = engine_module.DecodeEngine._plan
-    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: plans.append(plan(self)) or plans[-1])
     prompts = random_prompts((5, 17, 9))
     kwargs = dict(verify=True, window=6, verify_masks=verify_masks, draft_threshold=0.0, max_new_tokens=24)
     for threshold, fed in ((1.0, lossless), (0.3, lossy)):
