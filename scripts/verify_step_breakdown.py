@@ -106,12 +106,31 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="also time verify with the gated adapter truncated to each of these ranks (comma-separated)",
     )
+    p.add_argument(
+        "--checkpoints",
+        default="",
+        help="also time verify on these checkpoints, each loaded as --model is (comma-separated; e.g. the same "
+        "adapter at a lower rank, from python -m mars.adapter_rank, or --model again to see what a second copy "
+        "in memory changes)",
+    )
+    p.add_argument(
+        "--decoders",
+        default=";".join(DECODERS),
+        help=f"a subset of {list(DECODERS)}, separated by ';' (ar-cursor always)",
+    )
     p.add_argument("--out", type=Path, default=Path("results/verify_breakdown"))
     args = p.parse_args(argv)
+    chosen = ["ar-cursor"] + [d for d in args.decoders.split(";") if d and d != "ar-cursor"]
+    unknown = sorted(set(chosen) - set(DECODERS))
+    if unknown:
+        p.error(f"--decoders: unknown {unknown}; known: {list(DECODERS)}")
     threads = configure_threads(args.threads)
     lm = load_model(args.model, dtype=torch.float32)
     model, tokenizer = lm.model.eval(), lm.tokenizer
-    decoders = {name: (model, kwargs) for name, kwargs in DECODERS.items()}
+    decoders = {name: (model, DECODERS[name]) for name in chosen}
+    for i, folder in enumerate(c for c in args.checkpoints.split(",") if c):
+        other = load_model(folder, dtype=torch.float32).model.eval()
+        decoders[f"verify, checkpoint {i + 1} ({Path(folder).name})"] = (other, DECODERS["verify"])
     for rank in (int(r) for r in args.adapter_ranks.split(",") if r):
         truncated = copy.deepcopy(model)
         kept = truncate_adapter_rank(truncated, rank)

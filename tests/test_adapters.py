@@ -1,5 +1,7 @@
 """Gated and plain LoRA adapters (mars.adapters): where they act, what they save, what they refuse."""
 
+import json
+
 import pytest
 import torch
 from decoding_fixtures import give_adapter_weights
@@ -183,3 +185,74 @@ def test_truncating_the_rank_refuses_a_plain_lora_no_adapter_and_a_bad_rank():
     attach_adapter(gated, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
     with pytest.raises(AdapterError, match="integer >= 1"):
         truncate_adapter_rank(gated, 0)
+
+
+def test_an_adapter_checkpoint_saved_at_a_lower_rank_reloads_as_the_truncated_adapter(tmp_path, capsys):
+    from mars.adapter_rank import main
+    from mars.decoding import generate
+    from mars.export import export_adapter
+    from mars.models import load_model
+
+    base = load_model("tiny-random")
+    trained = load_model("tiny-random")
+    attach_adapter(trained.model, AdapterSettings(kind="gated_lora", rank=4, alpha=8), trained.mask.id)
+    give_adapter_weights(trained.model, seed=1)
+    meta = dict(
+        block_size=4,
+        objective="mars",
+        mask_token=trained.mask.token,
+        mask_token_id=trained.mask.id,
+        base_model="tiny-random",
+        base_num_parameters=sum(p.numel() for p in base.model.parameters()),
+    )
+    source = export_adapter(trained.model, trained.tokenizer, tmp_path / "rank4", meta, dtype=torch.bfloat16)
+    main([str(source), str(tmp_path / "rank2"), "--rank", "2"])
+    assert "rank 4 -> 2" in capsys.readouterr().out
+
+    reference = load_model(str(source))
+    kept = truncate_adapter_rank(reference.model, 2)
+    lower = load_model(str(tmp_path / "rank2"))
+    assert lower.model.mars_adapter.rank == 2 and lower.model.mars_adapter.alpha == 4  # scaling alpha / r stays 2
+    pairs = list(zip(reference.model.named_parameters(), lower.model.named_parameters()))
+    factors = [(name, a, b) for (name, a), (_, b) in pairs if "lora_" in name]
+    assert factors
+    for name, a, b in factors:  # rank 2, stored in the source file's bf16
+        assert (b.shape[0] if "lora_A" in name else b.shape[1]) == 2
+        assert torch.equal(b, a.to(torch.bfloat16).float())
+    layers = [m for m in lower.model.modules() if hasattr(m, "lora_A")]
+    assert all(m.scaling["default"] == 2.0 for m in layers)
+    written = json.loads((tmp_path / "rank2" / "mars_adapter.json").read_text())
+    assert written["truncated_from_rank"] == 4 and written["energy_kept"] == pytest.approx(kept, abs=1e-6)
+    assert kept < 1  # random rank-4 products lose energy at rank 2
+    # the gate still leaves real columns to the base: threshold 1.0 and verify decode as the base does
+    prompts = ["hello there", "what is two and two"]
+    ar = generate(base.model, base.tokenizer, prompts, decoder="ar", max_new_tokens=12)
+    for kwargs in (dict(threshold=1.0), dict(verify=True)):
+        out = generate(lower.model, lower.tokenizer, prompts, block_size=4, max_new_tokens=12, **kwargs)
+        assert out.token_ids == ar.token_ids, kwargs
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--rank", "4"], "adapter's rank 4"),
+        (["--rank", "0"], "adapter's rank 4"),
+        (["--rank", "2", "--same-folder"], "is the source checkpoint"),
+        (["--rank", "2", "--no-adapter"], "not an adapter checkpoint"),
+    ],
+)
+def test_saving_at_a_lower_rank_refuses_before_loading_a_model(tmp_path, capsys, args, match):
+    from mars.adapter_rank import main
+
+    source = tmp_path / "source"
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    save(model, source, mask_token_id=MASK_ID)
+    if "--no-adapter" in args:
+        (source / "mars_adapter.json").unlink()
+    out = source if "--same-folder" in args else tmp_path / "out"
+    flags = [a for a in args if not a.startswith("--same") and not a.startswith("--no-")]
+    with pytest.raises(SystemExit):
+        main([str(source), str(out), *flags])
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -35,3 +35,19 @@ def test_the_breakdown_runs_end_to_end_and_leaves_the_engine_unwrapped(tmp_path,
     assert all(s["tokens_per_s"] > 0 for s in summary.values())
     assert "| ar-cursor | 1 | no |" in (out / "breakdown.md").read_text()
     assert (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats) == before
+
+
+def test_the_breakdown_times_a_chosen_subset_and_other_checkpoints_beside_ar(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    common = ["--model", "tiny-random", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--threads", "1"]
+    breakdown.main(
+        common + ["--trace-prompts", "0", "--decoders", "verify", "--checkpoints", "tiny-random", "--out", str(out)]
+    )
+    summary = json.loads((out / "breakdown.json").read_text())["summary"]
+    assert list(summary) == ["ar-cursor", "verify", "verify, checkpoint 1 (tiny-random)"]
+    with pytest.raises(SystemExit):
+        breakdown.main(common + ["--decoders", "verify;jacobi", "--out", str(out)])
+    assert "unknown ['jacobi']" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -262,16 +262,20 @@ def recorded_base_digest(model: nn.Module) -> str:
     return getattr(model, "mars_base_digest", None) or base_digest(model)
 
 
-def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any]) -> None:
-    """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format) + ``mars_adapter.json`` (kind,
-    base model and its weights' digest, block size, mask token) into an existing ``folder``."""
+def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any], dtype: torch.dtype | None = None) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format; its tensors in ``dtype`` when
+    given) + ``mars_adapter.json`` (kind, base model and its weights' digest, block size, mask token) into an
+    existing ``folder``."""
     from safetensors.torch import save_file
 
     settings: AdapterSettings = model.mars_adapter
     config = lora_config(settings, model.config.num_hidden_layers)
     config.base_model_name_or_path = None  # transformers must not load it ungated on its own
     config.save_pretrained(folder)
-    save_file(adapter_state_dict(model), folder / ADAPTER_WEIGHTS)
+    state = adapter_state_dict(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    save_file(state, folder / ADAPTER_WEIGHTS)
     (folder / ADAPTER_META).write_text(json.dumps({"settings": asdict(settings), **meta}, indent=2) + "\n")
 
 
@@ -354,7 +358,8 @@ def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
     of ``r`` rows of factors per projection.  The gate keeps the base model's columns exact, so threshold 1.0
     and verify mode are unchanged; the masks' predictions move (slightly, where the product is nearly low-rank).
     Returns the smallest share of a product's energy (squared singular values) that any layer keeps.  The
-    truncated model is for decoding, not for saving: its factors no longer match the adapter's config."""
+    model's adapter settings follow (``rank``, and ``alpha`` so that peft's scaling alpha / rank is unchanged),
+    so it saves as a rank-``rank`` adapter (``python -m mars.adapter_rank``)."""
     settings: AdapterSettings | None = getattr(model, "mars_adapter", None)
     if settings is None:
         raise AdapterError("truncate_adapter_rank: the model carries no MARS adapter")
@@ -362,12 +367,12 @@ def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
         raise AdapterError("truncate_adapter_rank: only a gated adapter (an ungated one changes every column)")
     if not _is_int(rank) or rank < 1:
         raise AdapterError(f"truncate_adapter_rank: rank must be an integer >= 1, got {rank!r}")
+    if rank >= settings.rank:
+        return 1.0
     kept = 1.0
     with torch.no_grad():
         for layer in _lora_layers(model):
             down, up = layer.lora_A["default"], layer.lora_B["default"]
-            if rank >= down.weight.shape[0]:
-                continue
             # B A = (Qb Rb)(Qa Ra)^T: the SVD of the small r x r core gives the product's, in float64
             qb, rb = torch.linalg.qr(up.weight.double())
             qa, ra = torch.linalg.qr(down.weight.double().T)
@@ -381,6 +386,8 @@ def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
             down.weight = nn.Parameter((root[:, None] * (vh[:rank] @ qa.T)).to(dtype).contiguous(), requires_grad=False)
             up.in_features = down.out_features = rank
             layer.r["default"] = rank
+    scaling = (settings.alpha if settings.alpha is not None else settings.rank) / settings.rank
+    model.mars_adapter = replace(settings, rank=rank, alpha=scaling * rank)
     return kept
 
 

@@ -50,10 +50,18 @@ def export_hf(
     return out
 
 
-def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[str, Any]) -> Path:
-    """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`), the tokenizer with
-    its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base model), in one folder that
-    :func:`mars.models.load_model` turns back into base + adapter.  Written atomically."""
+def export_adapter(
+    model,
+    tokenizer,
+    out_dir: str | os.PathLike,
+    metadata: dict[str, Any],
+    provenance: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A gated adapter run's export: the adapter (:func:`mars.adapters.save_adapter`; its tensors in ``dtype``
+    when given), the tokenizer with its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base
+    model), in one folder that :func:`mars.models.load_model` turns back into base + adapter.  ``provenance``
+    goes into ``mars_adapter.json`` as it is.  Written atomically."""
     from mars.adapters import adapter_state_dict, recorded_base_digest, write_adapter
 
     meta = MarsMetadata.from_dict(
@@ -69,9 +77,10 @@ def export_adapter(model, tokenizer, out_dir: str | os.PathLike, metadata: dict[
         "mask_token": meta.mask_token,
         "mask_token_id": meta.mask_token_id,
         "adapter_parameters": sum(t.numel() for t in adapter_state_dict(model).values()),
+        **(provenance or {}),
     }
     with atomic_dir(out) as tmp:  # adapter, tokenizer and metadata appear together or not at all
-        write_adapter(model, Path(tmp), adapter_meta)
+        write_adapter(model, Path(tmp), adapter_meta, dtype=dtype)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
     log.info("exported gated adapter to %s", out)
