@@ -80,3 +80,20 @@ def test_cuda_exact_ar_and_cache_agreement():
     # bf16 runs end to end (exact equality is not expected across kernels in bf16)
     out = generate(model.to(torch.bfloat16), tok, prompts, threshold=0.3, cache="cursor", max_new_tokens=24)
     assert out.stats.generated_tokens == sum(map(len, out.token_ids)) > 0
+
+
+@pytest.mark.slow
+def test_the_committed_rank8_adapter_decodes_as_the_base_at_threshold_one_and_verifies_more_per_forward(embedded):
+    """benchmarks/adapter_rank/ref40_rank8 (4.9 MB): the figures of its README can be re-checked without
+    retraining, and the gate leaves every real column to the base."""
+    from conftest import REPO
+
+    from mars.models import load_model
+
+    adapted = load_model(str(REPO / "benchmarks" / "adapter_rank" / "ref40_rank8"))
+    assert adapted.model.mars_adapter.rank == 8
+    ar = generate(embedded.model, embedded.tokenizer, PROMPTS, decoder="ar", chat_template=True, max_new_tokens=40)
+    for kwargs in (dict(threshold=1.0), dict(verify=True)):
+        res = generate(adapted.model, adapted.tokenizer, PROMPTS, chat_template=True, max_new_tokens=40, **kwargs)
+        assert res.token_ids == ar.token_ids, kwargs
+    assert res.stats.tokens_per_forward > 1.1  # verify: the masks' drafts pass often enough to matter
