@@ -239,6 +239,7 @@ def test_an_adapter_checkpoint_saved_at_a_lower_rank_reloads_as_the_truncated_ad
         (["--rank", "0"], "adapter's rank 4"),
         (["--rank", "2", "--same-folder"], "is the source checkpoint"),
         (["--rank", "2", "--no-adapter"], "not an adapter checkpoint"),
+        (["--rank", "2", "--no-weights"], "no adapter_model.safetensors"),
     ],
 )
 def test_saving_at_a_lower_rank_refuses_before_loading_a_model(tmp_path, capsys, args, match):
@@ -250,6 +251,8 @@ def test_saving_at_a_lower_rank_refuses_before_loading_a_model(tmp_path, capsys,
     save(model, source, mask_token_id=MASK_ID)
     if "--no-adapter" in args:
         (source / "mars_adapter.json").unlink()
+    if "--no-weights" in args:
+        (source / "adapter_model.safetensors").unlink()
     out = source if "--same-folder" in args else tmp_path / "out"
     flags = [a for a in args if not a.startswith("--same") and not a.startswith("--no-")]
     with pytest.raises(SystemExit):

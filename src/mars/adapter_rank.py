@@ -6,8 +6,8 @@ Each projection's low-rank product B A is replaced by its best rank-``rank`` app
 (on a CPU the adapter's factors are a large share of a masked step's extra cost) and the file shrinks by
 ``r / rank``.  The gate still leaves every real column to the base model: threshold 1.0 and verify mode give
 the base model's greedy output exactly as before; only the masks' predictions move.  The tensors keep the
-source file's dtype; ``mars_adapter.json`` records the source rank and the smallest share of a product's
-energy kept.  Everything is checked before the model loads.
+source file's dtype (float32 if it mixes several); ``mars_adapter.json`` records the source rank and the
+smallest share of a product's energy kept.  Everything is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -19,14 +19,18 @@ from mars.adapters import ADAPTER_WEIGHTS, AdapterError, AdapterSettings, read_a
 
 
 def stored_dtype(folder: Path):
-    """The dtype of the adapter file's factors (the file is written back in it)."""
+    """The one dtype of every tensor in the adapter file (the lower rank is written in it), or None when the
+    file mixes dtypes (then the lower rank is written in float32, which rounds nothing)."""
+    import torch
     from safetensors import safe_open
 
-    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
-        keys = [k for k in f.keys() if "lora_" in k]
-        if not keys:
-            raise AdapterError(f"{folder / ADAPTER_WEIGHTS}: no LoRA factors")
-        return f.get_tensor(keys[0]).dtype
+    path = folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    with safe_open(str(path), framework="pt") as f:
+        names = {f.get_slice(k).get_dtype() for k in f.keys()}
+    table = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+    return table.get(next(iter(names))) if len(names) == 1 else None
 
 
 def checked_source(checkpoint: Path, out: Path, rank: int) -> AdapterSettings:
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         settings = checked_source(args.checkpoint, args.out, args.rank)
+        dtype = stored_dtype(args.checkpoint)
     except AdapterError as err:
         p.error(str(err))
 
@@ -62,7 +67,6 @@ def main(argv: list[str] | None = None) -> None:
     from mars.export import export_adapter
     from mars.models import load_model
 
-    dtype = stored_dtype(args.checkpoint)
     loaded = load_model(str(args.checkpoint), dtype=torch.float32)
     kept = truncate_adapter_rank(loaded.model, args.rank)
     export_adapter(
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [(folder / ADAPTER_WEIGHTS).stat().st_size / 1e6 for folder in (args.checkpoint, args.out)]
     print(
         f"rank {settings.rank} -> {args.rank}: every product keeps >= {kept:.1%} of its energy; "
-        f"{ADAPTER_WEIGHTS} {sizes[0]:.1f} MB -> {sizes[1]:.1f} MB ({dtype}); checkpoint: {args.out}"
+        f"{ADAPTER_WEIGHTS} {sizes[0]:.1f} MB -> {sizes[1]:.1f} MB ({dtype or torch.float32}); checkpoint: {args.out}"
     )
 
 
