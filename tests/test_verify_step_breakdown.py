@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import REPO
 from module_loading import load_module
 
@@ -38,8 +39,6 @@ def test_the_breakdown_runs_end_to_end_and_leaves_the_engine_unwrapped(tmp_path,
 
 
 def test_the_breakdown_times_a_chosen_subset_and_other_checkpoints_beside_ar(tmp_path, monkeypatch, capsys):
-    import pytest
-
     monkeypatch.chdir(REPO)
     out = tmp_path / "out"
     common = ["--model", "tiny-random", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--threads", "1"]
