@@ -21,16 +21,14 @@ from mars.adapters import ADAPTER_WEIGHTS, AdapterError, AdapterSettings, read_a
 def stored_dtype(folder: Path):
     """The one dtype of every tensor in the adapter file (the lower rank is written in it), or None when the
     file mixes dtypes (then the lower rank is written in float32, which rounds nothing)."""
-    import torch
     from safetensors import safe_open
 
     path = folder / ADAPTER_WEIGHTS
     if not path.is_file():
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS}")
     with safe_open(str(path), framework="pt") as f:
-        names = {f.get_slice(k).get_dtype() for k in f.keys()}
-    table = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-    return table.get(next(iter(names))) if len(names) == 1 else None
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def checked_source(checkpoint: Path, out: Path, rank: int) -> AdapterSettings:
