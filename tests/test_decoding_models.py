@@ -3,6 +3,7 @@ every cache strategy, and cached == uncached below 1.0."""
 
 import pytest
 import torch
+from conftest import REPO
 
 from mars.decoding import generate
 
@@ -86,8 +87,6 @@ def test_cuda_exact_ar_and_cache_agreement():
 def test_the_committed_rank8_adapter_decodes_as_the_base_at_threshold_one_and_verifies_more_per_forward(embedded):
     """benchmarks/adapter_rank/ref40_rank8 (4.9 MB): the figures of its README can be re-checked without
     retraining, and the gate leaves every real column to the base."""
-    from conftest import REPO
-
     from mars.models import load_model
 
     adapted = load_model(str(REPO / "benchmarks" / "adapter_rank" / "ref40_rank8"))
