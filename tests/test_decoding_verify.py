@@ -5,10 +5,19 @@ speculative-sampling rule reproduces the target distribution on hand-made distri
 import numpy as np
 import pytest
 import torch
-from decoding_fixtures import CACHES, extra_eos, hf_greedy, model, ragged, random_prompts, tokenizer  # noqa: F401
+from decoding_fixtures import (  # noqa: F401
+    CACHES,
+    build_model,
+    extra_eos,
+    hf_greedy,
+    model,
+    ragged,
+    random_prompts,
+    tokenizer,
+)
 
 from mars.decoding import generate
-from mars.decoding.verify import leading_matches, speculative_accept
+from mars.decoding.verify import leading_matches, speculative_accept, typical_drafts
 
 
 @pytest.mark.parametrize("fallback", ["none", "jacobi"])
@@ -188,6 +197,8 @@ def test_verify_masks_decides_how_many_masks_a_verifying_row_feeds(
         (dict(verify=True, window=1), "window >= 2"),
         (dict(verify=True, fallback="tree"), "unknown fallback 'tree'"),
         (dict(verify=True, draft_threshold=1.5), "draft_threshold must be a number in \\[0, 1\\]"),
+        (dict(verify=True, typical_epsilon=1.0), "typical_epsilon must be a number in \\[0, 1\\)"),
+        (dict(typical_epsilon=0.1), "it needs verify=True"),
     ],
 )
 def test_verify_bad_input_fails_before_decoding(model, tokenizer, kwargs, message):
@@ -210,6 +221,60 @@ def test_leading_matches_counts_the_verified_prefix():
     predicted = torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
     n = torch.tensor([3, 3, 3, 2])
     assert leading_matches(drafts, predicted, n).tolist() == [3, 1, 0, 2]
+
+
+def test_typical_acceptance_passes_plausible_drafts_and_always_the_argmax():
+    """Medusa's rule min(eps, sqrt(eps) * exp(-H)): a flat target passes a draft it gives 0.3, a peaked one
+    does not pass one it gives 0.04 (the bound is eps there), and the argmax passes at any epsilon; a token
+    the target rules out (probability 0) never passes."""
+    flat = torch.tensor([0.35, 0.3, 0.2, 0.15, 0.0])
+    peaked = torch.tensor([0.9, 0.04, 0.03, 0.02, 0.01])
+    logp = torch.stack([flat, peaked]).log().unsqueeze(0)  # one row, two draft positions
+    assert typical_drafts(logp, torch.tensor([[1, 1]]), 0.09).tolist() == [[True, False]]
+    assert typical_drafts(logp, torch.tensor([[4, 0]]), 0.09).tolist() == [[False, True]]
+    for eps in (1e-4, 0.3, 0.99):
+        assert typical_drafts(logp, torch.tensor([[0, 0]]), eps).all()
+    entropy = -(peaked[:4] * peaked[:4].log()).sum()
+    bound = min(0.3, 0.3**0.5 * torch.exp(-entropy).item())  # 0.3 * e^-H (about 0.2): 0.04 stays out
+    assert typical_drafts(logp, torch.tensor([[0, 1]]), 0.3).tolist() == [[True, 0.04 > bound]]
+    # leading_matches counts only the leading run that is the argmax or typical
+    drafts = torch.tensor([[1, 2]])
+    passing = typical_drafts(logp, drafts, 0.09)
+    assert leading_matches(drafts, torch.tensor([[0, 0, 0]]), torch.tensor([2]), passing).item() == 1
+
+
+def _ar_log_probs(model, prompt, output, never):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
+    logits[:, never] = float("-inf")
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_typical_verification_emits_only_tokens_the_model_rates_plausible(tokenizer):
+    """Typical acceptance (lossy): every emitted token is the AR argmax given the output's own prefix or
+    has AR probability above the rule's bound there; it accepts more drafts per forward than lossless
+    verify, and a row decodes the same alone and in a batch.  (The shared model's distributions are too
+    peaked for its random masks' drafts ever to be plausible: a flatter head makes some of them so.)"""
+    model = build_model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)
+    prompts = random_prompts((5, 17, 9, 30))
+    eps, kwargs = 0.2, dict(verify=True, draft_threshold=0.0, max_new_tokens=24)  # every mask drafts
+    exact = generate(model, tokenizer, prompts, **kwargs)
+    out = generate(model, tokenizer, prompts, typical_epsilon=eps, **kwargs)
+    assert sum(out.stats.extra["drafts_accepted"]) > sum(exact.stats.extra["drafts_accepted"])
+    assert sum(out.stats.per_row_forwards) < sum(exact.stats.per_row_forwards)
+    assert out.token_ids != exact.token_ids  # lossy: some draft that is not the argmax passed
+    never = [tokenizer.mask_token_id]
+    for prompt, tokens in zip(prompts, out.token_ids):
+        logp = _ar_log_probs(model, prompt, tokens, never)
+        chosen = logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).exp()
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        bound = torch.clamp(eps**0.5 * torch.exp(-entropy), max=eps)
+        argmax = logp.argmax(-1) == torch.tensor(tokens)
+        assert bool((argmax | (chosen > bound * 0.999)).all())
+    alone = generate(model, tokenizer, prompts[1:2], typical_epsilon=eps, **kwargs)
+    assert alone.token_ids[0] == out.token_ids[1]
 
 
 def test_speculative_sampling_reproduces_the_target_distribution():

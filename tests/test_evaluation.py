@@ -826,6 +826,43 @@ def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_tas
     assert len(loads) == 2
 
 
+def test_typical_decoding_config_reaches_the_engine_and_is_not_reported_as_ar(
+    make_cfg, loads, fixture_task, tmp_path, tiny
+):
+    """decoding=mars_typical (verify with Medusa's typical acceptance) decodes at threshold 1.0 with the
+    relaxed check: more tokens per forward than lossless verify with the same drafts, its table names the
+    reference row for what it is (lossy), and AR-equal counts its tokens against greedy AR."""
+    import torch
+
+    common = ["thresholds=[1.0]", "decoding.draft_threshold=0.0"]
+    head = tiny.model.get_output_embeddings().weight
+    kept = head.detach().clone()
+    with torch.no_grad():
+        head.mul_(0.05)  # (tied to the embedding) flatter distributions: the random drafts become plausible
+    try:
+        lossless = run_eval(
+            make_cfg(suite(fixture_task, "fx_qa"), ["decoding=mars_verified", *common], out=tmp_path / "v")
+        )
+        typical = run_eval(
+            make_cfg(
+                suite(fixture_task, "fx_qa"),
+                ["decoding=mars_typical", "decoding.typical_epsilon=0.5", *common],
+                out=tmp_path / "t",
+            )
+        )
+    finally:
+        with torch.no_grad():
+            head.copy_(kept)
+    assert typical.plan.decoding["typical_epsilon"] == 0.5
+    (exact,), (relaxed,) = lossless.points, typical.points
+    assert relaxed["tokens_per_forward"] > exact["tokens_per_forward"]
+    rows = ResultsDir(typical.output_dir).read_samples(1.0, "fx_qa")
+    assert all(r["fidelity"]["ar_equal"] <= r["tokens"] for r in rows)
+    assert any(r["fidelity"]["ar_equal"] < r["tokens"] for r in rows)  # lossy: some token is not the argmax
+    table = (typical.output_dir / "table.md").read_text()
+    assert "| **1.0** (typical ε=0.5) |" in table and "not greedy AR" in table and "(AR)" not in table
+
+
 def test_a_killed_run_resumes_at_the_sample(make_cfg, loads, tmp_path):
     """evaluate.py killed (SIGKILL) in the middle of a task keeps every batch it finished; the rerun
     decodes only the rest and ends with exactly the samples and statistics of an uninterrupted run."""

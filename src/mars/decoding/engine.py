@@ -39,7 +39,9 @@ checked against the AR predictions of the same forward (:mod:`mars.decoding.veri
 exactly greedy AR (or exact AR sampling at temperature > 0).  Verified drafts were computed with the
 right prefix, so their keys/values are committed too.  When every draft passed, the masks' predictions
 (conditioned on them) are the next drafts; after a rejection the ``fallback`` decides (no drafts, or
-the unverified AR predictions as Jacobi guesses).  Below threshold 1.0 a verifying row also accepts, when
+the unverified AR predictions as Jacobi guesses).  With ``typical_epsilon > 0`` a greedy row's draft also
+passes when the AR distribution finds it plausible though not its argmax (Medusa's typical acceptance):
+lossy, every such token one the model itself rates likely.  Below threshold 1.0 a verifying row also accepts, when
 every draft passed, the leading masks after them that meet its threshold (the paper's speculative
 composition, Section 4.6, with the masks as drafts): those tokens are unverified, like a plain MARS step's,
 and the masks after them become the next drafts.
@@ -74,7 +76,7 @@ from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
 from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
-from .verify import leading_matches, speculative_accept
+from .verify import leading_matches, speculative_accept, typical_drafts
 
 
 def masks_within(masks: np.ndarray, room: int) -> np.ndarray:
@@ -545,20 +547,25 @@ class DecodeEngine:
         return unverified_counts(score.gather(1, columns), rows.threshold, self.settings.metric, fed, room, all_passed)
 
     def _check_drafts(self, plan: StepPlan, logp, predicted, drafts_fed, verifying):
-        """How many leading drafts pass (greedy: equal to the target's argmax before them; sampling:
-        speculative sampling) and the tokens each row appends."""
-        rows = self.rows.tensors
+        """How many leading drafts pass (greedy: equal to the target's argmax before them, or typical under it
+        with ``typical_epsilon``; sampling: speculative sampling) and the tokens each row appends."""
+        rows, epsilon = self.rows.tensors, self.settings.typical_epsilon
         widest = int(plan.drafts.max())
         drafts = rows.drafts[:, :widest]
-        if rows.draft_log_q is None or not bool((rows.temperature > 0).any()):
-            return predicted, leading_matches(drafts, predicted, drafts_fed)
-        generators = self.rows.row_generators()
-        passed, token = speculative_accept(
-            logp[:, : widest + 1], rows.draft_log_q[:, :widest], drafts, drafts_fed, generators
-        )
-        greedy = rows.temperature <= 0
-        passed = torch.where(greedy, leading_matches(drafts, predicted, drafts_fed), passed)
-        token = torch.where(greedy, predicted.gather(1, passed.unsqueeze(1)).squeeze(1), token)
+        typical = typical_drafts(logp, drafts, epsilon) if epsilon > 0 else None
+        passed = leading_matches(drafts, predicted, drafts_fed, typical)  # the greedy rows'
+        sampling = rows.draft_log_q is not None and bool((rows.temperature > 0).any())
+        if not sampling and typical is None:
+            return predicted, passed  # the passed drafts are the argmax: the predictions are the tokens
+        token = predicted.gather(1, passed.unsqueeze(1)).squeeze(1)  # the target's token after them
+        if sampling:
+            generators = self.rows.row_generators()
+            sampled_passed, sampled_token = speculative_accept(
+                logp[:, : widest + 1], rows.draft_log_q[:, :widest], drafts, drafts_fed, generators
+            )
+            greedy = rows.temperature <= 0
+            passed = torch.where(greedy, passed, sampled_passed)
+            token = torch.where(greedy, token, sampled_token)
         width = predicted.shape[1]
         columns = torch.arange(width, device=self.device).unsqueeze(0)
         drafted = torch.nn.functional.pad(rows.drafts, (0, max(0, width - self.max_drafts)))[:, :width]

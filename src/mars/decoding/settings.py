@@ -168,6 +168,17 @@ class DecodingSettings:
             "about 5% of a step and the deepest drafts rarely pass)"
         ),
     )
+    # Medusa's typical acceptance (Cai et al. 2024, arXiv 2401.10774), greedy form: a draft the AR model finds
+    # plausible passes although it is not the argmax; sqrt(eps) as Medusa's alpha. Lossy by design
+    typical_epsilon: float = field(
+        default=0.0,
+        metadata=_help(
+            "verify=True, greedy rows: 0 checks each draft against the AR argmax (lossless at threshold 1.0); "
+            "eps > 0 also passes a draft whose AR probability (same forward) exceeds min(eps, sqrt(eps) * "
+            "exp(-entropy)), Medusa's typical acceptance: lossy, more tokens per forward, every token still one "
+            "the AR model finds likely"
+        ),
+    )
     draft_source: str = field(
         default="masks",
         metadata=_help(
@@ -253,6 +264,12 @@ class DecodingSettings:
         dt = self.draft_threshold
         if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not 0 <= dt <= 1:
             raise ValueError(f"draft_threshold must be a number in [0, 1], got {dt!r}")
+        eps = self.typical_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ValueError(f"typical_epsilon must be a number in [0, 1), got {eps!r}")
+        object.__setattr__(self, "typical_epsilon", float(eps))
+        if eps > 0 and not self.verify:
+            raise ValueError("typical_epsilon relaxes the check of verified drafts: it needs verify=True")
         vm = self.verify_masks
         if vm not in VERIFY_MASKS and (not _is_int(vm) or vm < 1):
             raise ValueError(f"verify_masks must be an integer >= 1 or one of {list(VERIFY_MASKS)}, got {vm!r}")

@@ -7,6 +7,7 @@ against the model's own AR prediction in the same forward.
 
 - Greedy: accept the longest prefix of drafts equal to the AR argmax before them, then the AR argmax
   after it (the correction, or the bonus when all drafts passed): exactly the greedy AR continuation.
+  Typical acceptance (``typical_epsilon``, lossy) also passes drafts the AR distribution finds plausible.
 - Sampling (temperature > 0): speculative sampling (Leviathan et al. 2023; Chen et al. 2023).  Draft
   ``d_i`` was sampled from the draft distribution ``q_i``; it is accepted with probability
   ``min(1, p_i(d_i) / q_i(d_i))``, ``p_i`` the tempered AR distribution; at the first rejection the
@@ -18,6 +19,7 @@ Pure tensor functions, vectorised over rows; tested on hand-made distributions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,14 +37,31 @@ def _uniform(shape: tuple[int, ...], rows: int, generator, device, counts: torch
     return out
 
 
-def leading_matches(drafts: torch.Tensor, predicted: torch.Tensor, n_drafts: torch.Tensor) -> torch.Tensor:
-    """How many leading drafts equal the prediction before them (at most ``n_drafts`` per row)."""
+def leading_matches(
+    drafts: torch.Tensor, predicted: torch.Tensor, n_drafts: torch.Tensor, passing: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How many leading drafts equal the prediction before them (or, where given, are ``passing``; at most
+    ``n_drafts`` per row)."""
     k = drafts.shape[1]
     if k == 0:
         return torch.zeros_like(n_drafts)
     valid = torch.arange(k, device=drafts.device).unsqueeze(0) < n_drafts.unsqueeze(1)
-    match = (drafts == predicted[:, :k]) & valid
-    return torch.cumprod(match.to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+    match = drafts == predicted[:, :k]
+    if passing is not None:
+        match = match | passing
+    return torch.cumprod((match & valid).to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+
+
+def typical_drafts(logp: torch.Tensor, drafts: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Medusa's typical acceptance (Cai et al. 2024, arXiv 2401.10774): whether each draft's probability
+    under the target, ``logp`` ``[rows, >= k, vocab]`` at the column before it, exceeds
+    ``min(epsilon, sqrt(epsilon) * exp(-entropy))``.  Plausible drafts pass even where the target is unsure
+    which token is best; the argmax always passes (its probability is at least ``exp(-entropy)``)."""
+    k = drafts.shape[1]
+    logp = logp[:, :k]
+    entropy = torch.special.entr(logp.exp()).sum(-1)
+    bound = torch.clamp(math.sqrt(epsilon) * torch.exp(-entropy), max=epsilon)
+    return logp.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).exp() > bound
 
 
 def sample_from(probs: torch.Tensor, generator) -> torch.Tensor:

@@ -354,9 +354,11 @@ class MarsLM(TemplateLM):
     def _fidelity(self, prompts: list[list[int]], outputs: list[list[int]], flags: list[list[bool]]):
         from mars.decoding.fidelity import ar_predictions, token_fidelity
 
-        if self.settings.temperature == 0 and not any(any(f) for f in flags):
+        exact_checks = self.settings.temperature == 0 and self.settings.typical_epsilon == 0
+        if exact_checks and not any(any(f) for f in flags):
             # no token came from a mask (threshold 1.0, verified or AR decoding): every token is the greedy
             # AR choice made in the decoding forward itself, so the extra forward would only re-confirm it
+            # (not under typical acceptance, whose verified drafts need not be the argmax)
             return [{"tokens": len(o), "ar_equal": len(o), "mask_tokens": 0, "mask_ar_equal": 0} for o in outputs]
         never = [] if self.mask_token_id is None else [int(self.mask_token_id)]  # no decoder emits it
         predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)), suppress_ids=never)
