@@ -41,8 +41,8 @@ right prefix, so their keys/values are committed too.  When every draft passed, 
 (conditioned on them) are the next drafts; after a rejection the ``fallback`` decides (no drafts, or
 the unverified AR predictions as Jacobi guesses).  With ``typical_epsilon > 0`` a greedy row's draft also
 passes when the AR distribution finds it plausible though not its argmax (Medusa's typical acceptance):
-lossy, every such token one the model itself rates likely.  Below threshold 1.0 a verifying row also accepts, when
-every draft passed, the leading masks after them that meet its threshold (the paper's speculative
+lossy, every such token one the model itself rates likely.  Below threshold 1.0 a verifying row also
+accepts, when every draft passed, the leading masks after them that meet its threshold (the paper's speculative
 composition, Section 4.6, with the masks as drafts): those tokens are unverified, like a plain MARS step's,
 and the masks after them become the next drafts.
 
