@@ -134,6 +134,7 @@ def test_verify_draft_thresholds_and_tau_are_timed_side_by_side(tmp_path):
         ("--verify-rows", "window=3;window=0", "--verify-rows.*window must be"),
         ("--verify-rows", "windw=3", "--verify-rows: unknown decoding setting\\(s\\) \\['windw'\\]"),
         ("--verify-rows", "window", "field=value"),
+        ("--verify-rows", "typical_epsilon=0.09", "--verify-rows: typical_epsilon makes verification lossy"),
     ]
     for flag, value, message in refused:
         with pytest.raises(SystemExit, match=message):

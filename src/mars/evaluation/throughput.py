@@ -213,6 +213,11 @@ def parse_verify_rows(args, base: DecodingSettings) -> list[dict]:
             settings = DecodingSettings.from_mapping({**base.as_dict(), **VERIFIED}, **text)
         except ValueError as err:
             raise SystemExit(f"{flag}: {err}") from None
+        if settings.typical_epsilon > 0:
+            raise SystemExit(
+                f"{flag}: typical_epsilon makes verification lossy, and these rows are the lossless decoder; "
+                "evaluate.py decoding=mars_typical measures it beside its quality"
+            )
         parsed.append({k: getattr(settings, k) for k in text})
     return parsed
 
@@ -475,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(
         decoding_fields=bench_cli.add_decoding(
             p,
-            exclude=("threshold", *VARIANT_FIELDS),
+            # typical_epsilon: lossy verification, which this command's lossless verify rows must not take
+            exclude=("threshold", "typical_epsilon", *VARIANT_FIELDS),
             # short outputs, the checkpoint's block size (else 4), a draft model that needs no download
             defaults={"max_new_tokens": 64, "block_size": None, "draft_model": "self:8"},
         )
