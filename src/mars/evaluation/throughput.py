@@ -480,8 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(
         decoding_fields=bench_cli.add_decoding(
             p,
-            # typical_epsilon: lossy verification, which this command's lossless verify rows must not take
-            exclude=("threshold", "typical_epsilon", *VARIANT_FIELDS),
+            exclude=("threshold", *VARIANT_FIELDS),
             # short outputs, the checkpoint's block size (else 4), a draft model that needs no download
             defaults={"max_new_tokens": 64, "block_size": None, "draft_model": "self:8"},
         )
