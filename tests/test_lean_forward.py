@@ -9,7 +9,7 @@ from decoding_fixtures import build_model, kernel_or_skip, tokenizer  # noqa: F4
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mars.decoding import fastpath
-from mars.decoding.attention import gqa_attention
+from mars.decoding.attention import mars_attention
 from mars.decoding.forward import ModelRunner
 from mars.decoding.kv import RaggedKVCache
 from mars.decoding.lean import LeanDecoder, lean_reason
@@ -65,7 +65,7 @@ def test_lean_forward_is_bit_identical_to_the_models_forward(make, cached):
     assert lean_reason(model) is None
     vocab = model.config.vocab_size
     outputs = {}
-    with torch.inference_mode(), gqa_attention(model):
+    with torch.inference_mode(), mars_attention(model):
         for name in ("lean", "hf"):
             runner = ModelRunner(model)
             if name == "hf":
@@ -108,7 +108,7 @@ def test_lean_forward_is_used_by_decode_steps(monkeypatch):
     call = LeanDecoder.__call__
     monkeypatch.setattr(LeanDecoder, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
     model = build_model()
-    with torch.inference_mode(), gqa_attention(model):
+    with torch.inference_mode(), mars_attention(model):
         runner = ModelRunner(model)
         ids, pos, mask, _ = step_inputs(1, 0, 4, model.config.vocab_size)
         runner.logits_at(ids, pos, mask, pos)
@@ -125,7 +125,7 @@ def test_decode_steps_ask_about_the_kernel_once_not_per_step(monkeypatch):
     reason = fastpath.unavailable_reason
     monkeypatch.setattr(fastpath, "unavailable_reason", lambda m: asked.append(1) or reason(m))
     model = build_model()
-    with torch.inference_mode(), gqa_attention(model):
+    with torch.inference_mode(), mars_attention(model):
         runner = ModelRunner(model)
         ids, pos, mask, _ = step_inputs(1, 0, 4, model.config.vocab_size)
         for _ in range(3):
@@ -155,7 +155,7 @@ def test_lean_forward_mirrors_a_gated_adapter_bit_for_bit(padded, rank):
         step = ids.clone()
         if masked:
             step[0, 6:] = MASK_ID  # row 0 ends in three masks, row 1 has none
-        with torch.inference_mode(), gqa_attention(model):
+        with torch.inference_mode(), mars_attention(model):
             for name in ("lean", "hf"):
                 runner = ModelRunner(model)
                 if name == "hf":
@@ -206,7 +206,7 @@ def _decode_three_steps(model, native: bool, masks: bool):
     runner = _runner(model, native)
     cache = RaggedKVCache(runner.num_layers, capacity=8)  # the second step grows the buffers
     vocab, logits, done = model.config.vocab_size, [], 0
-    with torch.inference_mode(), gqa_attention(model):
+    with torch.inference_mode(), mars_attention(model):
         for seed, width in ((3, 7), (4, 3), (5, 4)):
             ids, pos, mask, kv = step_inputs(1, done, width, vocab, seed=seed)
             if masks and done:
@@ -249,7 +249,7 @@ def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
     vocab, logits = model.config.vocab_size, []
     start = torch.tensor([0, 0])
     g = torch.Generator().manual_seed(7)
-    with torch.inference_mode(), gqa_attention(model):
+    with torch.inference_mode(), mars_attention(model):
         for i, (width, used) in enumerate(steps):
             used = torch.tensor(used)
             ids = torch.randint(0, vocab, (2, width), generator=g)

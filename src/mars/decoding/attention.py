@@ -1,4 +1,6 @@
-"""SDPA with grouped-query attention done by the kernel (``enable_gqa``), for every decode step.
+"""The attention every decode runs: SDPA with grouped-query attention done by the kernel (``enable_gqa``), and
+inside a fast-path block (:func:`mars.decoding.fastpath.fast_linear`) a decode step's attention through
+``mars::decode_attention``.
 
 With a mask, transformers' SDPA path repeats every key/value head ``num_heads / num_kv_heads`` times
 (``repeat_kv``) unless the step has a single query: it copies the whole KV cache at every layer of every
@@ -7,10 +9,14 @@ costs more than the attention itself.  ``scaled_dot_product_attention(..., enabl
 grouped keys/values in place; the same dot products (measured on SmolLM2-135M's 9/3 heads, fp32, one
 thread: 36-190 us per layer against 67-2,800 us with the repeat, outputs bit-identical).
 
-Used inside :func:`gqa_attention`, which switches a model whose attention is ``sdpa`` to it for the
+Under the fast path the attention of a step of up to 16 query columns goes through the same function the
+lean forward calls (:func:`mars.decoding.fastpath.attention`), so the model's own forward and the lean
+forward agree bit for bit there too.
+
+Used inside :func:`mars_attention`, which switches a model whose attention is ``sdpa`` to it for the
 duration of a decode (MARS engine and the AR baseline's ``generate``) and restores it afterwards.  Calls
-it does not cover (no mask, position biases, soft-capping, paged caches, ungrouped heads) go to
-transformers' own SDPA function unchanged.
+it does not cover (position biases, soft-capping, paged caches, dropout; no mask with several queries, which
+means causal) go to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -22,17 +28,26 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "mars_gqa_sdpa"
+from . import fastpath
+
+NAME = "mars_sdpa"
 
 
-def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def mars_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     grouped = query.shape[1] != key.shape[1]
-    plain = (
-        attention_mask is not None
-        and attention_mask.dim() == 4
-        and not any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
-    )
-    if not grouped or not plain:
+    extras = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
+    masked = attention_mask is not None and attention_mask.dim() == 4
+    if (
+        fastpath.attention_on()
+        and not extras
+        and dropout == 0.0
+        and (masked or (attention_mask is None and query.shape[2] == 1))
+    ):
+        if masked:
+            attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return fastpath.attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+    if not grouped or not masked or extras:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -42,20 +57,19 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(NAME, gqa_sdpa_attention)
+AttentionInterface.register(NAME, mars_sdpa_attention)
 # the masks transformers builds for it (AR generate with left padding) are SDPA's; without this entry an
 # unknown implementation gets no padding mask at all
 AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 @contextmanager
-def gqa_attention(model):
-    """Run ``model`` with :func:`gqa_sdpa_attention` if it uses SDPA with grouped KV heads."""
+def mars_attention(model):
+    """Run ``model`` with :func:`mars_sdpa_attention` if it uses SDPA."""
     config = model.config
     current = getattr(config, "_attn_implementation", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    grouped = getattr(text, "num_key_value_heads", None) not in (None, getattr(text, "num_attention_heads", None))
-    if current != "sdpa" or not grouped or text is not config:
+    if current != "sdpa" or text is not config:
         yield
         return
     config._attn_implementation = NAME

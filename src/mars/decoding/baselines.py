@@ -7,7 +7,7 @@ import time
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .attention import gqa_attention
+from .attention import mars_attention
 from .fastpath import fast_linear
 from .stats import DecodeStats
 from .stopping import StopStrings
@@ -38,7 +38,7 @@ def generate_ar(
     )
     start = time.perf_counter()
     # the same fast path and attention as the MARS engine, so that the baseline gets every speed-up
-    with torch.inference_mode(), fast_linear(model), gqa_attention(model):
+    with torch.inference_mode(), fast_linear(model), mars_attention(model):
         out = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .acceptance import gumbel_noise
-from .attention import gqa_attention
+from .attention import mars_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import RowBatch
@@ -180,7 +180,7 @@ class DraftModel(DraftSource):
         if not need.any():
             return
         drafted = []
-        with gqa_attention(self.runner.model):
+        with mars_attention(self.runner.model):
             logits, next_position = self._catch_up(rows, need)
             for step in range(int(need.max())):
                 if step:

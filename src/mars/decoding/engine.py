@@ -69,7 +69,7 @@ from .acceptance import (
     tempered_log_probs,
     unverified_counts,
 )
-from .attention import gqa_attention
+from .attention import mars_attention
 from .drafts import DraftSource, draft_source_for
 from .forward import ModelRunner
 from .kv import RaggedKVCache
@@ -343,7 +343,7 @@ class DecodeEngine:
 
     def _step_rows(self) -> list[StepEvent]:
         plan = self._plan()
-        with gqa_attention(self.runner.model):
+        with mars_attention(self.runner.model):
             logits = self._forward(plan)
         self.forwards += 1
         self.rows.host.forwards += 1

@@ -4,8 +4,10 @@ its per-module Python.
 On a 2-core CPU a decode step of SmolLM2-135M spends tens of milliseconds outside its arithmetic: module
 calls, hooks, output capturing, keyword plumbing and the attention-interface lookup, 30 layers deep.  This
 forward walks the layers itself and calls exactly the tensor ops transformers' modules call, in the same
-order and dtypes (RMSNorm in fp32, RoPE with the model's own rotary module, SDPA with grouped KV heads,
-SwiGLU), with the linear layers through the decode fast path.  Its logits are bit-identical to the model's
+order and dtypes (RMSNorm in fp32, RoPE with the model's own rotary module, SwiGLU), with the linear layers
+and the attention through the decode fast path (``fastpath.attention``: ``mars::decode_attention`` for a decode
+step's few query columns, SDPA with grouped KV heads otherwise; the model's own attention takes the same under
+the fast path, :mod:`mars.decoding.attention`).  Its logits are bit-identical to the model's
 own forward under the fast path (tested), so everything proven about that forward holds for it; measured
 on the 2-vCPU EPYC at batch 1 under load, one thread: 115 vs 154 ms per 1-column step, 146 vs 170 ms for
 4 columns.
@@ -34,6 +36,7 @@ from mars.kernels import KernelUnavailable
 
 from .fastpath import (
     MAX_COLUMNS,
+    attention,
     computed_rows,
     enabled_by_env,
     fused_linears,
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 NATIVE_ENV = "MARS_DECODER_STEP"
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SDPA = ("sdpa", "mars_gqa_sdpa")
+SDPA = ("sdpa", "mars_sdpa")
 
 
 def lean_reason(model) -> str | None:
@@ -295,9 +298,7 @@ class LeanDecoder:
             k = (k * cos) + (rotate(k) * sin)
             if cache is not None:
                 k, v = cache.layers[i].update(k, v)
-            a = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            a = attention(q, k, v, attention_mask, attn.scaling)
             a = a.transpose(1, 2).contiguous().reshape(batch, columns, -1).contiguous()
             x = x + self._project_group(a, o)[0]
             h = self._rms_norm(norm2, x)

@@ -66,11 +66,11 @@ class StepBench:
     """One decode step of ``columns`` per row for ``batch`` rows over a prefilled cache of ``context``."""
 
     def __init__(self, model, batch: int, columns: int, context: int, fast: bool, native: bool = True):
-        from mars.decoding.attention import gqa_attention
+        from mars.decoding.attention import mars_attention
         from mars.decoding.forward import ModelRunner
         from mars.decoding.kv import RaggedKVCache
 
-        self.gqa_attention = gqa_attention
+        self.mars_attention = mars_attention
         self.runner = ModelRunner(model, fast=fast)
         self.cache = RaggedKVCache(self.runner.num_layers, capacity=context + columns + 8)
         g = torch.Generator().manual_seed(0)
@@ -92,7 +92,7 @@ class StepBench:
         self.cache.prepare_step(pos, kv_len)
         attn = (torch.arange(kv_len).view(1, 1, -1) <= pos.unsqueeze(2)).unsqueeze(1)
         cols = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        with self.gqa_attention(self.runner.model):
+        with self.mars_attention(self.runner.model):
             return self.runner.logits_at(ids, pos, attn, cols, self.cache)
 
     def __call__(self):

@@ -1,9 +1,10 @@
 """CPU kernels compiled at first use: ``mars::small_linear``, an fp32 small-M GEMM for decode steps, and
 ``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
 terms at given columns; ``mars::lowrank_linear`` is a LoRA up factor's product in the same order, and
-``mars::pack_lowrank`` the factor's layout for the fused pass); and ``mars.DecoderStep``, a Llama-family
-decoder pass for one batch-1 decode step written against ATen (``decoder_step.cpp``: the lean forward's loop
-without the interpreter).
+``mars::pack_lowrank`` the factor's layout for the fused pass); ``mars::decode_attention``, a decode step's
+attention (a few query columns against the KV cache, column-invariant; ``decode_attention.cpp``); and
+``mars.DecoderStep``, a Llama-family decoder pass for one decode step written against ATen (``decoder_step.cpp``:
+the lean forward's loop without the interpreter).
 
 A decode step multiplies a handful of columns (batch x new tokens) by every weight matrix once, so on
 a CPU it is bound by reading the weights from memory.  MKL's sgemm handles one column at that bound
@@ -31,8 +32,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "small_gemm.cpp", HERE / "decoder_step.cpp")
-HEADERS = (HERE / "small_gemm.h",)
+SOURCES = (HERE / "small_gemm.cpp", HERE / "decode_attention.cpp", HERE / "decoder_step.cpp")
+HEADERS = (HERE / "small_gemm.h", HERE / "simd.h", HERE / "decode_attention.h")
 # -ffp-contract=off: a product and a sum written apart stay apart (the LoRA epilogue must round as peft does)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -161,6 +162,17 @@ def pack_lowrank_op():
 
 
 @functools.cache
+def decode_attention_op():
+    """``torch.ops.mars.decode_attention``: a decode step's fp32 attention (a few query columns against the cache;
+    ``decode_attention.cpp``), SDPA for anything else; built with :func:`small_linear_op`, raises
+    :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.decode_attention.default
+
+
+@functools.cache
 def decoder_step_class():
     """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
     :class:`KernelUnavailable` likewise."""
@@ -240,6 +252,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("mars::lowrank_linear")
     def _(x, weight, rows=None):
         return x.new_empty((*x.shape[:-1], weight.shape[0] if rows is None else rows))
+
+    @torch.library.register_fake("mars::decode_attention")
+    def _(query, key, value, mask, scale):
+        return query.new_empty(query.shape)
 
     @torch.library.register_fake("mars::fused_linear")
     def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):

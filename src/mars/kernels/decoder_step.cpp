@@ -5,7 +5,8 @@
 // (a 30-layer model of width 64, where the arithmetic is nothing, took 13 ms a step).  This is
 // mars.decoding.lean's LeanDecoder loop written against ATen: the same ops, in the same order, with
 // the same arguments, so its output is bit-identical to the Python loop's (tested), with the
-// projections through fused_linear (small_gemm.cpp) called directly.
+// projections through fused_linear (small_gemm.cpp) and the attention through decode_attention
+// (decode_attention.cpp) called directly.
 //
 // It covers every step on the per-row cache: one row whose new columns are one run of cache positions from
 // `start` (a slice copy), or several rows written at their own positions (the cache's scatter); up to 16
@@ -19,6 +20,7 @@
 
 #include <vector>
 
+#include "decode_attention.h"
 #include "small_gemm.h"
 
 namespace {
@@ -189,7 +191,7 @@ struct DecoderStep : torch::CustomClassHolder {
       }
       k = keys[l].slice(2, 0, kv_length);
       v = values[l].slice(2, 0, kv_length);
-      at::Tensor a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scales[l], q.size(1) != k.size(1));
+      at::Tensor a = decode_attention(q, k, v, mask, scales[l]);  // SDPA where its kernel does not apply
       a = a.transpose(1, 2).contiguous().reshape({batch, columns, -1}).contiguous();
       x = x + project(a, g[1], mask_rows, rows, gate, dense)[0];
       h = rms_norm(norm_post[l], eps_post[l], x);

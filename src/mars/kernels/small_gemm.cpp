@@ -23,7 +23,10 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
 #include "small_gemm.h"
+
+using namespace mars_simd;  // NOLINT: the vector helpers
 
 // Rows x columns per tile from 3 columns on, and rows per tile at one and at two columns.  More rows per tile
 // means more weight rows streaming at once; the accumulators (R x MB) + MB column vectors + 1 weight vector must
@@ -60,44 +63,6 @@ namespace {
 
 // Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 16 rows.
 constexpr int64_t kMaxColumns = 16;
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-// The vector the FMA chains run on: 16 lanes where the build targets AVX-512 (mars.kernels adds -mavx512f on
-// CPUs that have it), else 8.  Within one build every output element is still one fixed sequence of operations.
-#ifdef __AVX512F__
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vset1(float v) { return _mm512_set1_ps(v); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-// Fixed order: the two 256-bit halves added, then hsum8.
-inline float vsum(Vec v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return hsum8(_mm256_add_ps(lo, hi));
-}
-#else
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vset1(float v) { return _mm256_set1_ps(v); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline float vsum(Vec v) { return hsum8(v); }
-#endif
 
 // R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector: at most 17 ymm values
 // with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
