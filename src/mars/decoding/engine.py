@@ -589,7 +589,9 @@ class DecodeEngine:
         if s.fallback == "jacobi":
             count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))
         if s.draft_threshold > 0:
-            top = logp.max(dim=-1).values.gather(1, read).exp()
+            # the mask's top probability; without sampling rows that is at the argmax (no max over the vocabulary)
+            top_logp = logp.max(dim=-1).values if self.rows.sampling else logp.gather(2, predicted.unsqueeze(-1))
+            top = top_logp.view(predicted.shape).gather(1, read).exp()
             strong = leading_matches(torch.ones_like(tokens), (top >= s.draft_threshold).long(), count)
             count = torch.minimum(count, strong)
         log_q = None
