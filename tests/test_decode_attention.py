@@ -66,6 +66,15 @@ def test_a_columns_output_does_not_depend_on_what_rides_along():
         torch.set_num_threads(threads)
 
 
+def test_an_ar_step_and_a_verify_step_agree_on_their_shared_column():
+    """The AR step at position p reads p + 1 cached keys; a verify step feeding that column with two drafts
+    after it reads p + 3, the last two hidden from it by the mask.  Its output must not change."""
+    q, k, v, visible = step_inputs(batch=1, queries=3, length=150, dim=64, heads=9, kv_heads=3)
+    verify_step = OP(q, k, v, additive(visible), 0.125)
+    ar_step = OP(q[:, :, :1], k[:, :, :148], v[:, :, :148], None, 0.125)
+    assert torch.equal(ar_step, verify_step[:, :, :1])
+
+
 def test_a_row_that_sees_nothing_gets_zeros_not_nan():
     q, k, v, visible = step_inputs()
     visible[0, :, 1] = False
