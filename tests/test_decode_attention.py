@@ -114,4 +114,4 @@ def test_bad_shapes_fail_with_a_message():
     with pytest.raises(RuntimeError, match="value"):
         OP(q, k, v[:, :, :-1], visible, 0.25)
     with pytest.raises(RuntimeError, match="cache rows"):
-        OP(q, k[:1], v[:1], None if q.shape[2] == 1 else visible[:1], 0.25)
+        OP(q, k[:1], v[:1], visible[:1], 0.25)

@@ -554,7 +554,7 @@ class DecodeEngine:
         drafts = rows.drafts[:, :widest]
         typical = typical_drafts(logp, drafts, epsilon) if epsilon > 0 else None
         passed = leading_matches(drafts, predicted, drafts_fed, typical)  # the greedy rows'
-        sampling = rows.draft_log_q is not None and bool((rows.temperature > 0).any())
+        sampling = rows.draft_log_q is not None and self.rows.sampling
         if not sampling and typical is None:
             return predicted, passed  # the passed drafts are the argmax: the predictions are the tokens
         token = predicted.gather(1, passed.unsqueeze(1)).squeeze(1)  # the target's token after them

@@ -52,15 +52,11 @@ inline Vec vexp_nonpositive(Vec x) {
   return vkeep_at_least(x, vmul(p, vpow2i(n)), kExpFloor);
 }
 
-struct Strides {
-  int64_t batch, head, query, pos;
-};
-
 // One task: out[0:D] = softmax(scale * q . k_j + mask_j over visible j) . v_j.  `scores` holds L + kLanes floats.
 // The head dimension in whole vectors, then a scalar FMA tail (head dimensions below one vector: all tail).
-void attend(const float* q, const float* k, Strides ks, const float* v, Strides vs, const float* mask_add,
-            const bool* mask_keep, int64_t mask_pos_stride, int64_t L, int64_t D, float scale, float* scores,
-            float* out) {
+void attend(const float* q, const float* k, int64_t k_pos_stride, const float* v, int64_t v_pos_stride,
+            const float* mask_add, const bool* mask_keep, int64_t mask_pos_stride, int64_t L, int64_t D, float scale,
+            float* scores, float* out) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t nvec = D / kLanes, whole = nvec * kLanes;
   Vec qv[kMaxHeadDim / kLanes];
@@ -69,7 +65,7 @@ void attend(const float* q, const float* k, Strides ks, const float* v, Strides 
   for (int64_t j = 0; j < L; ++j) {
     float s = kNegInf;
     if (mask_keep == nullptr || mask_keep[j * mask_pos_stride]) {
-      const float* kj = k + j * ks.pos;
+      const float* kj = k + j * k_pos_stride;
       float dot = 0.0f;
       if (nvec > 0) {
         Vec acc = vmul(qv[0], vload(kj));
@@ -102,7 +98,7 @@ void attend(const float* q, const float* k, Strides ks, const float* v, Strides 
     const float p = scores[j];
     if (p == 0.0f) continue;  // masked: adds nothing
     const Vec pv = vset1(p);
-    const float* vj = v + j * vs.pos;
+    const float* vj = v + j * v_pos_stride;
     for (int64_t d = 0; d < nvec; ++d) acc[d] = vfma(pv, vload(vj + d * kLanes), acc[d]);
     for (int64_t d = whole; d < D; ++d) tail[d - whole] = std::fma(p, vj[d], tail[d - whole]);
   }
@@ -145,9 +141,9 @@ at::Tensor decode_attention_kernel(const at::Tensor& query, const at::Tensor& ke
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const Strides ks{key.stride(0), key.stride(1), 0, key.stride(2)};
-  const Strides vs{value.stride(0), value.stride(1), 0, value.stride(2)};
-  const Strides ms = m.defined() ? Strides{m.stride(0), m.stride(1), m.stride(2), m.stride(3)} : Strides{0, 0, 0, 0};
+  // the mask's strides (zero where it broadcasts, and all zero without a mask: never read then)
+  const int64_t msb = m.defined() ? m.stride(0) : 0, msh = m.defined() ? m.stride(1) : 0;
+  const int64_t msq = m.defined() ? m.stride(2) : 0, msl = m.defined() ? m.stride(3) : 0;
   const float* mask_add = m.defined() && !keep ? m.data_ptr<float>() : nullptr;
   const bool* mask_keep = keep ? m.data_ptr<bool>() : nullptr;
   const float fscale = static_cast<float>(scale);
@@ -157,10 +153,10 @@ at::Tensor decode_attention_kernel(const at::Tensor& query, const at::Tensor& ke
     std::vector<float> scores(L + kLanes);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / (H * Q), h = (t / Q) % H, i = t % Q, kvh = h / group;
-      const int64_t moff = b * ms.batch + h * ms.head + i * ms.query;
-      attend(qp + ((b * H + h) * Q + i) * D, kp + b * ks.batch + kvh * ks.head, ks, vp + b * vs.batch + kvh * vs.head,
-             vs, mask_add ? mask_add + moff : nullptr, mask_keep ? mask_keep + moff : nullptr, ms.pos, L, D, fscale,
-             scores.data(), op + ((b * Q + i) * H + h) * D);
+      const int64_t moff = b * msb + h * msh + i * msq;
+      attend(qp + ((b * H + h) * Q + i) * D, kp + b * key.stride(0) + kvh * key.stride(1), key.stride(2),
+             vp + b * value.stride(0) + kvh * value.stride(1), value.stride(2), mask_add ? mask_add + moff : nullptr,
+             mask_keep ? mask_keep + moff : nullptr, msl, L, D, fscale, scores.data(), op + ((b * Q + i) * H + h) * D);
     }
   });
   return out.transpose(1, 2);

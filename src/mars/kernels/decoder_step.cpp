@@ -138,7 +138,7 @@ struct DecoderStep : torch::CustomClassHolder {
     const int64_t B = x.size(0), H = x.size(1), C = x.size(2), D = x.size(3), half = D / 2;
     const at::Tensor cos = cos_in.expand({B, 1, C, D}), sin = sin_in.expand({B, 1, C, D});  // as broadcasting
     if (x.scalar_type() != at::kFloat || cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat ||
-        x.stride(3) != 1 || cos.stride(3) != 1 || sin.stride(3) != 1 || D % 2 != 0 || sin.strides() != cos.strides()) {
+        x.stride(3) != 1 || cos.stride(3) != 1 || sin.stride(3) != 1 || D % 2 != 0) {
       const at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
       return (x * cos) + (rotated * sin);
     }
@@ -151,9 +151,8 @@ struct DecoderStep : torch::CustomClassHolder {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t c = 0; c < C; ++c) {
           const float* xr = xp + b * x.stride(0) + h * x.stride(1) + c * x.stride(2);
-          const int64_t trig = b * cos.stride(0) + c * cos.stride(2);
-          const float* cr = cp + trig;
-          const float* sr = sp + trig;
+          const float* cr = cp + b * cos.stride(0) + c * cos.stride(2);
+          const float* sr = sp + b * sin.stride(0) + c * sin.stride(2);
           float* o = op + ((b * H + h) * C + c) * D;
           for (int64_t d = 0; d < half; ++d) o[d] = xr[d] * cr[d] + (-xr[d + half]) * sr[d];
           for (int64_t d = half; d < D; ++d) o[d] = xr[d] * cr[d] + xr[d - half] * sr[d];
