@@ -126,6 +126,58 @@ def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(r
             assert torch.equal(gated[0][others], plain[0][others])
 
 
+@pytest.mark.parametrize("rank,k,sizes", [(32, 576, (576, 192, 1536)), (5, 72, (48, 16, 20))])
+def test_bf16_factors_give_the_bits_of_their_fp32_values(rank, k, sizes):
+    """LoRA factors whose values are bf16 numbers, passed as bfloat16 (half the bytes the kernel streams), give
+    the fused pass's and the up product's fp32 results bit for bit, each factor alone or both; the fp32 input
+    and weights are untouched by it."""
+    kernel_or_skip()
+    fused, pack, lowrank = kernels.fused_linear_op(), kernels.pack_lowrank_op(), kernels.lowrank_linear_op()
+    g = torch.Generator().manual_seed(rank)
+    weights = [torch.randn(n, k, generator=g) for n in sizes]
+    a = [torch.randn(rank, k, generator=g).to(torch.bfloat16) for _ in sizes]
+    b = [torch.randn(n, rank, generator=g).to(torch.bfloat16) for n in sizes]
+    packed = {dt: [pack(f.to(dt)) for f in b] for dt in (torch.float32, torch.bfloat16)}
+    assert all(p.dtype == torch.bfloat16 for p in packed[torch.bfloat16])
+    for m, rows in ((1, [0]), (3, [1, 2]), (7, [0, 3, 6])):
+        x = torch.randn(m, k, generator=g)
+        rows = torch.tensor(rows)
+        wide = fused(x, weights, [None] * 3, [f.float() for f in a], packed[torch.float32], [2.0] * 3, rows)
+        for down, up in (
+            (torch.bfloat16, torch.bfloat16),
+            (torch.bfloat16, torch.float32),
+            (torch.float32, torch.bfloat16),
+        ):
+            narrow = fused(x, weights, [None] * 3, [f.to(down) for f in a], packed[up], [2.0] * 3, rows)
+            assert all(torch.equal(u, v) for u, v in zip(narrow, wide)), (m, down, up)
+        low = torch.randn(m, rank, generator=g)
+        for f, p32, p16 in zip(b, packed[torch.float32], packed[torch.bfloat16]):
+            assert torch.equal(lowrank(low, p16, f.shape[0]), lowrank(low, p32, f.shape[0]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        pack(torch.randn(8, 3).half())
+
+
+def test_streamed_factor_narrows_only_exact_bf16_values(monkeypatch):
+    """A factor streams as bf16 only when every value is a bf16 number, is computed once per factor version,
+    and ``MARS_BF16_FACTORS=0`` keeps fp32."""
+    from mars.decoding.fastpath import packed_lowrank, streamed_factor
+
+    kernel_or_skip()
+    exact = torch.randn(6, 4).to(torch.bfloat16).float()
+    inexact = exact.clone()
+    inexact[2, 1] += 2**-20 * inexact[2, 1].abs().clamp(min=1)
+    assert streamed_factor(exact).dtype == torch.bfloat16
+    assert torch.equal(streamed_factor(exact).float(), exact)
+    assert streamed_factor(exact) is streamed_factor(exact)  # kept, not narrowed again per step
+    assert streamed_factor(inexact).data_ptr() == inexact.data_ptr()  # as it is: fp32, not copied
+    assert packed_lowrank(exact).dtype == torch.bfloat16 and packed_lowrank(inexact).dtype == torch.float32
+    with torch.no_grad():
+        exact[0, 0] += 2**-20  # an in-place update: no longer bf16 numbers, narrowed again -> kept fp32
+    assert streamed_factor(exact).dtype == torch.float32
+    monkeypatch.setenv("MARS_BF16_FACTORS", "0")
+    assert streamed_factor(torch.randn(6, 4).to(torch.bfloat16).float()).dtype == torch.float32
+
+
 def test_fused_linear_rejects_factors_that_do_not_fit():
     kernel_or_skip()
     fused = kernels.fused_linear_op()
@@ -191,7 +243,7 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
     if "avx512f" not in kernels.cpu_flags():
         pytest.skip("this CPU has only the AVX2 build, which the default suite tests")
     env = {**os.environ, "MARS_KERNEL_ISA": "avx2"}
-    selected = "small_linear or row_does_not or fused_linear or lean or greedy_outputs"
+    selected = "small_linear or row_does_not or fused_linear or bf16 or lean or greedy_outputs"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", __file__, "tests/test_lean_forward.py", "-k", selected],
         env=env,

@@ -49,6 +49,24 @@ def gated_model():
     return model
 
 
+def gated_bf16_model():
+    """:func:`gated_model` with its LoRA factors rounded to bf16 numbers (an adapter saved in bf16 and loaded into
+    the fp32 model), which the kernels stream as bf16."""
+    from mars.decoding.fastpath import streamed_factor
+
+    model = gated_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(p.to(torch.bfloat16))
+    factor = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    assert streamed_factor(factor).dtype == torch.bfloat16
+    return model
+
+
+MODELS = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model, "gated_bf16": gated_bf16_model}
+
+
 def step_inputs(batch, context, columns, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     pos = (context + torch.arange(columns)).expand(batch, -1).contiguous()
@@ -219,14 +237,15 @@ def _decode_three_steps(model, native: bool, masks: bool):
     return logits, [layer.keys[:, :, :done] for layer in cache.layers]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gated"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gated", "gated_bf16"])
 def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
     """The batch-1 lean step in C++ (mars.kernels' DecoderStep) against the lean forward's Python loop and
     transformers' forward: the same logits at every step, the same cache contents, with q/k/v biases (Qwen2)
-    and a gated adapter acting at mask columns."""
+    and a gated adapter acting at mask columns (its factors streamed as fp32, or as bf16 where they are bf16
+    numbers)."""
     kernel_or_skip()
-    model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
-    masks = kind == "gated"
+    model = MODELS[kind]()
+    masks = kind.startswith("gated")
     cpp = _assert_paths_agree(_decode_three_steps, model, masks)
     if masks:  # the adapter acted in the C++ pass
         plain, _ = _decode_three_steps(model, True, False)
@@ -269,15 +288,15 @@ def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
 
 
 @pytest.mark.parametrize("steps", [NARROW, WIDE], ids=["narrow", "wide"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gated"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gated", "gated_bf16"])
 def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
     """Several rows at their own cache positions (a scatter, not a copy), padding columns left out of the
     matmuls (narrow) or steps wider than the kernel takes (wide: F.linear), and a gated adapter acting at one
     row's masks: the C++ pass gives the logits and cache of the lean Python loop and of transformers'
     forward, bit for bit."""
     kernel_or_skip()
-    model = {"llama": build_model, "qwen2": tiny_qwen2, "gated": gated_model}[kind]()
-    masks = kind == "gated"
+    model = MODELS[kind]()
+    masks = kind.startswith("gated")
     cpp = _assert_paths_agree(functools.partial(_decode_ragged_batch, steps=steps), model, masks)
     if masks:  # the adapter acted at row 0's masks in the C++ pass (row 0's columns come first)
         plain, _ = _decode_ragged_batch(model, True, False, steps)

@@ -156,19 +156,43 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 # LoRA up factors packed for the kernel, by factor: packing one costs about as much as its product at 4 columns
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# LoRA factors as the kernel streams them (see `streamed_factor`), by factor
+_streamed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Off switch for streaming bf16-valued LoRA factors as bf16 (A/B runs); the results are the same either way.
+BF16_FACTORS_ENV = "MARS_BF16_FACTORS"
+
+
+def _kept(cache: WeakIdKeyDictionary, weight: torch.Tensor, make) -> torch.Tensor:
+    """``make(weight)``, computed once and kept while ``weight`` lives unchanged (an in-place update or new
+    storage computes it again)."""
+    stamp = (weight._version, weight.data_ptr())
+    hit = cache.get(weight)
+    if hit is None or hit[0] != stamp:
+        hit = (stamp, make(weight.detach()))
+        cache[weight] = hit
+    return hit[1]
+
+
+def _as_streamed(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.float32 or not enabled_by_env(BF16_FACTORS_ENV):
+        return weight
+    narrow = weight.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(torch.float32), weight) else weight
+
+
+def streamed_factor(weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor as the kernel streams it: in bfloat16 when every value is a bf16 number (an adapter trained
+    or saved in bf16 and loaded into an fp32 model), half the bytes to read at every mask step, else as it is.
+    A bf16 widens to fp32 exactly, so the kernel's products are the same bits either way."""
+    return _kept(_streamed, weight, _as_streamed)
 
 
 def packed_lowrank(weight: torch.Tensor) -> torch.Tensor:
-    """A LoRA up factor [N, r] in the layout the kernel reads (``mars::pack_lowrank``), packed once and kept while
-    the factor lives unchanged (an in-place update or new storage packs it again)."""
-    stamp = (weight._version, weight.data_ptr())
-    hit = _packed.get(weight)
-    if hit is None or hit[0] != stamp:
-        from mars.kernels import pack_lowrank_op
+    """A LoRA up factor [N, r] in the layout the kernel reads (``mars::pack_lowrank``), in the dtype it streams
+    (:func:`streamed_factor`), packed once and kept while the factor lives unchanged."""
+    from mars.kernels import pack_lowrank_op
 
-        hit = (stamp, pack_lowrank_op()(weight.detach()))
-        _packed[weight] = hit
-    return hit[1]
+    return _kept(_packed, weight, lambda w: pack_lowrank_op()(streamed_factor(w)))
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

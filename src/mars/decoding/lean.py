@@ -43,6 +43,7 @@ from .fastpath import (
     linear,
     lowrank_linear,
     packed_lowrank,
+    streamed_factor,
 )
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,11 @@ class _Group:
             factors = [f for f in (*down, *up) if f is not None]
             if torch.is_grad_enabled() or any(f.dtype != torch.float32 or f.device.type != "cpu" for f in factors):
                 return None
-            self._fused_lora = (down, [None if b is None else packed_lowrank(b) for b in up], scalings)
+            self._fused_lora = (
+                [None if a is None else streamed_factor(a) for a in down],
+                [None if b is None else packed_lowrank(b) for b in up],
+                scalings,
+            )
         return self._fused_lora
 
 
@@ -207,9 +212,11 @@ class LeanDecoder:
             return False
         norms.append(self.norm.weight)
         eps.append(float(self.norm.variance_epsilon))
-        packed = [None if b is None else packed_lowrank(b) for b in lora_b]  # the Python loop's packs, shared
+        # the factors as the kernel streams them, shared with the Python loop
+        streamed = [None if a is None else streamed_factor(a) for a in lora_a]
+        packed = [None if b is None else packed_lowrank(b) for b in lora_b]
         step = decoder_step_class()
-        return step(norms, eps, scales, weights, biases, lora_a, lora_b, packed, scalings, self.head_dim)
+        return step(norms, eps, scales, weights, biases, streamed, lora_b, packed, scalings, self.head_dim)
 
     @staticmethod
     def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:  # LlamaRMSNorm.forward, op for op

@@ -48,8 +48,9 @@ struct DecoderStep : torch::CustomClassHolder {
   int64_t head_dim;
 
   // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b, lora_b_packed: 7 per layer
-  // (None where absent; lora lists empty for a model without an adapter; the up factors as peft holds them, for
-  // steps wider than the kernel, and packed by mars::pack_lowrank, for fused_linear); scalings: 7 per layer (0
+  // (None where absent; lora lists empty for a model without an adapter; the down factors as fused_linear streams
+  // them, float32 or bfloat16; the up factors as peft holds them, for steps wider than the kernel, and packed by
+  // mars::pack_lowrank, for fused_linear); scalings: 7 per layer (0
   // where not adapted); norms: 2 per layer then the final one, with their epsilons.
   DecoderStep(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<double> attn_scales,
               std::vector<at::Tensor> weights, OptionalList biases, OptionalList lora_a, OptionalList lora_b,
@@ -174,7 +175,8 @@ struct DecoderStep : torch::CustomClassHolder {
         at::Tensor y = at::linear(h, g.weights[i], g.biases.get(i));
         const c10::optional<at::Tensor> A = g.adapted ? g.lora_a.get(i) : c10::nullopt;
         if (gate.has_value() && A.has_value() && A->defined()) {
-          const at::Tensor a = at::linear(h, *A) * *gate;
+          // a down factor streamed as bf16 (see fused_linear) widens exactly: the fp32 factor's product
+          const at::Tensor a = at::linear(h, A->to(h.scalar_type())) * *gate;
           y = y + at::linear(a, g.lora_b.get(i).value()) * g.scalings[i];
         }
         out.push_back(y);

@@ -8,6 +8,15 @@
 
 namespace mars_simd {
 
+// A weight element as fp32: itself, or a bf16 (its 16 bits) widened exactly.
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -20,6 +29,11 @@ using Vec = __m512;
 constexpr int64_t kLanes = 16;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bf16 values (their bits) widened to fp32: exact, a bf16 is the upper half of an fp32
+inline Vec vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vset1(float v) { return _mm512_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
@@ -47,6 +61,10 @@ using Vec = __m256;
 constexpr int64_t kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vset1(float v) { return _mm256_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -34,12 +35,17 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 // cold weights (benchmarks/decode_step_cpu/avx512/): AVX-512 6 x 4 and 8 x 2 beat 3 x 4 and 4 x 2 by 11% and
 // 15% at 4 and 2 columns on a Zen 4 EPYC; AVX2 code there gained 11% at 2 columns from 6 x 2 over 4 x 2.  On
 // the AVX2-only Zen 3 EPYC, 3 x 4 beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 (hot weights, one thread).
+// Three columns (a verify step: the last token and two masks or drafts) take their own 8 x 3 tile with AVX-512
+// (27 zmm): 0.7-0.8 ms off the 135M step's 2.0 ms over one column, against 6 x 4's 6 x 3 tile
+// (benchmarks/decode_step_cpu/bf16_factors/).  MARS_R3 = 0: three columns take the MARS_R x MARS_MB path.
 #ifdef __AVX512F__
 #define MARS_DEFAULT_R 6
 #define MARS_DEFAULT_R2 8
+#define MARS_DEFAULT_R3 8
 #else
 #define MARS_DEFAULT_R 3
 #define MARS_DEFAULT_R2 6
+#define MARS_DEFAULT_R3 0
 #endif
 #ifndef MARS_R
 #define MARS_R MARS_DEFAULT_R
@@ -52,6 +58,9 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 #endif
 #ifndef MARS_R2
 #define MARS_R2 MARS_DEFAULT_R2
+#endif
+#ifndef MARS_R3
+#define MARS_R3 MARS_DEFAULT_R3
 #endif
 // Software prefetch distance in tiles (0 = off): the rows of the tile MARS_PF tiles ahead are fetched
 // while this one computes, so that memory and arithmetic overlap once M makes a tile compute-bound.
@@ -66,15 +75,17 @@ constexpr int64_t kMaxColumns = 16;
 
 // R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector: at most 17 ymm values
 // with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
-template <int R, int MB>
-inline void tile(const float* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
+// T: the weights' element, float or a bf16's bits (uint16_t: LoRA factors whose values are bf16 numbers stream in
+// half the bytes; widened exactly to fp32 on load, so the arithmetic and its result are the same).
+template <int R, int MB, typename T = float>
+inline void tile(const T* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
                  float* __restrict y, int64_t ldy, int64_t K, const float* __restrict bias) {
   Vec acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    if (MARS_PF > 0 && (k & 15) == 0)  // one prefetch per 64-byte line of each row
+    if (MARS_PF > 0 && (k & (64 / int64_t(sizeof(T)) - 1)) == 0)  // one prefetch per 64-byte line of each row
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + MARS_PF * R) * ldw + k), _MM_HINT_T0);
     Vec xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = vload(x + m * ldx + k);
@@ -86,7 +97,7 @@ inline void tile(const float* __restrict w, int64_t ldw, const float* __restrict
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < MB; ++m) {
       float s = vsum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s = std::fma(w[r * ldw + t], x[m * ldx + t], s);
+      for (int64_t t = k; t < K; ++t) s = std::fma(to_float(w[r * ldw + t]), x[m * ldx + t], s);
       if (bias) s += bias[r];
       y[m * ldy + r] = s;
     }
@@ -94,22 +105,22 @@ inline void tile(const float* __restrict w, int64_t ldw, const float* __restrict
 }
 
 // All M columns against R rows, columns in blocks of up to MB.
-template <int R, int MB>
-inline void rows_all_columns(const float* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
+template <int R, int MB, typename T = float>
+inline void rows_all_columns(const T* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
                              int64_t M, int64_t K, const float* bias) {
   int64_t m = 0;
-  for (; m + MB <= M; m += MB) tile<R, MB>(w, ldw, x + m * ldx, ldx, y + m * ldy, ldy, K, bias);
+  for (; m + MB <= M; m += MB) tile<R, MB, T>(w, ldw, x + m * ldx, ldx, y + m * ldy, ldy, K, bias);
   const int64_t rest = M - m;
   const float* xr = x + m * ldx;
   float* yr = y + m * ldy;
   if constexpr (MB > 1) {
-    if (rest == 1) tile<R, 1>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 1) tile<R, 1, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
   }
   if constexpr (MB > 2) {
-    if (rest == 2) tile<R, 2>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 2) tile<R, 2, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
   }
   if constexpr (MB > 3) {
-    if (rest == 3) tile<R, 3>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 3) tile<R, 3, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
   }
 }
 
@@ -130,8 +141,8 @@ constexpr int kLowrankColumns = 4;
 constexpr int kLowrankColumns = 2;
 #endif
 
-template <int C, int V, bool kAdd>
-inline void lowrank_block(const float* __restrict panel, const float* __restrict a, int64_t r, float* const* y,
+template <int C, int V, bool kAdd, typename T>
+inline void lowrank_block(const T* __restrict panel, const float* __restrict a, int64_t r, float* const* y,
                           int64_t t, float scaling) {
   Vec acc[C][V];
   for (int c = 0; c < C; ++c)
@@ -152,38 +163,38 @@ inline void lowrank_block(const float* __restrict panel, const float* __restrict
     }
 }
 
-template <int V, bool kAdd>
-inline void lowrank_columns(const float* panel, const float* a, int64_t r, float* const* y, int64_t C, int64_t t,
+template <int V, bool kAdd, typename T>
+inline void lowrank_columns(const T* panel, const float* a, int64_t r, float* const* y, int64_t C, int64_t t,
                             float scaling) {
   int64_t c = 0;
   for (; c + kLowrankColumns <= C; c += kLowrankColumns)
-    lowrank_block<kLowrankColumns, V, kAdd>(panel, a + c * r, r, y + c, t, scaling);
+    lowrank_block<kLowrankColumns, V, kAdd, T>(panel, a + c * r, r, y + c, t, scaling);
   switch (C - c) {
-    case 3: lowrank_block<3, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
-    case 2: lowrank_block<2, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
-    case 1: lowrank_block<1, V, kAdd>(panel, a + c * r, r, y + c, t, scaling); break;
+    case 3: lowrank_block<3, V, kAdd, T>(panel, a + c * r, r, y + c, t, scaling); break;
+    case 2: lowrank_block<2, V, kAdd, T>(panel, a + c * r, r, y + c, t, scaling); break;
+    case 1: lowrank_block<1, V, kAdd, T>(panel, a + c * r, r, y + c, t, scaling); break;
     default: break;
   }
 }
 
-template <bool kAdd>
-void lowrank_rows(const float* packed, const float* a, int64_t r, float* const* y, int64_t C, int64_t t0, int64_t t1,
+template <bool kAdd, typename T>
+void lowrank_rows(const T* packed, const float* a, int64_t r, float* const* y, int64_t C, int64_t t0, int64_t t1,
                   float scaling) {
   int64_t t = t0;
   while (t < t1) {
     const int64_t p = t / kPanel, stop = std::min(t1, (p + 1) * kPanel);
-    const float* panel = packed + p * r * kPanel;
+    const T* panel = packed + p * r * kPanel;
     if (t == p * kPanel && stop - t == kPanel) {
-      lowrank_columns<kPanelVecs, kAdd>(panel, a, r, y, C, t, scaling);
+      lowrank_columns<kPanelVecs, kAdd, T>(panel, a, r, y, C, t, scaling);
       t = stop;
       continue;
     }
     for (; t + kLanes <= stop; t += kLanes)
-      lowrank_columns<1, kAdd>(panel + (t - p * kPanel), a, r, y, C, t, scaling);
+      lowrank_columns<1, kAdd, T>(panel + (t - p * kPanel), a, r, y, C, t, scaling);
     for (; t < stop; ++t)
       for (int64_t c = 0; c < C; ++c) {
         float s = 0.0f;
-        for (int64_t j = 0; j < r; ++j) s = std::fma(panel[j * kPanel + (t - p * kPanel)], a[c * r + j], s);
+        for (int64_t j = 0; j < r; ++j) s = std::fma(to_float(panel[j * kPanel + (t - p * kPanel)]), a[c * r + j], s);
         if (kAdd) {
           const float low_rank = s * scaling;
           y[c][t] = y[c][t] + low_rank;
@@ -203,12 +214,14 @@ struct Segment {
   float* y;
   int64_t n;
   int64_t first_block;
-  const float* lora_down;  // A [r, K]
-  float* lora_a;           // [columns, r]
-  const float* lora_up;    // B packed (pack_lowrank)
+  const void* lora_down;  // A [r, K]
+  float* lora_a;          // [columns, r]
+  const void* lora_up;    // B packed (pack_lowrank)
   int64_t r;
   float scaling;
   int64_t first_down_block;
+  bool down_bf16;  // the factor's element: a bf16's bits (uint16_t) or float
+  bool up_bf16;
 };
 
 // One parallel pass over a group's blocks: first the LoRA down products (a = A x at the adapted columns, R rows
@@ -224,6 +237,16 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
   // down blocks this pass must see done before its low-rank terms (none when an earlier pass did them)
   const int64_t downs_here = std::max<int64_t>(0, down_blocks - first);
   std::atomic<int64_t> downs_done{0};
+  // rows [n, stop) of a down factor A (element T) times the adapted columns
+  auto down_rows = [&](const auto* A, const Segment& g, int64_t n, int64_t stop) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(A)>>;
+    if (stop - n == R) {
+      rows_all_columns<R, MB, T>(A + n * K, K, xm, K, g.lora_a + n, g.r, ncols, K, nullptr);
+    } else {
+      for (int64_t t = n; t < stop; ++t)
+        rows_all_columns<1, MB, T>(A + t * K, K, xm, K, g.lora_a + t, g.r, ncols, K, nullptr);
+    }
+  };
   at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
     int64_t mine = 0;
     size_t d = 0, s = 0;  // the segment of the current down block, of the current weight block
@@ -232,12 +255,10 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
         while (segs[d].lora_down == nullptr || blk >= segs[d].first_down_block + (segs[d].r + R - 1) / R) ++d;
         const Segment& g = segs[d];
         const int64_t n = (blk - g.first_down_block) * R, stop = std::min<int64_t>(n + R, g.r);
-        if (stop - n == R) {
-          rows_all_columns<R, MB>(g.lora_down + n * K, K, xm, K, g.lora_a + n, g.r, ncols, K, nullptr);
-        } else {
-          for (int64_t t = n; t < stop; ++t)
-            rows_all_columns<1, MB>(g.lora_down + t * K, K, xm, K, g.lora_a + t, g.r, ncols, K, nullptr);
-        }
+        if (g.down_bf16)
+          down_rows(static_cast<const uint16_t*>(g.lora_down), g, n, stop);
+        else
+          down_rows(static_cast<const float*>(g.lora_down), g, n, stop);
         ++mine;
         continue;
       }
@@ -266,14 +287,18 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
       }
       float* cols_y[kMaxColumns];
       for (int64_t c = 0; c < ncols; ++c) cols_y[c] = g.y + cols[c] * g.n;
-      lowrank_rows<true>(g.lora_up, g.lora_a, g.r, cols_y, ncols, (lo - g.first_block) * R,
-                         std::min<int64_t>((hi - g.first_block) * R, g.n), g.scaling);
+      const int64_t t0 = (lo - g.first_block) * R, t1 = std::min<int64_t>((hi - g.first_block) * R, g.n);
+      if (g.up_bf16)
+        lowrank_rows<true>(static_cast<const uint16_t*>(g.lora_up), g.lora_a, g.r, cols_y, ncols, t0, t1, g.scaling);
+      else
+        lowrank_rows<true>(static_cast<const float*>(g.lora_up), g.lora_a, g.r, cols_y, ncols, t0, t1, g.scaling);
     }
   });
 }
 
-// Rows per weight block by the number of columns (1 column: MARS_R1 rows; 2: MARS_R2 x 2; more: MARS_R x MARS_MB),
-// the blocks numbered across the segments (the LoRA down factors' rows first), and one parallel pass over them.
+// Rows per weight block by the number of columns (1 column: MARS_R1 rows; 2: MARS_R2 x 2; 3: MARS_R3 x 3 where set;
+// more: MARS_R x MARS_MB), the blocks numbered across the segments (the LoRA down factors' rows first), and one
+// parallel pass over them.
 template <int R, int MB>
 void run_blocks(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
                 const int64_t* cols, int64_t ncols, int64_t grain) {
@@ -309,6 +334,10 @@ void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, c
     run_blocks<MARS_R1, 1>(segs, x, M, K, xm, cols, ncols, grain / 2 + 1);
   } else if (M == 2) {
     run_blocks<MARS_R2, 2>(segs, x, M, K, xm, cols, ncols, grain);
+#if MARS_R3 > 0
+  } else if (M == 3) {
+    run_blocks<MARS_R3, 3>(segs, x, M, K, xm, cols, ncols, grain);
+#endif
   } else {
     run_blocks<MARS_R, MARS_MB>(segs, x, M, K, xm, cols, ncols, grain);
   }
@@ -338,12 +367,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
   if (M == 0) return y;
-  std::vector<Segment> one{{wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0}};
+  std::vector<Segment> one{
+      {wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, false, false}};
   run_all(one, xc.data_ptr<float>(), M, K, nullptr, nullptr, 0);
   return y;
 }
 
 namespace {
+
+// LoRA factors stream as float32 or as bfloat16 (widened exactly on load: see tile)
+bool is_factor_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
 
 // Whether `packed` is an up factor with N rows and rank r as pack_lowrank lays it out.
 bool packed_fits(const at::Tensor& packed, int64_t N, int64_t r) {
@@ -361,10 +394,12 @@ at::Tensor pack_up(const at::Tensor& weight) {
 }  // namespace
 
 // A LoRA up factor B [N, r] in the layout fused_linear reads it: panels of kPanel rows, [ceil(N / kPanel), r,
-// kPanel], zero-padded.  kPanel depends on the build (4 vectors), so callers take this op's output as is.
+// kPanel], zero-padded, in the factor's dtype (float32, or bfloat16 for a factor whose values are bf16 numbers).
+// kPanel depends on the build (4 vectors), so callers take this op's output as is.
 at::Tensor pack_lowrank(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-              "mars::pack_lowrank: a float32 CPU matrix only, got ", weight.sizes());
+  TORCH_CHECK(weight.device().is_cpu() && is_factor_dtype(weight) && weight.dim() == 2,
+              "mars::pack_lowrank: a float32 or bfloat16 CPU matrix only, got ", weight.sizes(), " ",
+              weight.scalar_type());
   return pack_up(weight);
 }
 
@@ -374,8 +409,8 @@ at::Tensor pack_lowrank(const at::Tensor& weight) {
 // (packed per call) or already packed by pack_lowrank, with its row count N as `rows`.
 at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::optional<int64_t> rows) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
-                  weight.scalar_type() == at::kFloat,
-              "mars::lowrank_linear: float32 CPU tensors only");
+                  is_factor_dtype(weight),
+              "mars::lowrank_linear: a float32 CPU input and a float32 or bfloat16 factor only");
   const bool is_packed = weight.dim() == 3;
   TORCH_CHECK(is_packed ? rows.has_value() && packed_fits(weight, *rows, x.size(-1))
                         : weight.dim() == 2 && x.size(-1) == weight.size(1),
@@ -390,14 +425,19 @@ at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::op
   at::Tensor y = at::empty(out_shape, x.options());
   if (M == 0) return y;
   const float* ap = xc.data_ptr<float>();
-  const float* bp = packed.data_ptr<float>();
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  const void* bp = packed.data_ptr();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < M; m += kMaxColumns) {
       const int64_t C = std::min<int64_t>(kMaxColumns, M - m);
       float* rows[kMaxColumns];
       for (int64_t c = 0; c < C; ++c) rows[c] = yp + (m + c) * N;
-      lowrank_rows<false>(bp, ap + m * r, r, rows, C, begin * kPanel, std::min<int64_t>(end * kPanel, N), 1.0f);
+      const int64_t t0 = begin * kPanel, t1 = std::min<int64_t>(end * kPanel, N);
+      if (bf16)
+        lowrank_rows<false>(static_cast<const uint16_t*>(bp), ap + m * r, r, rows, C, t0, t1, 1.0f);
+      else
+        lowrank_rows<false>(static_cast<const float*>(bp), ap + m * r, r, rows, C, t0, t1, 1.0f);
     }
   });
   return y;
@@ -409,7 +449,9 @@ at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::op
 // the caller).  One parallel region for the whole group instead of one per matmul: at batch 1 a decode
 // step is hundreds of small matmuls, and each region costs a thread wake-up.  Every output element is the
 // same sequence of operations as small_linear (and, for the LoRA term, as small_linear of the down factor,
-// lowrank_linear of the up factor, then peft's scaling and sum), so results are bit-identical.
+// lowrank_linear of the up factor, then peft's scaling and sum), so results are bit-identical.  The factors may be
+// bfloat16 where their values are bf16 numbers (half the bytes to stream; the same products, since a bf16 widens
+// to fp32 exactly).
 std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights,
                                      const c10::List<c10::optional<at::Tensor>>& biases,
                                      const c10::List<c10::optional<at::Tensor>>& lora_a,
@@ -460,7 +502,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     const at::Tensor wc = w.contiguous();
     keep.push_back(wc);
     const int64_t N = wc.size(0);
-    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0};
+    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, false, false};
     const c10::optional<at::Tensor> bias = biases.get(i);
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
@@ -477,7 +519,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
         TORCH_CHECK(B.has_value() && B->defined(), "mars::fused_linear: lora_a ", i, " without lora_b");
         const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
         const int64_t r = Ac.size(0);
-        TORCH_CHECK(Ac.scalar_type() == at::kFloat && Ac.dim() == 2 && Ac.size(1) == K && Bc.scalar_type() == at::kFloat &&
+        TORCH_CHECK(is_factor_dtype(Ac) && Ac.dim() == 2 && Ac.size(1) == K && is_factor_dtype(Bc) &&
                         packed_fits(Bc, N, r),
                     "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
                     " (packed by pack_lowrank) do not fit");
@@ -485,8 +527,10 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
         keep.push_back(Ac);
         keep.push_back(Bc);
         keep.push_back(a);
-        g.lora_down = Ac.data_ptr<float>();
-        g.lora_up = Bc.data_ptr<float>();
+        g.lora_down = Ac.data_ptr();
+        g.lora_up = Bc.data_ptr();
+        g.down_bf16 = Ac.scalar_type() == at::kBFloat16;
+        g.up_bf16 = Bc.scalar_type() == at::kBFloat16;
         g.lora_a = a.data_ptr<float>();
         g.r = r;
         g.scaling = static_cast<float>(scalings[i]);
