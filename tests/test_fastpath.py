@@ -106,7 +106,7 @@ def test_fused_linear_is_the_separate_linears_and_gated_lora_terms_bit_for_bit(r
     scalings = [2.0, 0.0, 0.5]
     lowrank = kernels.lowrank_linear_op()
     packed = [None if f is None else kernels.pack_lowrank_op()(f) for f in b]
-    for m in (1, 2, 3, 4, 7, 16):
+    for m in (1, 2, 3, 4, 7, 16, 40):
         x = torch.randn(m, k, generator=g)
         plain = fused(x, weights, biases, [], [], [], None)
         for y, w, bias in zip(plain, weights, biases):
@@ -193,9 +193,9 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
         fused(x, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([2]))
     with pytest.raises(RuntimeError, match="one entry per weight"):
         fused(x, [w, w], [None, None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([1]))
-    wide = torch.randn(17, 8)  # more adapted columns than the kernel's low-rank buffer holds
-    with pytest.raises(RuntimeError, match="at most 16 adapted columns"):
-        fused(wide, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.arange(17))
+    wide = torch.randn(65, 8)  # more adapted columns than the kernel's low-rank buffer holds
+    with pytest.raises(RuntimeError, match="at most 64 adapted columns"):
+        fused(wide, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.arange(65))
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
 
 

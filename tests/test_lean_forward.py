@@ -253,7 +253,8 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
 
 
 NARROW = ((6, (5, 6)), (3, (3, 1)), (3, (3, 1)))  # (input width, real or read columns of each row) per step
-WIDE = ((12, (11, 12)), (9, (9, 9)), (9, (9, 1)))  # 23 and 18 live columns: wider than the kernel takes
+_W = fastpath.MAX_COLUMNS // 2 + 4  # 12 where the kernel takes 16 columns, 36 where it takes 64
+WIDE = ((_W, (_W - 1, _W)), (_W - 3, (_W - 3, _W - 3)), (_W - 3, (_W - 3, 1)))  # wider than the kernel takes
 
 
 def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
@@ -306,7 +307,7 @@ def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
 
 def test_batched_decoding_runs_the_cpp_step(monkeypatch, tokenizer):  # noqa: F811
     """A batch of ragged prompts decoded by the engine (cursor cache, masks below threshold 1.0): the prefill
-    (wider than the kernel) and the batched decode steps all take the C++ pass, none the Python loop."""
+    and the batched decode steps all take the C++ pass, none the Python loop."""
     from decoding_fixtures import RAGGED
 
     from mars.decoding import generate
@@ -329,7 +330,7 @@ def test_batched_decoding_runs_the_cpp_step(monkeypatch, tokenizer):  # noqa: F8
     monkeypatch.setattr(LeanDecoder, "_native_fits", fits_or_record)
     generate(build_model(), tokenizer, RAGGED, threshold=0.3, max_new_tokens=12)
     assert not shapes["python"], shapes["python"]
-    assert shapes["cpp"][0][0] == len(RAGGED) and shapes["cpp"][0][1] > fastpath.MAX_COLUMNS  # the prefill
+    assert shapes["cpp"][0][0] == len(RAGGED) and shapes["cpp"][0][1] > 4  # the prefill
     assert any(rows > 1 and 1 < columns <= 4 for rows, columns, _ in shapes["cpp"][1:])  # batched masked steps
 
 

@@ -36,9 +36,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 log = logging.getLogger(__name__)
 
 ENV = "MARS_FAST_PATH"
-# Largest number of columns (rows of the flattened input) the kernel takes; above it F.linear (MKL)
-# is as fast or faster (measured on the 2-core EPYC: crossover between 16 and 32 columns).
-MAX_COLUMNS = 16
+
+
+def _max_columns() -> int:
+    """Largest number of columns (rows of the flattened input) the kernel takes; above it F.linear (MKL). The
+    AVX2 build's crossover was between 16 and 32 columns (a 2-core Zen 3 EPYC). The AVX-512 build's larger tiles
+    stay ahead of MKL up to 64 at least: a batch of 8 rows of 3, 4, 6 and 8 columns stepped in 58 / 72 / 105 /
+    142 ms against MKL's 87 / 102 / 139 / 166 (a 2-core Zen 4 EPYC, benchmarks/decode_step_cpu/bf16_factors/)."""
+    from mars.kernels import KernelUnavailable, kernel_isa
+
+    try:
+        return 64 if kernel_isa() == "avx512" else 16
+    except KernelUnavailable:  # a bad MARS_KERNEL_ISA: refused where the kernel is built, with its message
+        return 16
+
+
+MAX_COLUMNS = _max_columns()
 _warned: set[str] = set()
 # Inside a `fast_linear` block that patched the model: its attention takes mars::decode_attention too (see
 # `attention`), so the model's own forward and the lean forward agree bit for bit.

@@ -1,6 +1,6 @@
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for small M, fp32, AVX2 + FMA (AVX-512 where the build targets it).
 //
-// Decoding reads every weight once per step for a handful of columns (M = batch x new columns, 1-16),
+// Decoding reads every weight once per step for a handful of columns (M = batch x new columns, 1-64),
 // so the step is bound by the weight stream from memory, not by arithmetic.  A BLAS tuned for large M
 // packs and tiles for compute and turns compute-bound early at small M on this kind of CPU; this kernel
 // instead streams R weight rows at a time (row-major, as nn.Linear stores them: nothing is copied or
@@ -70,8 +70,9 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 
 namespace {
 
-// Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 16 rows.
-constexpr int64_t kMaxColumns = 16;
+// Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 64 rows
+// (mars.decoding.fastpath.MAX_COLUMNS).
+constexpr int64_t kMaxColumns = 64;
 
 // R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector: at most 17 ymm values
 // with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
