@@ -205,7 +205,7 @@ def packed_lowrank(weight: torch.Tensor) -> torch.Tensor:
     (:func:`streamed_factor`), packed once and kept while the factor lives unchanged."""
     from mars.kernels import pack_lowrank_op
 
-    return _kept(_packed, weight, lambda w: pack_lowrank_op()(streamed_factor(w)))
+    return _kept(_packed, weight, lambda _: pack_lowrank_op()(streamed_factor(weight)))
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -18,9 +18,9 @@ caller runs the model's own forward) for anything it does not mirror exactly: ot
 activations other than SiLU, tensor-parallel pretraining splits.
 
 A step on the per-row cache (every step of the engine's cursor cache, at any batch size; the projections of
-steps wider than the kernel takes (``fastpath.MAX_COLUMNS``) through ``F.linear``, as in the Python loop) runs the same loop in C++
-(``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order, bit-identical, tested) instead of
-Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that way against 39.5 ms for the Python
+steps wider than the kernel takes, ``fastpath.MAX_COLUMNS``, through ``F.linear``, as in the Python loop) runs
+the same loop in C++ (``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order, bit-identical,
+tested) instead of Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that way against 39.5 ms for the Python
 loop, 8 rows of one column 36.2 vs 48.0 ms (2 threads, measured side by side;
 ``benchmarks/decode_step_cpu/step_cost_native*/``).  ``MARS_DECODER_STEP=0`` turns it off.
 """

@@ -36,7 +36,7 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 // 15% at 4 and 2 columns on a Zen 4 EPYC; AVX2 code there gained 11% at 2 columns from 6 x 2 over 4 x 2.  On
 // the AVX2-only Zen 3 EPYC, 3 x 4 beat 4 x 2, 4 x 3 and 2 x 4 by 15-60% at M = 4-8 (hot weights, one thread).
 // Three columns (a verify step: the last token and two masks or drafts) take their own 8 x 3 tile with AVX-512
-// (27 zmm): 0.7-0.8 ms off the 135M step's 2.0 ms over one column, against 6 x 4's 6 x 3 tile
+// (27 zmm): 0.7-0.9 ms off the 2.0 ms a 135M step of three columns costs over one, against 6 x 4's 6 x 3 tile
 // (benchmarks/decode_step_cpu/bf16_factors/).  MARS_R3 = 0: three columns take the MARS_R x MARS_MB path.
 #ifdef __AVX512F__
 #define MARS_DEFAULT_R 6
