@@ -126,7 +126,8 @@ def add_decoding(
     names = []
     for f in decoding_fields(include, exclude):
         default = defaults.pop(f.name, f.default)
-        text = f.metadata.get("help", "")
+        # argparse %-formats help strings: a literal "5%" in a field's help would break --help
+        text = f.metadata.get("help", "").replace("%", "%%")
         if hints[f.name] is bool:
             group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
