@@ -233,6 +233,18 @@ def test_kernel_isa_follows_the_cpu_and_an_override(monkeypatch):
         kernels.build_key()
 
 
+def test_the_weight_stream_is_tuned_per_cpu_vendor_and_each_tuning_is_its_own_build(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+    intel = kernels.cflags()
+    assert "-DMARS_PF=1" in intel and "-DMARS_R1=4" in intel
+    intel_key = kernels.build_key()
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    assert not any(f.startswith(("-DMARS_PF", "-DMARS_R1")) for f in kernels.cflags())  # the source's defaults
+    assert kernels.build_key() != intel_key
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "")  # unknown vendor: the source's defaults too
+    assert kernels.cflags() == tuple(f for f in intel if not f.startswith(("-DMARS_PF", "-DMARS_R1")))
+
+
 @pytest.mark.slow
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu():
     """The default suite tests the build this CPU gets; on an AVX-512 CPU the AVX2 build is tested here too."""

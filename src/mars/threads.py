@@ -4,8 +4,10 @@ OpenMP wait policy.  A decode step opens ~120 parallel regions (the fused GEMM p
 Python between them.  How long an idle OpenMP thread spins before it sleeps decides two things
 (2-vCPU EPYC, SmolLM2-135M fp32, 1-column step, 2 threads; benchmarks/decode_step_cpu/wait_policy_spin):
 
-- on an idle machine a short spin (``GOMP_SPINCOUNT=3000``, a few microseconds) hands work over without a
-  futex wake-up: 32.9 ms a step against 35.4 ms with ``PASSIVE`` (sleep at once);
+- on an idle machine a short spin (``GOMP_SPINCOUNT=30000``, tens of microseconds) hands work over without a
+  futex wake-up: 32.9 ms a step against 35.4 ms with ``PASSIVE`` (sleep at once) at 3000 spins there; on a
+  2-vCPU AMX Xeon (KVM) 3000 spins were too short to bridge the Python between two passes, and 30000 took a
+  1-column step from 32.5-35.2 to 27.2-30.6 ms, as fast as ``ACTIVE`` (benchmarks/decode_step_cpu/intel_stream);
 - when other processes keep the cores busy, spinning competes with them: 130 ms against 90 ms with
   ``PASSIVE``, and a spin without end (``ACTIVE``) 300 ms; single 1536x576 matmuls took 2-16 ms
   instead of 0.2-0.6 ms.
@@ -29,7 +31,7 @@ import time
 import warnings
 
 WAIT_POLICY = "PASSIVE"
-SHORT_SPIN = "3000"  # GOMP_SPINCOUNT on an idle machine: a few microseconds of spinning
+SHORT_SPIN = "30000"  # GOMP_SPINCOUNT on an idle machine: tens of microseconds of spinning
 IDLE_LOAD = 0.5  # other running tasks (see _load_now) below which the machine counts as idle
 THREADS_ENV = "MARS_THREADS"
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp's wait settings; a caller's value wins

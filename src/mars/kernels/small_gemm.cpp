@@ -63,7 +63,8 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 #define MARS_R3 MARS_DEFAULT_R3
 #endif
 // Software prefetch distance in tiles (0 = off): the rows of the tile MARS_PF tiles ahead are fetched
-// while this one computes, so that memory and arithmetic overlap once M makes a tile compute-bound.
+// while this one computes, so that memory and arithmetic overlap once M makes a tile compute-bound.  Two suit the
+// AMD EPYCs measured; on an Intel Xeon one is faster (mars.kernels.STREAM_FLAGS sets it, and MARS_R1, per vendor).
 #ifndef MARS_PF
 #define MARS_PF 2
 #endif
