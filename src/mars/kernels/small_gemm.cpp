@@ -17,9 +17,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <ATen/Config.h>
-
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -208,8 +205,8 @@ void lowrank_rows(const T* packed, const float* a, int64_t r, float* const* y, i
 }
 
 // One weight of a pass (small_linear: the only one; fused_linear: one of its group): its output, where its
-// rows start in the pass's block numbering (set by run_all), and its gated LoRA (null lora_down when none):
-// the down factor A, the buffer for a = A x at the adapted columns (filled in the same pass), B packed.
+// rows start in the pass's block numbering (set by run_blocks), and its gated LoRA (null lora_down when none):
+// the down factor A and the up factor B packed.
 struct Segment {
   const float* w;
   const float* bias;
@@ -217,53 +214,34 @@ struct Segment {
   int64_t n;
   int64_t first_block;
   const void* lora_down;  // A [r, K]
-  float* lora_a;          // [columns, r]
   const void* lora_up;    // B packed (pack_lowrank)
   int64_t r;
   float scaling;
-  int64_t first_down_block;
   bool down_bf16;  // the factor's element: a bf16's bits (uint16_t) or float
   bool up_bf16;
 };
 
-// One parallel pass over a group's blocks: first the LoRA down products (a = A x at the adapted columns, R rows
-// of A per block), then the weights' rows (R per block); then each thread adds the low-rank terms to the rows
-// it computed, once every down block is done.  The wait is a counter, not a second parallel region (a region
-// costs a thread wake-up, and a step has 120 groups); it cannot deadlock: the down blocks come first in the
-// numbering and every thread finishes its own blocks before it waits, and OpenMP runs a team's threads at once
-// (builds on another parallel backend compute the down products before the pass instead).
+// a [ncols, r] = the r rows of a LoRA down factor A [r, K] times the adapted columns xm [ncols, K], R rows at a time.
+template <int R, int MB, typename T>
+void down_products(const T* A, int64_t r, int64_t K, const float* xm, int64_t ncols, float* a) {
+  int64_t t = 0;
+  for (; t + R <= r; t += R) rows_all_columns<R, MB, T>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr);
+  for (; t < r; ++t) rows_all_columns<1, MB, T>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr);
+}
+
+// One parallel pass over a group's weight rows (R per block); then, where the group has a gated LoRA, each
+// thread adds the low-rank terms to the rows it computed.  The down products a = A x (r rows of A at the adapted
+// columns: a few KB) are computed by each thread for the segments it touches, after its weight rows, so no
+// thread waits for another (they were blocks of the pass, computed once and awaited by the other thread: a
+// rank-8 adapter added 1.86 ms to a step's 120 three-column passes, now 1.63, 2 threads on an AMX Xeon,
+// benchmarks/decode_step_cpu/intel_stream/lora_wait_ab/).  Every element keeps its operation sequence, so the
+// result does not depend on which thread computes what.
 template <int R, int MB, bool kLora>
 void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
-                  const int64_t* cols, int64_t ncols, int64_t down_blocks, int64_t first, int64_t last,
-                  int64_t grain, bool epilogue = true) {
-  // down blocks this pass must see done before its low-rank terms (none when an earlier pass did them)
-  const int64_t downs_here = std::max<int64_t>(0, down_blocks - first);
-  std::atomic<int64_t> downs_done{0};
-  // rows [n, stop) of a down factor A (element T) times the adapted columns
-  auto down_rows = [&](const auto* A, const Segment& g, int64_t n, int64_t stop) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(A)>>;
-    if (stop - n == R) {
-      rows_all_columns<R, MB, T>(A + n * K, K, xm, K, g.lora_a + n, g.r, ncols, K, nullptr);
-    } else {
-      for (int64_t t = n; t < stop; ++t)
-        rows_all_columns<1, MB, T>(A + t * K, K, xm, K, g.lora_a + t, g.r, ncols, K, nullptr);
-    }
-  };
-  at::parallel_for(first, last, grain, [&](int64_t begin, int64_t end) {
-    int64_t mine = 0;
-    size_t d = 0, s = 0;  // the segment of the current down block, of the current weight block
+                  const int64_t* cols, int64_t ncols, int64_t blocks, int64_t grain) {
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    size_t s = 0;  // the segment of the current block
     for (int64_t blk = begin; blk < end; ++blk) {
-      if (kLora && blk < down_blocks) {
-        while (segs[d].lora_down == nullptr || blk >= segs[d].first_down_block + (segs[d].r + R - 1) / R) ++d;
-        const Segment& g = segs[d];
-        const int64_t n = (blk - g.first_down_block) * R, stop = std::min<int64_t>(n + R, g.r);
-        if (g.down_bf16)
-          down_rows(static_cast<const uint16_t*>(g.lora_down), g, n, stop);
-        else
-          down_rows(static_cast<const float*>(g.lora_down), g, n, stop);
-        ++mine;
-        continue;
-      }
       while (blk >= segs[s].first_block + (segs[s].n + R - 1) / R) ++s;
       const Segment& g = segs[s];
       const int64_t n = (blk - g.first_block) * R;
@@ -275,57 +253,43 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
           rows_all_columns<1, MB>(g.w + t * K, K, x, K, g.y + t, g.n, M, K, g.bias ? g.bias + t : nullptr);
       }
     }
-    if (!kLora || !epilogue || ncols == 0) return;
-    if (mine > 0) downs_done.fetch_add(mine, std::memory_order_release);
-    bool ready = false;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const Segment& g = segs[i];
-      const int64_t blocks = (g.n + R - 1) / R;
-      const int64_t lo = std::max(begin, g.first_block), hi = std::min(end, g.first_block + blocks);
+    if (!kLora || ncols == 0) return;
+    std::vector<float> a;  // one segment's down products [ncols, r]
+    float* cols_y[kMaxColumns];
+    for (const Segment& g : segs) {
+      const int64_t lo = std::max(begin, g.first_block), hi = std::min(end, g.first_block + (g.n + R - 1) / R);
       if (g.lora_down == nullptr || lo >= hi) continue;
-      while (!ready) {
-        ready = downs_done.load(std::memory_order_acquire) >= downs_here;
-        if (!ready) _mm_pause();
-      }
-      float* cols_y[kMaxColumns];
+      a.resize(static_cast<size_t>(ncols * g.r));
+      if (g.down_bf16)
+        down_products<R, MB>(static_cast<const uint16_t*>(g.lora_down), g.r, K, xm, ncols, a.data());
+      else
+        down_products<R, MB>(static_cast<const float*>(g.lora_down), g.r, K, xm, ncols, a.data());
       for (int64_t c = 0; c < ncols; ++c) cols_y[c] = g.y + cols[c] * g.n;
       const int64_t t0 = (lo - g.first_block) * R, t1 = std::min<int64_t>((hi - g.first_block) * R, g.n);
       if (g.up_bf16)
-        lowrank_rows<true>(static_cast<const uint16_t*>(g.lora_up), g.lora_a, g.r, cols_y, ncols, t0, t1, g.scaling);
+        lowrank_rows<true>(static_cast<const uint16_t*>(g.lora_up), a.data(), g.r, cols_y, ncols, t0, t1, g.scaling);
       else
-        lowrank_rows<true>(static_cast<const float*>(g.lora_up), g.lora_a, g.r, cols_y, ncols, t0, t1, g.scaling);
+        lowrank_rows<true>(static_cast<const float*>(g.lora_up), a.data(), g.r, cols_y, ncols, t0, t1, g.scaling);
     }
   });
 }
 
 // Rows per weight block by the number of columns (1 column: MARS_R1 rows; 2: MARS_R2 x 2; 3: MARS_R3 x 3 where set;
-// more: MARS_R x MARS_MB), the blocks numbered across the segments (the LoRA down factors' rows first), and one
-// parallel pass over them.
+// more: MARS_R x MARS_MB), the blocks numbered across the segments, and one parallel pass over them.
 template <int R, int MB>
 void run_blocks(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
                 const int64_t* cols, int64_t ncols, int64_t grain) {
   int64_t blocks = 0;
-  for (Segment& g : segs) {
-    if (g.lora_down == nullptr) continue;
-    g.first_down_block = blocks;
-    blocks += (g.r + R - 1) / R;
-  }
-  const int64_t down_blocks = blocks;
+  bool lora = false;
   for (Segment& g : segs) {
     g.first_block = blocks;
     blocks += (g.n + R - 1) / R;
+    lora = lora || g.lora_down != nullptr;
   }
-  if (down_blocks == 0) {  // no adapter in this pass: the plain loop
-    run_segments<R, MB, false>(segs, x, M, K, xm, cols, 0, 0, 0, blocks, grain);
-    return;
-  }
-#if AT_PARALLEL_OPENMP
-  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, 0, blocks, grain);
-#else
-  // another backend may queue a pass's chunks on fewer threads: no waiting inside a pass, the downs go first
-  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, 0, down_blocks, grain, false);
-  run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, down_blocks, down_blocks, blocks, grain);
-#endif
+  if (lora && ncols > 0)
+    run_segments<R, MB, true>(segs, x, M, K, xm, cols, ncols, blocks, grain);
+  else  // no adapter in this pass: the plain loop
+    run_segments<R, MB, false>(segs, x, M, K, xm, cols, 0, blocks, grain);
 }
 
 void run_all(std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm, const int64_t* cols,
@@ -370,7 +334,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   at::Tensor y = at::empty(out_shape, x.options());
   if (M == 0) return y;
   std::vector<Segment> one{
-      {wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, false, false}};
+      {wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, 0, 0.0f, false, false}};
   run_all(one, xc.data_ptr<float>(), M, K, nullptr, nullptr, 0);
   return y;
 }
@@ -504,7 +468,7 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
     const at::Tensor wc = w.contiguous();
     keep.push_back(wc);
     const int64_t N = wc.size(0);
-    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, false, false};
+    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, 0, 0.0f, false, false};
     const c10::optional<at::Tensor> bias = biases.get(i);
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
@@ -525,15 +489,12 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
                         packed_fits(Bc, N, r),
                     "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
                     " (packed by pack_lowrank) do not fit");
-        at::Tensor a = at::empty({ncols, r}, x.options());  // filled by the pass
         keep.push_back(Ac);
         keep.push_back(Bc);
-        keep.push_back(a);
         g.lora_down = Ac.data_ptr();
         g.lora_up = Bc.data_ptr();
         g.down_bf16 = Ac.scalar_type() == at::kBFloat16;
         g.up_bf16 = Bc.scalar_type() == at::kBFloat16;
-        g.lora_a = a.data_ptr<float>();
         g.r = r;
         g.scaling = static_cast<float>(scalings[i]);
       }
