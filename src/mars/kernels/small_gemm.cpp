@@ -18,7 +18,6 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "simd.h"
