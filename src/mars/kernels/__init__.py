@@ -66,8 +66,8 @@ def kernel_isa() -> str:
 # How the weight stream is fetched suits the memory system of each vendor's cores (measured, one step's 30 layers of
 # projections, cold weights, 2 threads, benchmarks/decode_step_cpu/intel_stream/): on a 2-vCPU AMX Xeon, software
 # prefetch one tile ahead (not two) and 4 weight rows per 1-column tile (not 8) took 25.7 -> 21.9 ms at 1 column and
-# 26.1 -> 24.6 at 4 (MKL's gemv: 21.0 at 1); the AMD defaults were measured on Zen 3 and Zen 4 EPYCs.  Each output element keeps its
-# operation sequence, so the results are the same bits either way.
+# 26.1 -> 24.6 at 4 (MKL's gemv: 21.0 at 1); the AMD defaults were measured on Zen 3 and Zen 4 EPYCs.  Each output
+# element keeps its operation sequence, so the results are the same bits either way.
 STREAM_FLAGS = {"GenuineIntel": ("-DMARS_PF=1", "-DMARS_R1=4"), "AuthenticAMD": ()}
 
 
