@@ -128,22 +128,33 @@ def _warn_once(reason: str) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through the kernel where it applies (fp32, no autograd, at most :data:`MAX_COLUMNS` columns,
     or only the live columns of an :func:`only_columns` block); ``F.linear`` otherwise."""
-    if not _kernel_takes(x, weight):
+    if not kernel_takes(x, weight):
         return F.linear(x, weight, bias)
     from mars.kernels import small_linear_op
 
     return _at_live_rows(small_linear_op(), x, weight, bias)
 
 
+def down_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA down factor's ``F.linear(x, weight)`` through the kernel at any width (the fused pass computes it
+    there; a factor's few rows cost little at any width), so that a step wider than the kernel takes still gets
+    the fused pass's bits at mask columns; ``F.linear`` where the kernel does not take it (autograd, dtypes)."""
+    if not kernel_takes(x, weight):
+        return F.linear(x, weight)
+    from mars.kernels import small_linear_op
+
+    return _at_live_rows(small_linear_op(), x, weight, None, any_width=True)
+
+
 def lowrank_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A LoRA up factor's ``F.linear(x, weight)``, where :func:`linear` would take the kernel in the order the
-    fused pass (:func:`fused_linears`) adds the low-rank term, so that the two agree bit for bit."""
-    if not _kernel_takes(x, weight):
+    """A LoRA up factor's ``F.linear(x, weight)`` through the kernel at any width, in the order the fused pass
+    (:func:`fused_linears`) adds the low-rank term, so that the two agree bit for bit."""
+    if not kernel_takes(x, weight):
         return F.linear(x, weight)
     from mars.kernels import lowrank_linear_op
 
     op, packed = lowrank_linear_op(), packed_lowrank(weight)
-    return _at_live_rows(lambda x, w, _: op(x, packed, w.shape[0]), x, weight, None)
+    return _at_live_rows(lambda x, w, _: op(x, packed, w.shape[0]), x, weight, None, any_width=True)
 
 
 def attention_on() -> bool:
@@ -158,7 +169,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     a decode step's few query columns (0.6-0.9 ms less than SDPA's flash kernel per 30-layer step with 2-4
     columns on the 2-vCPU EPYC) and hands anything else to SDPA.  A column's output does not depend on the other
     columns of the step (see ``decode_attention.cpp``)."""
-    if query.device.type == "cpu" and _kernel_takes(query, key):
+    if query.device.type == "cpu" and kernel_takes(query, key):
         from mars.kernels import decode_attention_op
 
         return decode_attention_op()(query, key, value, mask, scale)
@@ -208,20 +219,22 @@ def packed_lowrank(weight: torch.Tensor) -> torch.Tensor:
     return _kept(_packed, weight, lambda _: pack_lowrank_op()(streamed_factor(weight)))
 
 
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled()
 
 
-def _at_live_rows(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _at_live_rows(
+    op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, any_width: bool = False
+) -> torch.Tensor:
     """``op(x, weight, bias)`` on the live rows of an :func:`only_columns` block (zeros elsewhere), on all rows
-    up to :data:`MAX_COLUMNS`, else ``F.linear``."""
+    up to :data:`MAX_COLUMNS` (``any_width``: at any number), else ``F.linear``."""
     n, k = weight.shape
     index = computed_rows(tuple(x.shape[:-1]))
     if index is not None:
         y = x.new_zeros((*x.shape[:-1], n))
         y.view(-1, n).index_copy_(0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias))
         return y
-    if x.numel() <= MAX_COLUMNS * k:
+    if any_width or x.numel() <= MAX_COLUMNS * k:
         return op(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -246,7 +259,7 @@ def fused_linears(
     (``(A factors, B factors packed by pack_lowrank, scalings)``, None entries for weights without an adapter)
     each adapted output also gets ``(B (A x)) * scaling`` at the flattened rows ``columns`` (of the rows
     computed, see :func:`computed_rows`) -- a gated LoRA at mask columns.  Bit-identical to the separate calls
-    (:func:`linear` for the weights and the down factors, :func:`lowrank_linear` for the up factors).
+    (:func:`linear` for the weights, :func:`down_linear` and :func:`lowrank_linear` for the factors).
 
     None where the kernel does not apply (autograd, other dtypes, more than :data:`MAX_COLUMNS` rows):
     the caller then runs the linears one by one."""
@@ -280,28 +293,31 @@ def _fast_forward(module: torch.nn.Linear):
     return forward
 
 
-def _lowrank_forward(module: torch.nn.Linear):
+def _factor_forward(module: torch.nn.Linear, product):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return lowrank_linear(x, module.weight)
+        return product(x, module.weight)
 
     return forward
 
 
 def _fast_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, object]]:
-    """Each fp32 CPU ``nn.Linear`` of ``model`` not patched yet, with its fast forward: LoRA up factors (peft's
-    ``lora_B`` linears) in the fused pass's order (:func:`lowrank_linear`), so the two agree bit for bit.  One
-    walk over the modules (a parent comes before its children, so its up factors are known when they come)."""
-    ups: set[int] = set()
+    """Each fp32 CPU ``nn.Linear`` of ``model`` not patched yet, with its fast forward: LoRA factors (peft's
+    ``lora_A``/``lora_B`` linears) through the kernel at any width, the up factors in the fused pass's order
+    (:func:`down_linear`, :func:`lowrank_linear`), so the two agree bit for bit.  One walk over the modules (a
+    parent comes before its children, so its factors are known when they come)."""
+    factors: dict[int, object] = {}
     plan = []
     for m in model.modules():
-        factors = m._modules.get("lora_B")
-        if isinstance(factors, torch.nn.ModuleDict):
-            ups.update(id(f) for f in factors.values())
+        for name, product in (("lora_A", down_linear), ("lora_B", lowrank_linear)):
+            held = m._modules.get(name)
+            if isinstance(held, torch.nn.ModuleDict):
+                factors.update((id(f), product) for f in held.values())
         if type(m) is not torch.nn.Linear or "forward" in m.__dict__:
             continue  # not exactly nn.Linear, or already patched by an outer block
         if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
             continue
-        plan.append((m, _lowrank_forward(m) if id(m) in ups and m.bias is None else _fast_forward(m)))
+        product = factors.get(id(m)) if m.bias is None else None
+        plan.append((m, _fast_forward(m) if product is None else _factor_forward(m, product)))
     return plan
 
 

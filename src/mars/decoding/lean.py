@@ -38,8 +38,10 @@ from .fastpath import (
     MAX_COLUMNS,
     attention,
     computed_rows,
+    down_linear,
     enabled_by_env,
     fused_linears,
+    kernel_takes,
     linear,
     lowrank_linear,
     packed_lowrank,
@@ -216,7 +218,7 @@ class LeanDecoder:
         streamed = [None if a is None else streamed_factor(a) for a in lora_a]
         packed = [None if b is None else packed_lowrank(b) for b in lora_b]
         step = decoder_step_class()
-        return step(norms, eps, scales, weights, biases, streamed, lora_b, packed, scalings, self.head_dim)
+        return step(norms, eps, scales, weights, biases, streamed, packed, scalings, self.head_dim)
 
     @staticmethod
     def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:  # LlamaRMSNorm.forward, op for op
@@ -245,14 +247,21 @@ class LeanDecoder:
         return outputs
 
     def _project(self, h: torch.Tensor, module) -> torch.Tensor:
-        """A projection; a gated LoRA layer adds ``B(A(h) * gate) * scaling`` exactly as its peft forward does
-        with the adapter's gate hook (same ops, same shapes, so the same rounding)."""
+        """A projection; a gated LoRA layer adds ``B(A(h) * gate) * scaling`` as its peft forward does with the
+        adapter's gate hook: op for op where the kernel does not take the factors, else only at the mask
+        columns (the factors' products through the kernel give each column the same bits at any width, and the
+        other columns add zeros), so a prefill wider than the kernel pays the adapter at its masks alone."""
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         y = linear(h, base.weight, base.bias)
         if self.gate_columns is None or base is module:
             return y
-        a = linear(h, module.lora_A["default"].weight) * self.gate_columns
-        return y + lowrank_linear(a, module.lora_B["default"].weight) * module.scaling["default"]
+        down, up, scaling = module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
+        if not (kernel_takes(h, down) and kernel_takes(h, up) and computed_rows(tuple(h.shape[:-1])) is None):
+            a = down_linear(h, down) * self.gate_columns
+            return y + lowrank_linear(a, up) * scaling
+        at_masks = h.reshape(-1, h.shape[-1]).index_select(0, self.mask_rows)
+        delta = lowrank_linear(down_linear(at_masks, down), up) * scaling
+        return y.view(-1, y.shape[-1]).index_add(0, self.mask_rows, delta).view(y.shape)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # the embedding's weights directly: the module may carry the gated adapter's hook, mirrored here
@@ -291,9 +300,7 @@ class LeanDecoder:
             rows = computed_rows(tuple(x.shape[:2]))
             dense = rows is None and x.shape[0] * x.shape[1] > MAX_COLUMNS  # wider than the kernel: F.linear
             cached = (keys, values, start or 0, length)
-            return native.step(
-                x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, self.gate_columns, dense
-            )
+            return native.step(x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, dense)
         batch, columns = input_ids.shape
         shape = (batch, columns, -1, self.head_dim)
         rotate = self._rotate_half

@@ -33,7 +33,8 @@ using OptionalList = c10::List<c10::optional<at::Tensor>>;
 // The projections of one input (q/k/v, o, gate/up, down): weights, biases, and a gated LoRA's factors.
 struct Group {
   std::vector<at::Tensor> weights;
-  OptionalList biases, lora_a, lora_b, lora_b_packed;  // packed: the up factors as fused_linear takes them
+  OptionalList biases, lora_a, lora_b_packed;  // the down factors as fused_linear streams them; the up ones packed
+  std::vector<at::Tensor> lora_a_wide;  // the down factors in float32 (undefined where absent), for dense steps
   std::vector<double> scalings;  // empty with lora_a when the group has no adapter
   bool adapted = false;
 };
@@ -47,14 +48,13 @@ struct DecoderStep : torch::CustomClassHolder {
   double final_eps;
   int64_t head_dim;
 
-  // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b, lora_b_packed: 7 per layer
-  // (None where absent; lora lists empty for a model without an adapter; the down factors as fused_linear streams
-  // them, float32 or bfloat16; the up factors as peft holds them, for steps wider than the kernel, and packed by
-  // mars::pack_lowrank, for fused_linear); scalings: 7 per layer (0
-  // where not adapted); norms: 2 per layer then the final one, with their epsilons.
+  // weights: 7 per layer (q, k, v, o, gate, up, down); biases, lora_a, lora_b_packed: 7 per layer (None where
+  // absent; lora lists empty for a model without an adapter; the down factors as fused_linear streams them,
+  // float32 or bfloat16; the up factors packed by mars::pack_lowrank); scalings: 7 per layer (0 where not
+  // adapted); norms: 2 per layer then the final one, with their epsilons.
   DecoderStep(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<double> attn_scales,
-              std::vector<at::Tensor> weights, OptionalList biases, OptionalList lora_a, OptionalList lora_b,
-              OptionalList lora_b_packed, std::vector<double> scalings, int64_t head_dim_)
+              std::vector<at::Tensor> weights, OptionalList biases, OptionalList lora_a, OptionalList lora_b_packed,
+              std::vector<double> scalings, int64_t head_dim_)
       : head_dim(head_dim_) {
     const size_t layers = attn_scales.size();
     TORCH_CHECK(norms.size() == 2 * layers + 1 && eps.size() == norms.size(), "mars::DecoderStep: ", layers,
@@ -62,9 +62,9 @@ struct DecoderStep : torch::CustomClassHolder {
     TORCH_CHECK(weights.size() == 7 * layers && biases.size() == weights.size(), "mars::DecoderStep: 7 weights and ",
                 "biases per layer");
     const bool lora = lora_a.size() > 0;
-    TORCH_CHECK(!lora || (lora_a.size() == weights.size() && lora_b.size() == weights.size() &&
-                          lora_b_packed.size() == weights.size() && scalings.size() == weights.size()),
-                "mars::DecoderStep: lora_a, lora_b, lora_b_packed and scalings need 7 entries per layer");
+    TORCH_CHECK(!lora || (lora_a.size() == weights.size() && lora_b_packed.size() == weights.size() &&
+                          scalings.size() == weights.size()),
+                "mars::DecoderStep: lora_a, lora_b_packed and scalings need 7 entries per layer");
     // q/k/v, o, gate/up, down: the groups LeanDecoder runs as one kernel pass each
     const int sizes[4] = {3, 1, 2, 1};
     for (size_t l = 0; l < layers; ++l) {
@@ -83,14 +83,15 @@ struct DecoderStep : torch::CustomClassHolder {
             const c10::optional<at::Tensor> a = lora_a.get(i);
             g.adapted = g.adapted || (a.has_value() && a->defined());
             g.lora_a.push_back(a);
-            g.lora_b.push_back(lora_b.get(i));
+            // a down factor streamed as bf16 widens exactly: the fp32 factor's values
+            g.lora_a_wide.push_back(a.has_value() && a->defined() ? a->to(at::kFloat) : at::Tensor());
             g.lora_b_packed.push_back(lora_b_packed.get(i));
             g.scalings.push_back(scalings[i]);
           }
         }
         if (!g.adapted) {  // as LeanDecoder's _Group: no LoRA entries for a group without an adapter
           g.lora_a = OptionalList();
-          g.lora_b = OptionalList();
+          g.lora_a_wide.clear();
           g.lora_b_packed = OptionalList();
           g.scalings.clear();
         }
@@ -164,20 +165,31 @@ struct DecoderStep : torch::CustomClassHolder {
   // As mars.decoding.lean's _project_group: through fused_linear (with `rows`, only those flattened columns are
   // computed and the others are zeros: index_select, then index_copy_ into zeros, the ops of
   // mars.decoding.fastpath.fused_linears), or, for a step wider than the kernel takes (`dense`), each
-  // projection by at::linear (MKL) and a gated LoRA as B((A h) * gate) * scaling, the ops of _project.
+  // projection by at::linear (MKL) and a gated LoRA's B(A h) * scaling added at the mask columns alone, its
+  // factors through the kernel, the ops of _project.
   std::vector<at::Tensor> project(const at::Tensor& h, const Group& g, const c10::optional<at::Tensor>& mask_rows,
-                                  const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& gate,
-                                  bool dense) const {
+                                  const c10::optional<at::Tensor>& rows, bool dense) const {
     static const OptionalList none;
     if (dense) {
       std::vector<at::Tensor> out;
+      const bool lora = g.adapted && mask_rows.has_value();
+      const at::Tensor at_rows = lora ? mask_rows->contiguous() : at::Tensor();
+      const at::Tensor at_masks = lora ? h.reshape({-1, h.size(-1)}).index_select(0, at_rows) : at::Tensor();
       for (size_t i = 0; i < g.weights.size(); ++i) {
-        at::Tensor y = at::linear(h, g.weights[i], g.biases.get(i));
-        const c10::optional<at::Tensor> A = g.adapted ? g.lora_a.get(i) : c10::nullopt;
-        if (gate.has_value() && A.has_value() && A->defined()) {
-          // a down factor streamed as bf16 (see fused_linear) widens exactly: the fp32 factor's product
-          const at::Tensor a = at::linear(h, A->to(h.scalar_type())) * *gate;
-          y = y + at::linear(a, g.lora_b.get(i).value()) * g.scalings[i];
+        at::Tensor y = at::linear(h, g.weights[i], g.biases.get(i)).contiguous();
+        const at::Tensor A = at_masks.defined() ? g.lora_a_wide[i] : at::Tensor();
+        if (A.defined()) {
+          const int64_t N = y.size(-1);
+          const at::Tensor B = g.lora_b_packed.get(i).value();
+          const at::Tensor delta = lowrank_linear(small_linear(at_masks, A, c10::nullopt), B, N).contiguous();
+          // y + delta * scaling at the mask rows (rounded apart: -ffp-contract=off), as peft's sum; y is ours
+          const float scaling = static_cast<float>(g.scalings[i]);
+          const int64_t* rp = at_rows.data_ptr<int64_t>();
+          for (int64_t j = 0; j < at_rows.numel(); ++j) {
+            float* yr = y.data_ptr<float>() + rp[j] * N;
+            const float* dr = delta.data_ptr<float>() + j * N;
+            for (int64_t n = 0; n < N; ++n) yr[n] = yr[n] + dr[n] * scaling;
+          }
         }
         out.push_back(y);
       }
@@ -201,15 +213,14 @@ struct DecoderStep : torch::CustomClassHolder {
   // columns, head_dim]; keys/values: each layer's cache buffers [batch, kv_heads, capacity, head_dim]; the new
   // columns are written at `positions` [batch, columns] (scattered, as RaggedKVLayer.update) or, when it is
   // None (one row), at start .. start + columns - 1 (a copy); attention reads the first kv_length positions;
-  // mask_rows: the mask columns a gated adapter acts at, among the computed ones, and gate: [batch, columns, 1],
-  // 1.0 at mask columns (both None: no adapter in this step); rows: the flattened columns computed (None:
-  // all); dense: the step is wider than fused_linear takes (see project).  Returns the final normed hidden
-  // states [batch, columns, hidden].
+  // mask_rows: the mask columns a gated adapter acts at, among the computed ones (None: no adapter in this
+  // step); rows: the flattened columns computed (None: all); dense: the step is wider than fused_linear takes
+  // (see project).  Returns the final normed hidden states [batch, columns, hidden].
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
                   int64_t kv_length, const c10::optional<at::Tensor>& mask_rows,
                   const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows,
-                  const c10::optional<at::Tensor>& gate, bool dense) const {
+                  bool dense) const {
     const size_t layers = scales.size();
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "mars::DecoderStep: one cache buffer per layer");
     TORCH_CHECK(x.dim() == 3 && (positions.has_value() || x.size(0) == 1), "mars::DecoderStep: ", x.sizes(),
@@ -227,7 +238,7 @@ struct DecoderStep : torch::CustomClassHolder {
     for (size_t l = 0; l < layers; ++l) {
       const Group* g = &groups[4 * l];
       at::Tensor h = rms_norm(norm_in[l], eps_in[l], x);
-      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows, rows, gate, dense);
+      std::vector<at::Tensor> qkv = project(h, g[0], mask_rows, rows, dense);
       at::Tensor q = qkv[0].view(shape).transpose(1, 2);
       at::Tensor k = qkv[1].view(shape).transpose(1, 2);
       at::Tensor v = qkv[2].view(shape).transpose(1, 2);
@@ -244,10 +255,10 @@ struct DecoderStep : torch::CustomClassHolder {
       v = values[l].slice(2, 0, kv_length);
       at::Tensor a = decode_attention(q, k, v, mask, scales[l]);  // SDPA where its kernel does not apply
       a = a.transpose(1, 2).contiguous().reshape({batch, columns, -1}).contiguous();
-      x = x + project(a, g[1], mask_rows, rows, gate, dense)[0];
+      x = x + project(a, g[1], mask_rows, rows, dense)[0];
       h = rms_norm(norm_post[l], eps_post[l], x);
-      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows, rows, gate, dense);
-      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows, rows, gate, dense)[0];
+      std::vector<at::Tensor> gate_up = project(h, g[2], mask_rows, rows, dense);
+      x = x + project(at::silu(gate_up[0]) * gate_up[1], g[3], mask_rows, rows, dense)[0];
     }
     return rms_norm(final_norm, final_eps, x);
   }
@@ -258,6 +269,6 @@ struct DecoderStep : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(MARS_NAMESPACE, m) {
   m.class_<DecoderStep>("DecoderStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, std::vector<at::Tensor>,
-                       OptionalList, OptionalList, OptionalList, OptionalList, std::vector<double>, int64_t>())
+                       OptionalList, OptionalList, OptionalList, std::vector<double>, int64_t>())
       .def("step", &DecoderStep::step);
 }

@@ -9,6 +9,10 @@
 #define MARS_NAMESPACE mars
 #endif
 
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+at::Tensor lowrank_linear(const at::Tensor& x, const at::Tensor& weight, c10::optional<int64_t> rows);
+
 std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights,
                                      const c10::List<c10::optional<at::Tensor>>& biases,
                                      const c10::List<c10::optional<at::Tensor>>& lora_a,
