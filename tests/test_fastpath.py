@@ -236,13 +236,14 @@ def test_kernel_isa_follows_the_cpu_and_an_override(monkeypatch):
 def test_the_weight_stream_is_tuned_per_cpu_vendor_and_each_tuning_is_its_own_build(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
     intel = kernels.cflags()
-    assert "-DMARS_PF=1" in intel and "-DMARS_R1=4" in intel
+    assert {"-DMARS_PF=1", "-DMARS_R1=4", "-DMARS_LORA_PF=1"} <= set(intel)
     intel_key = kernels.build_key()
+    tuning = ("-DMARS_PF", "-DMARS_R1", "-DMARS_LORA_PF")
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    assert not any(f.startswith(("-DMARS_PF", "-DMARS_R1")) for f in kernels.cflags())  # the source's defaults
+    assert not any(f.startswith(tuning) for f in kernels.cflags())  # the source's defaults
     assert kernels.build_key() != intel_key
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "")  # unknown vendor: the source's defaults too
-    assert kernels.cflags() == tuple(f for f in intel if not f.startswith(("-DMARS_PF", "-DMARS_R1")))
+    assert kernels.cflags() == tuple(f for f in intel if not f.startswith(tuning))
 
 
 @pytest.mark.slow

@@ -235,10 +235,34 @@ void down_products(const T* A, int64_t r, int64_t K, const float* xm, int64_t nc
 // rank-8 adapter added 1.86 ms to a step's 120 three-column passes, now 1.63, 2 threads on an AMX Xeon,
 // benchmarks/decode_step_cpu/intel_stream/lora_wait_ab/).  Every element keeps its operation sequence, so the
 // result does not depend on which thread computes what.
+// MARS_LORA_PF=1: before a thread's low-rank work on a segment, the factor bytes it reads (prefetch_factors) are
+// fetched in one burst, so that their misses overlap instead of following the down products' loop.  On a 2-vCPU
+// AMX Xeon a rank-8 adapter's cost on a step's 120 three-column passes went 2.20 -> 1.63 ms (medians of 5
+// alternating rounds); fetching them 256 KB of weights before the end of the thread's rows gave 1.93
+// (benchmarks/decode_step_cpu/intel_stream/lora_prefetch_ab/).  mars.kernels.STREAM_FLAGS sets it per vendor.
+#ifndef MARS_LORA_PF
+#define MARS_LORA_PF 0
+#endif
+// The factor bytes a thread reads for segment g's rows [t0, t1): A whole, and B's panels of those rows.
+inline void prefetch_factors(const Segment& g, int64_t K, int64_t t0, int64_t t1) {
+  const char* a = static_cast<const char*>(g.lora_down);
+  const int64_t a_bytes = g.r * K * (g.down_bf16 ? 2 : 4);
+  for (int64_t off = 0; off < a_bytes; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+  const int64_t esize = g.up_bf16 ? 2 : 4, panel_bytes = g.r * kPanel * esize;
+  const char* b = static_cast<const char*>(g.lora_up) + (t0 / kPanel) * panel_bytes;
+  const int64_t b_bytes = ((t1 + kPanel - 1) / kPanel - t0 / kPanel) * panel_bytes;
+  for (int64_t off = 0; off < b_bytes; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+}
+
 template <int R, int MB, bool kLora>
 void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, int64_t K, const float* xm,
                   const int64_t* cols, int64_t ncols, int64_t blocks, int64_t grain) {
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    // the rows [t0, t1) of segment g this thread computes (t0 >= t1: none)
+    auto rows_of = [&](const Segment& g) {
+      const int64_t lo = std::max(begin, g.first_block), hi = std::min(end, g.first_block + (g.n + R - 1) / R);
+      return std::make_pair((lo - g.first_block) * R, std::min<int64_t>((hi - g.first_block) * R, g.n));
+    };
     size_t s = 0;  // the segment of the current block
     for (int64_t blk = begin; blk < end; ++blk) {
       while (blk >= segs[s].first_block + (segs[s].n + R - 1) / R) ++s;
@@ -256,15 +280,15 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
     std::vector<float> a;  // one segment's down products [ncols, r]
     float* cols_y[kMaxColumns];
     for (const Segment& g : segs) {
-      const int64_t lo = std::max(begin, g.first_block), hi = std::min(end, g.first_block + (g.n + R - 1) / R);
-      if (g.lora_down == nullptr || lo >= hi) continue;
+      const auto [t0, t1] = rows_of(g);
+      if (g.lora_down == nullptr || t0 >= t1) continue;
+      if (MARS_LORA_PF) prefetch_factors(g, K, t0, t1);
       a.resize(static_cast<size_t>(ncols * g.r));
       if (g.down_bf16)
         down_products<R, MB>(static_cast<const uint16_t*>(g.lora_down), g.r, K, xm, ncols, a.data());
       else
         down_products<R, MB>(static_cast<const float*>(g.lora_down), g.r, K, xm, ncols, a.data());
       for (int64_t c = 0; c < ncols; ++c) cols_y[c] = g.y + cols[c] * g.n;
-      const int64_t t0 = (lo - g.first_block) * R, t1 = std::min<int64_t>((hi - g.first_block) * R, g.n);
       if (g.up_bf16)
         lowrank_rows<true>(static_cast<const uint16_t*>(g.lora_up), a.data(), g.r, cols_y, ncols, t0, t1, g.scaling);
       else
