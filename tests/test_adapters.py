@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from decoding_fixtures import give_adapter_weights
+from safetensors.torch import load_file
 
 from mars.adapters import (
     AdapterError,
@@ -95,6 +96,9 @@ def test_saved_adapter_reloads_to_the_same_outputs(tmp_path):
     folder = save(model, tmp_path / "adapter", mask_token_id=MASK_ID)
     files = {p.name for p in folder.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "mars_adapter.json"} <= files
+    stored = load_file(folder / "adapter_model.safetensors")
+    recorded = json.loads((folder / "mars_adapter.json").read_text())["adapter_parameters"]
+    assert recorded == sum(t.numel() for t in stored.values()) > 0
     fresh = tiny()
     load_adapter(fresh, folder, MASK_ID, block_size=4)
     _, masked = ids_with_masks()

@@ -264,8 +264,8 @@ def recorded_base_digest(model: nn.Module) -> str:
 
 def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any], dtype: torch.dtype | None = None) -> None:
     """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's format; its tensors in ``dtype`` when
-    given) + ``mars_adapter.json`` (kind, base model and its weights' digest, block size, mask token) into an
-    existing ``folder``."""
+    given) + ``mars_adapter.json`` (kind, base model and its weights' digest, block size, mask token, the
+    adapter's parameter count) into an existing ``folder``."""
     from safetensors.torch import save_file
 
     settings: AdapterSettings = model.mars_adapter
@@ -276,6 +276,7 @@ def write_adapter(model: nn.Module, folder: Path, meta: dict[str, Any], dtype: t
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     save_file(state, folder / ADAPTER_WEIGHTS)
+    meta = {**meta, "adapter_parameters": sum(t.numel() for t in state.values())}
     (folder / ADAPTER_META).write_text(json.dumps({"settings": asdict(settings), **meta}, indent=2) + "\n")
 
 

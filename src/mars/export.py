@@ -62,7 +62,7 @@ def export_adapter(
     when given), the tokenizer with its mask token and ``mars_config.json`` (``adapter: gated_lora``, the base
     model), in one folder that :func:`mars.models.load_model` turns back into base + adapter.  ``provenance``
     goes into ``mars_adapter.json`` as it is.  Written atomically."""
-    from mars.adapters import adapter_state_dict, recorded_base_digest, write_adapter
+    from mars.adapters import recorded_base_digest, write_adapter
 
     meta = MarsMetadata.from_dict(
         {**metadata, "adapter": "gated_lora", "num_parameters": metadata.get("base_num_parameters")},
@@ -76,7 +76,6 @@ def export_adapter(
         "block_size": meta.block_size,
         "mask_token": meta.mask_token,
         "mask_token_id": meta.mask_token_id,
-        "adapter_parameters": sum(t.numel() for t in adapter_state_dict(model).values()),
         **(provenance or {}),
     }
     with atomic_dir(out) as tmp:  # adapter, tokenizer and metadata appear together or not at all
