@@ -305,6 +305,21 @@ def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
         assert not torch.equal(plain[1][1:width], cpp[1][1:width])
 
 
+def test_a_step_wider_than_the_kernel_computes_the_adapter_at_its_masks_only(monkeypatch):
+    """In a step wider than the kernel takes (F.linear for the weights) the lean Python loop runs a gated LoRA's
+    down products on the mask columns alone, not on every column with a zero gate (the C++ pass does the same
+    and agrees bit for bit: the ``wide`` cases above)."""
+    import mars.decoding.lean as lean
+
+    kernel_or_skip()
+    rows = []
+    down = lean.down_linear
+    monkeypatch.setattr(lean, "down_linear", lambda x, w: rows.append(x.shape[0]) or down(x, w))
+    logits, _ = _decode_ragged_batch(MODELS["gated"](), False, True, WIDE)
+    assert logits and rows, "the adapter did not act"
+    assert set(rows) == {WIDE[1][1][0] - 1}  # step 1: row 0's masks (its columns after the first)
+
+
 def test_batched_decoding_runs_the_cpp_step(monkeypatch, tokenizer):  # noqa: F811
     """A batch of ragged prompts decoded by the engine (cursor cache, masks below threshold 1.0): the prefill
     and the batched decode steps all take the C++ pass, none the Python loop."""

@@ -6,10 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-import mars.kernels as K
+import mars.kernels as kernels
 
 mode = os.environ["PF"]
-flags = tuple(f for f in K.STREAM_FLAGS["GenuineIntel"] if not f.startswith("-DMARS_LORA_PF"))
-K.STREAM_FLAGS["GenuineIntel"] = (*flags, f"-DMARS_LORA_PF={mode}")
+flags = tuple(f for f in kernels.STREAM_FLAGS["GenuineIntel"] if not f.startswith("-DMARS_LORA_PF"))
+kernels.STREAM_FLAGS["GenuineIntel"] = (*flags, f"-DMARS_LORA_PF={mode}")
 sys.argv = [sys.argv[0], "benchmarks/reproduce_smollm2-135m-amx/adapter_rank8", "3"]
 exec((Path(__file__).parent.parent / "lora_wait_ab" / "lora_ab.py").read_text())
