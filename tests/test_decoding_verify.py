@@ -17,6 +17,7 @@ from decoding_fixtures import (  # noqa: F401
 )
 
 from mars.decoding import generate
+from mars.decoding.engine import DecodeEngine
 from mars.decoding.verify import leading_matches, speculative_accept, typical_drafts
 
 
@@ -52,6 +53,41 @@ def test_draft_threshold_never_changes_the_output(model, tokenizer):
         assert out.token_ids == expected
         proposed.append(sum(out.stats.extra["drafts_proposed"]))
     assert proposed == sorted(proposed, reverse=True) and proposed[0] > proposed[-1]
+
+
+def test_exact_greedy_steps_read_no_probabilities_and_decode_the_same(model, tokenizer, monkeypatch):
+    """AR and lossless verify rows read only the argmax, so their steps skip the log-softmax over the vocabulary;
+    the draft threshold needs it on the steps that fed masks only; a row below 1.0 needs it on every step.  Forcing
+    the log-softmax on every step decodes the same tokens with the same forwards."""
+    prompts = random_prompts((5, 17, 9))
+    expected = hf_greedy(model, tokenizer, prompts, 20)
+    widths = []
+    log_probs = DecodeEngine.log_probs
+
+    def counted(self, logits, temperature):
+        widths.append(logits.shape[1])
+        return log_probs(self, logits, temperature)
+
+    monkeypatch.setattr(DecodeEngine, "log_probs", counted)
+    runs = {
+        "ar": dict(threshold=1.0, cache="cursor"),
+        "verify": dict(verify=True, draft_threshold=0.0),
+        "verify-dt": dict(verify=True, draft_threshold=0.3),
+        "tau": dict(threshold=0.5, cache="cursor"),
+    }
+    read, outs = {}, {}
+    for name, kw in runs.items():
+        widths.clear()
+        outs[name] = generate(model, tokenizer, prompts, max_new_tokens=20, **kw)
+        read[name] = list(widths)
+    assert outs["ar"].token_ids == outs["verify"].token_ids == outs["verify-dt"].token_ids == expected
+    assert read["ar"] == [] and read["verify"] == []
+    assert 0 < len(read["verify-dt"]) < outs["verify-dt"].stats.forwards  # steps that check drafts skip it
+    assert len(read["tau"]) == outs["tau"].stats.forwards
+    monkeypatch.setattr(DecodeEngine, "_reads_probabilities", lambda self, plan: True)
+    for name, kw in runs.items():
+        forced = generate(model, tokenizer, prompts, max_new_tokens=20, **kw)
+        assert forced.token_ids == outs[name].token_ids and forced.stats.forwards == outs[name].stats.forwards, name
 
 
 def test_verify_below_one_without_drafts_is_plain_mars(model, tokenizer):

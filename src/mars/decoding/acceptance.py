@@ -38,7 +38,9 @@ def never_emitted(mask_token_id: int | None, eos_ids: Sequence[int]) -> list[int
 def suppress(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
     """``logits`` with ``token_ids`` at -inf (in place): they can be neither chosen nor sampled, and the
     confidence of every other token is measured without them."""
-    if token_ids:
+    if len(token_ids) == 1:  # the usual case (the mask token): a view's fill, not an index tensor per step
+        logits[..., int(token_ids[0])] = float("-inf")
+    elif token_ids:
         logits[..., list(token_ids)] = float("-inf")
     return logits
 

@@ -498,6 +498,8 @@ class DecodeEngine:
             guesses = rows.guesses[:, :compared]
             run = 1 + leading_matches(guesses, predicted[:, :compared], torch.full_like(cap_now, compared))
             count, score = torch.minimum(run, cap_now), None  # (Jacobi rows never verify)
+        elif logp is None:  # every row exact: one token (a verifying row's count is the verifier's)
+            count, score = cap_now.clamp_max(1), None
         else:
             score = confidence(logp, predicted, s.metric)
             count = accept_counts(score, rows.threshold, s.metric, cap_now)
@@ -507,17 +509,32 @@ class DecodeEngine:
         count, hit_eos = cut_at_eos(tokens, count, self.eos)
         return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts)
 
-    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities at every prediction column and the token chosen there: the argmax, or a
-        Gumbel-max draw for sampling rows (each from its own generator, only its own columns)."""
+    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Log-probabilities at every prediction column (None when no row reads one) and the token chosen
+        there: the argmax of the logits, or a Gumbel-max draw for sampling rows (each from its own
+        generator, only its own columns).  ``logits`` come back with the never-emitted tokens at -inf."""
+        predicted = suppress(logits, self.never).max(dim=-1).indices  # max(-1): first maximum, as argmax, faster
+        if not self._reads_probabilities(plan):
+            return None, predicted
         logp, sampled = self.log_probs(logits, self.rows.tensors.temperature)
-        predicted = torch.argmax(logp, dim=-1)
         if sampled is not None:
             noise = gumbel_noise(logp, self.rows.row_generators(), plan.predictions)
             predicted = torch.where(sampled.unsqueeze(1), torch.argmax(logp + noise, dim=-1), predicted)
         return logp, predicted
 
-    def _verify(self, plan: StepPlan, logp: torch.Tensor, predicted: torch.Tensor, score, count: torch.Tensor):
+    def _reads_probabilities(self, plan: StepPlan) -> bool:
+        """Whether a row reads a probability this step: a threshold below 1.0 (its confidence), sampling,
+        typical acceptance, a draft distribution, or the draft threshold on masks a verifying row fed.  Greedy
+        rows at an exact threshold read only the argmax otherwise (AR; lossless verify on a step that checks
+        drafts), and Jacobi rows only theirs: the step skips the log-softmax over the vocabulary."""
+        s, rows = self.settings, self.rows
+        if rows.sampling or s.typical_epsilon > 0 or rows.tensors.draft_log_q is not None or s.fallback == "jacobi":
+            return True
+        if s.draft_threshold > 0 and plan.draft_masks.any():
+            return True
+        return not (self.guess_slots or self._exact_rows().all())
+
+    def _verify(self, plan: StepPlan, logp, predicted: torch.Tensor, score, count: torch.Tensor):
         """Verifying rows accept their passing drafts plus the target's token after them, then (below
         threshold 1.0) the masks that meet their threshold; next drafts."""
         dev = self.device
@@ -580,13 +597,16 @@ class DecodeEngine:
         row accepted), else the fallback: none, or the target's unverified predictions after the rejected
         draft (Jacobi-style guesses)."""
         s, rows, dev = self.settings, self.rows.tensors, self.device
+        jacobi = s.fallback == "jacobi"
+        if not (jacobi or plan.draft_masks.any() or rows.draft_log_q is not None):  # no row fed masks: no drafts
+            return NextDrafts(rows.drafts, rows.draft_count.masked_fill(verifying, 0), None)
         first = torch.where(all_passed, drafts_fed + 1 + accepted_masks, passed + 1)
         read = (first.unsqueeze(1) + torch.arange(self.max_drafts, device=dev)).clamp_max(predicted.shape[1] - 1)
         tokens = predicted.gather(1, read)
         fed = torch.as_tensor(plan.draft_masks, device=dev).clamp_max(self.max_drafts)  # the masks this step fed
         from_masks = (fed - accepted_masks).clamp_min(0)
         count = torch.where(all_passed, from_masks, torch.zeros_like(drafts_fed))
-        if s.fallback == "jacobi":
+        if jacobi:
             count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))
         if s.draft_threshold > 0:
             # the mask's top probability; without sampling rows that is at the argmax (no max over the vocabulary)

@@ -158,7 +158,7 @@ class RowBatch:
 
     @property
     def sampling(self) -> bool:
-        return bool((self.tensors.temperature > 0).any()) if len(self) else False
+        return any(r.temperature > 0 for r in self.records.requests)  # (host side: no device op per ask)
 
     # ------------------------------------------------------------------ joining and leaving
     def add(self, requests: list[Request], caps: list[int], extra: int) -> None:
