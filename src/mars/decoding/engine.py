@@ -528,9 +528,9 @@ class DecodeEngine:
         rows at an exact threshold read only the argmax otherwise (AR; lossless verify on a step that checks
         drafts), and Jacobi rows only theirs: the step skips the log-softmax over the vocabulary."""
         s, rows = self.settings, self.rows
-        if rows.sampling or s.typical_epsilon > 0 or rows.tensors.draft_log_q is not None or s.fallback == "jacobi":
+        if rows.sampling or s.typical_epsilon > 0 or rows.tensors.draft_log_q is not None:
             return True
-        if s.draft_threshold > 0 and plan.draft_masks.any():
+        if s.draft_threshold > 0 and (plan.draft_masks.any() or (s.fallback == "jacobi" and plan.verifying.any())):
             return True
         return not (self.guess_slots or self._exact_rows().all())
 
