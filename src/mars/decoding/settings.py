@@ -125,11 +125,13 @@ class DecodingSettings:
             "drafts verified per step with verify=True (default: window - 1 with draft_source=masks, else block_size)"
         ),
     )
-    # 0.3 by measurement (benchmarks/decode_step_cpu/verify_masks/): once the masks no longer ride after the
-    # drafts on a CPU (chain_drafts=auto) a draft column is cheap, and 0.3 verifies more tokens per forward
-    # for the same time (0.5 was chosen while every draft also carried the masks after it)
+    # 0.15 by measurement (benchmarks/decode_step_cpu/intel_stream/throughput_b*_amx_rank8_draft_threshold/): on
+    # the AMX reference lossless verify ran 1.20x AR at 0.15 against 1.18x at 0.3 at batch 1 (and faster at batch
+    # 4), and an offline replay of the policies (intel_stream/verify_policy_sim/) ranks 0.15 at or above 0.3 on
+    # both reference adapters. 0.3 came from benchmarks/decode_step_cpu/verify_masks/, 0.5 from the days when
+    # every draft also carried the masks after it
     draft_threshold: float = field(
-        default=0.3,
+        default=0.15,
         metadata=_help(
             "verify=True: propose a draft only while the mask's top probability is >= this (0: always); "
             "never changes the output, only how many columns a step spends on drafts"

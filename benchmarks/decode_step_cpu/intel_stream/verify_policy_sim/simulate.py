@@ -75,11 +75,13 @@ def price(records: list[dict], masks_for, thresholds) -> dict:
 
 
 POLICIES = {
-    "2 masks, draft threshold 0.3 (the default)": (lambda last: 2, (0.3, 0.3, 0.3)),
+    "2 masks, draft threshold 0.3 (the default before this)": (lambda last: 2, (0.3, 0.3, 0.3)),
     "1 mask": (lambda last: 1, (0.3, 0.3, 0.3)),
     "3 masks": (lambda last: 3, (0.3, 0.3, 0.3)),
     "2 masks, second draft at 0.6": (lambda last: 2, (0.3, 0.6, 0.6)),
     "2 masks, first draft at 0.1": (lambda last: 2, (0.1, 0.3, 0.3)),
+    "2 masks, draft threshold 0.15 (the default now)": (lambda last: 2, (0.15, 0.15, 0.15)),
+    "2 masks, draft threshold 0.5": (lambda last: 2, (0.5, 0.5, 0.5)),
     "2 masks after a step whose drafts all passed, else 1": (
         lambda last: 2 if last is None or last[0] == last[1] else 1,
         (0.3, 0.3, 0.3),
