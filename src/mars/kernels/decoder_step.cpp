@@ -102,7 +102,7 @@ struct DecoderStep : torch::CustomClassHolder {
     final_eps = eps.back();
   }
 
-  // LlamaRMSNorm.forward, op for op.  In fp32 the mean of the squares stays ATen's (its summation order), and the
+  // LlamaRMSNorm.forward, op for op.  In fp32 the sum of the squares stays ATen's (its summation order), and the
   // rest -- rsqrt(variance + eps), the product by it, the product by the weight -- is one loop rounding each
   // element as those ops do (a correctly rounded square root, then division; -ffp-contract=off), bit-identical.
   static at::Tensor rms_norm(const at::Tensor& weight, double eps, const at::Tensor& x) {
@@ -114,16 +114,19 @@ struct DecoderStep : torch::CustomClassHolder {
       h = h * at::rsqrt(variance + eps);
       return weight * h.to(dtype);
     }
-    const at::Tensor variance = x.pow(2).mean({-1}, /*keepdim=*/true).contiguous();
+    // pow(2) is x * x and mean is sum then div_ by the count (ATen's CPU mean_out), so the squares are made here
+    // and only the sum is ATen's: the same bits without two of its ops per norm
     at::Tensor out = at::empty_like(x);
     const int64_t width = x.size(-1), rows = x.numel() / std::max<int64_t>(width, 1);
     const float* xp = x.data_ptr<float>();
-    const float* wp = weight.data_ptr<float>();
-    const float* vp = variance.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const float feps = static_cast<float>(eps);
+    for (int64_t i = 0; i < rows * width; ++i) op[i] = xp[i] * xp[i];
+    const at::Tensor sums = at::sum(out, {-1}, /*keepdim=*/true).contiguous();
+    const float* wp = weight.data_ptr<float>();
+    const float* sp = sums.data_ptr<float>();
+    const float feps = static_cast<float>(eps), count = static_cast<float>(width);
     for (int64_t r = 0; r < rows; ++r) {
-      const float scale = 1.0f / std::sqrt(vp[r] + feps);
+      const float scale = 1.0f / std::sqrt(sp[r] / count + feps);
       const float* xr = xp + r * width;
       float* o = op + r * width;
       for (int64_t i = 0; i < width; ++i) o[i] = wp[i] * (xr[i] * scale);
