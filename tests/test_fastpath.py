@@ -236,9 +236,9 @@ def test_kernel_isa_follows_the_cpu_and_an_override(monkeypatch):
 def test_the_weight_stream_is_tuned_per_cpu_vendor_and_each_tuning_is_its_own_build(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
     intel = kernels.cflags()
-    assert {"-DMARS_PF=1", "-DMARS_R1=4", "-DMARS_LORA_PF=1"} <= set(intel)
+    assert {"-DMARS_PF=1", "-DMARS_R1=4", "-DMARS_LORA_PF=1", "-DMARS_W_IN_REGISTER=1"} <= set(intel)
     intel_key = kernels.build_key()
-    tuning = ("-DMARS_PF", "-DMARS_R1", "-DMARS_LORA_PF")
+    tuning = ("-DMARS_PF", "-DMARS_R1", "-DMARS_LORA_PF", "-DMARS_W_IN_REGISTER")
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert not any(f.startswith(tuning) for f in kernels.cflags())  # the source's defaults
     assert kernels.build_key() != intel_key

@@ -67,9 +67,13 @@ def kernel_isa() -> str:
 # projections, cold weights, 2 threads, benchmarks/decode_step_cpu/intel_stream/): on a 2-vCPU AMX Xeon, software
 # prefetch one tile ahead (not two) and 4 weight rows per 1-column tile (not 8) took 25.7 -> 21.9 ms at 1 column and
 # 26.1 -> 24.6 at 4 (MKL's gemv: 21.0 at 1), and a gated LoRA's factors fetched in one burst (MARS_LORA_PF, see
-# small_gemm.cpp) cost 0.6 ms less per mask step; the AMD defaults were measured on Zen 3 and Zen 4 EPYCs.  Each output
-# element keeps its operation sequence, so the results are the same bits either way.
-STREAM_FLAGS = {"GenuineIntel": ("-DMARS_PF=1", "-DMARS_R1=4", "-DMARS_LORA_PF=1"), "AuthenticAMD": ()}
+# small_gemm.cpp) cost 0.6 ms less per mask step, and each weight vector of a several-column tile loaded once
+# (MARS_W_IN_REGISTER) 0.3-0.4 ms less per 3-column step; the AMD defaults were measured on Zen 3 and Zen 4 EPYCs.
+# Each output element keeps its operation sequence, so the results are the same bits either way.
+STREAM_FLAGS = {
+    "GenuineIntel": ("-DMARS_PF=1", "-DMARS_R1=4", "-DMARS_LORA_PF=1", "-DMARS_W_IN_REGISTER=1"),
+    "AuthenticAMD": (),
+}
 
 
 def cpu_vendor() -> str:

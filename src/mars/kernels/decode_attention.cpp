@@ -5,12 +5,13 @@
 // query), and SDPA's CPU flash kernel, built for blocks of queries, spends most of its time around it: 20 us a
 // layer for one query column, 41-50 us for 2-4 (measured on a Zen 4 EPYC, 2 threads), i.e. 0.6-0.9 ms of every
 // 30-layer step with drafts or masks, the largest part of what extra columns cost once the matmuls stream each
-// weight once (benchmarks/decode_step_cpu/column_cost_profile/).  Here each (row, head, query) is one task: its
+// weight once (benchmarks/decode_step_cpu/column_cost_profile/).  Here each query (row, head, column) is its
 // scores as FMA chains over the head dimension against each visible key, the softmax with a vectorized exp, and
-// the weighted sum of the values in key order.
+// the weighted sum of the values in key order; one task runs the query heads of one KV head at one column together
+// (benchmarks/decode_step_cpu/intel_stream/attention_groups/).
 //
-// Column invariance: a task's operations depend only on its own query, mask row and the cached keys and
-// values -- not on how many other columns or rows ride along, nor on how tasks are split over threads -- so a
+// Column invariance: a query's operations depend only on itself, its mask row and the cached keys and
+// values -- not on how many other columns, heads or rows ride along, nor on how tasks are split over threads -- so a
 // column's output is the same alone (an AR step) or beside drafts and masks (a verify step), as the small-M GEMM
 // is.  It is not SDPA's rounding: the fast path uses this kernel in every forward it serves (the lean loops and
 // the model's own forward, mars.decoding.attention), so they agree bit for bit with each other.
@@ -52,59 +53,108 @@ inline Vec vexp_nonpositive(Vec x) {
   return vkeep_at_least(x, vmul(p, vpow2i(n)), kExpFloor);
 }
 
-// One task: out[0:D] = softmax(scale * q . k_j + mask_j over visible j) . v_j.  `scores` holds L + kLanes floats.
-// The head dimension in whole vectors, then a scalar FMA tail (head dimensions below one vector: all tail).
-void attend(const float* q, const float* k, int64_t k_pos_stride, const float* v, int64_t v_pos_stride,
-            const float* mask_add, const bool* mask_keep, int64_t mask_pos_stride, int64_t L, int64_t D, float scale,
-            float* scores, float* out) {
+// One task: for each of N queries n (heads of one KV head, one query column), out_n[0:D] = softmax(scale * q_n .
+// k_j + mask_nj over visible j) . v_j.  The queries share each key and value vector as it is loaded, and their
+// independent FMA chains fill each other's latency; each query's operations are the same as alone (and as
+// with any other N): its scores as FMA chains over the head dimension, its softmax, its weighted sum of the
+// values in key order.  `scores` holds N x (L + kLanes) floats.  The head dimension in whole vectors, then a
+// scalar FMA tail (head dimensions below one vector: all tail).  NV > 0: the head dimension is NV whole vectors,
+// known to the compiler, so the queries and the accumulators stay in registers (with a count known only at run
+// time gcc kept the accumulators on the stack: a load, an FMA and a store per vector and key).
+template <int N, int NV = 0>
+void attend(const float* const* q, const float* k, int64_t k_pos_stride, const float* v, int64_t v_pos_stride,
+            const float* const* mask_add, const bool* const* mask_keep, int64_t mask_pos_stride, int64_t L, int64_t D,
+            float scale, float* scores, float* const* out) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t nvec = D / kLanes, whole = nvec * kLanes;
-  Vec qv[kMaxHeadDim / kLanes];
-  for (int64_t d = 0; d < nvec; ++d) qv[d] = vload(q + d * kLanes);
-  float best = kNegInf;
+  if (NV > 0) D = NV * kLanes;  // (the caller picked NV for this D) a constant: no tail loops below
+  const int64_t nvec = NV > 0 ? NV : D / kLanes, whole = nvec * kLanes, stride = L + kLanes;
+  Vec qv[N][NV > 0 ? NV : kMaxHeadDim / kLanes];
+  for (int n = 0; n < N; ++n)
+    for (int64_t d = 0; d < nvec; ++d) qv[n][d] = vload(q[n] + d * kLanes);
+  float best[N];
+  for (int n = 0; n < N; ++n) best[n] = kNegInf;
   for (int64_t j = 0; j < L; ++j) {
-    float s = kNegInf;
-    if (mask_keep == nullptr || mask_keep[j * mask_pos_stride]) {
-      const float* kj = k + j * k_pos_stride;
-      float dot = 0.0f;
-      if (nvec > 0) {
-        Vec acc = vmul(qv[0], vload(kj));
-        for (int64_t d = 1; d < nvec; ++d) acc = vfma(qv[d], vload(kj + d * kLanes), acc);
-        dot = vsum(acc);
+    const float* kj = k + j * k_pos_stride;
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      float s = kNegInf;
+      if (mask_keep == nullptr || mask_keep[n][j * mask_pos_stride]) {
+        float dot = 0.0f;
+        if (nvec > 0) {
+          Vec acc = vmul(qv[n][0], vload(kj));
+          for (int64_t d = 1; d < nvec; ++d) acc = vfma(qv[n][d], vload(kj + d * kLanes), acc);
+          dot = vsum(acc);
+        }
+        for (int64_t d = whole; d < D; ++d) dot = std::fma(q[n][d], kj[d], dot);
+        s = dot * scale;
+        if (mask_add != nullptr) s += mask_add[n][j * mask_pos_stride];
       }
-      for (int64_t d = whole; d < D; ++d) dot = std::fma(q[d], kj[d], dot);
-      s = dot * scale;
-      if (mask_add != nullptr) s += mask_add[j * mask_pos_stride];
+      scores[n * stride + j] = s;
+      best[n] = std::max(best[n], s);
     }
-    scores[j] = s;
-    best = std::max(best, s);
   }
-  if (best == kNegInf) {  // nothing visible: zeros (the row is padding; nobody reads it)
-    std::fill(out, out + D, 0.0f);
-    return;
+  Vec total[N];
+  for (int n = 0; n < N; ++n) {
+    total[n] = vzero();
+    if (best[n] == kNegInf) continue;  // nothing visible: zeros (the row is padding; nobody reads it)
+    float* sn = scores + n * stride;
+    std::fill(sn + L, sn + L + kLanes, kNegInf);  // the last vector's tail: exp gives 0
+    const Vec top = vset1(best[n]);
+    for (int64_t j = 0; j < L; j += kLanes) {
+      const Vec e = vexp_nonpositive(vsub(vload(sn + j), top));
+      vstore(sn + j, e);
+      total[n] = vadd(total[n], e);
+    }
   }
-  std::fill(scores + L, scores + L + kLanes, kNegInf);  // the last vector's tail: exp gives 0
-  const Vec top = vset1(best);
-  Vec total = vzero();
-  for (int64_t j = 0; j < L; j += kLanes) {
-    const Vec e = vexp_nonpositive(vsub(vload(scores + j), top));
-    vstore(scores + j, e);
-    total = vadd(total, e);
-  }
-  Vec acc[kMaxHeadDim / kLanes];
-  float tail[kLanes] = {};
-  for (int64_t d = 0; d < nvec; ++d) acc[d] = vzero();
+  Vec acc[N][NV > 0 ? NV : kMaxHeadDim / kLanes];
+  float tail[N][kLanes] = {};
+  for (int n = 0; n < N; ++n)
+    for (int64_t d = 0; d < nvec; ++d) acc[n][d] = vzero();
   for (int64_t j = 0; j < L; ++j) {
-    const float p = scores[j];
-    if (p == 0.0f) continue;  // masked: adds nothing
-    const Vec pv = vset1(p);
     const float* vj = v + j * v_pos_stride;
-    for (int64_t d = 0; d < nvec; ++d) acc[d] = vfma(pv, vload(vj + d * kLanes), acc[d]);
-    for (int64_t d = whole; d < D; ++d) tail[d - whole] = std::fma(p, vj[d], tail[d - whole]);
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      const float p = scores[n * stride + j];
+      if (p != 0.0f && best[n] != kNegInf) {  // masked: adds nothing
+        const Vec pv = vset1(p);
+        for (int64_t d = 0; d < nvec; ++d) acc[n][d] = vfma(pv, vload(vj + d * kLanes), acc[n][d]);
+        for (int64_t d = whole; d < D; ++d) tail[n][d - whole] = std::fma(p, vj[d], tail[n][d - whole]);
+      }
+    }
   }
-  const float inv = 1.0f / vsum(total);
-  for (int64_t d = 0; d < nvec; ++d) vstore(out + d * kLanes, vmul(acc[d], vset1(inv)));
-  for (int64_t d = whole; d < D; ++d) out[d] = tail[d - whole] * inv;
+  for (int n = 0; n < N; ++n) {
+    if (best[n] == kNegInf) {
+      std::fill(out[n], out[n] + D, 0.0f);
+      continue;
+    }
+    const float inv = 1.0f / vsum(total[n]);
+    for (int64_t d = 0; d < nvec; ++d) vstore(out[n] + d * kLanes, vmul(acc[n][d], vset1(inv)));
+    for (int64_t d = whole; d < D; ++d) out[n][d] = tail[n][d - whole] * inv;
+  }
+}
+
+// Heads sharing a KV head taken together in groups of at most this many (their query vectors and accumulators
+// stay in registers: 2 x 4 x 4 zmm at a head dimension of 64).
+constexpr int64_t kHeadsPerTask = 4;
+
+using Attend = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
+                        const bool* const*, int64_t, int64_t, int64_t, float, float*, float* const*);
+
+// attend for n queries, with the head dimension fixed where it is 64 or 128 (whole vectors)
+template <int NV>
+Attend pick_queries(int64_t n) {
+  switch (n) {
+    case 4: return &attend<4, NV>;
+    case 3: return &attend<3, NV>;
+    case 2: return &attend<2, NV>;
+    default: return &attend<1, NV>;
+  }
+}
+
+Attend pick(int64_t n, int64_t D) {
+  if (D == 4 * kLanes) return pick_queries<4>(n);
+  if (D == 8 * kLanes) return pick_queries<8>(n);
+  return pick_queries<0>(n);
 }
 
 }  // namespace
@@ -147,16 +197,35 @@ at::Tensor decode_attention_kernel(const at::Tensor& query, const at::Tensor& ke
   const float* mask_add = m.defined() && !keep ? m.data_ptr<float>() : nullptr;
   const bool* mask_keep = keep ? m.data_ptr<bool>() : nullptr;
   const float fscale = static_cast<float>(scale);
-  // Threads only pay for long caches: a task at 150 keys takes about a microsecond, a wake-up about as much.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D));
-  at::parallel_for(0, B * H * Q, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(L + kLanes);
+  // Tasks: (row, KV head, query column, a group of at most kHeadsPerTask of the KV head's query heads).  Threads only
+  // pay for long caches: a query at 150 keys takes about a microsecond, a wake-up about as much.
+  const int64_t kv_heads = H / group, parts = (group + kHeadsPerTask - 1) / kHeadsPerTask;
+  const int64_t tasks = B * kv_heads * Q * parts;
+  const int64_t per_task = std::min<int64_t>(group, kHeadsPerTask);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D * per_task));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kHeadsPerTask * (L + kLanes));
+    const float* qs[kHeadsPerTask];
+    const float* adds[kHeadsPerTask];
+    const bool* keeps[kHeadsPerTask];
+    float* outs[kHeadsPerTask];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (H * Q), h = (t / Q) % H, i = t % Q, kvh = h / group;
-      const int64_t moff = b * msb + h * msh + i * msq;
-      attend(qp + ((b * H + h) * Q + i) * D, kp + b * key.stride(0) + kvh * key.stride(1), key.stride(2),
-             vp + b * value.stride(0) + kvh * value.stride(1), value.stride(2), mask_add ? mask_add + moff : nullptr,
-             mask_keep ? mask_keep + moff : nullptr, msl, L, D, fscale, scores.data(), op + ((b * Q + i) * H + h) * D);
+      const int64_t part = t % parts, i = (t / parts) % Q, kvh = (t / (parts * Q)) % kv_heads;
+      const int64_t b = t / (parts * Q * kv_heads);
+      const int64_t h0 = kvh * group + part * kHeadsPerTask, n = std::min(kHeadsPerTask, (kvh + 1) * group - h0);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t h = h0 + j, moff = b * msb + h * msh + i * msq;
+        qs[j] = qp + ((b * H + h) * Q + i) * D;
+        adds[j] = mask_add ? mask_add + moff : nullptr;
+        keeps[j] = mask_keep ? mask_keep + moff : nullptr;
+        outs[j] = op + ((b * Q + i) * H + h) * D;
+      }
+      const float* kb = kp + b * key.stride(0) + kvh * key.stride(1);
+      const float* vb = vp + b * value.stride(0) + kvh * value.stride(1);
+      const float* const* add = mask_add ? adds : nullptr;
+      const bool* const* keep_rows = mask_keep ? keeps : nullptr;
+      const Attend run = pick(n, D);
+      run(qs, kb, key.stride(2), vb, value.stride(2), add, keep_rows, msl, L, D, fscale, scores.data(), outs);
     }
   });
   return out.transpose(1, 2);

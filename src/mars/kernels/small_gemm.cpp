@@ -65,6 +65,21 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 #define MARS_PF 2
 #endif
 
+// MARS_W_IN_REGISTER=1: a tile of several columns loads each weight vector once into a register (see tile).  Left
+// to itself gcc folds the load into each column's FMA: a 3-column tile then issued 24 weight loads per step of k
+// instead of 8 and waited on the load ports.  Pinning it took 0.3 ms off one step's projections at 3 columns and
+// 0.4 with a gated adapter on a 2-vCPU AMX Xeon (benchmarks/decode_step_cpu/intel_stream/weight_register_ab/);
+// mars.kernels.STREAM_FLAGS sets it there.  Only tiles whose accumulators, columns and weight vector fit the
+// registers are pinned (AVX2's 3 x 4 tile relies on the fold to stay spill-free).
+#ifndef MARS_W_IN_REGISTER
+#define MARS_W_IN_REGISTER 0
+#endif
+#ifdef __AVX512F__
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
 namespace {
 
 // Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 64 rows
@@ -88,7 +103,9 @@ inline void tile(const T* __restrict w, int64_t ldw, const float* __restrict x, 
     Vec xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = vload(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
-      const Vec wv = vload(w + r * ldw + k);
+      Vec wv = vload(w + r * ldw + k);
+      // the empty asm keeps wv in a register (MARS_W_IN_REGISTER); the FMAs and their order are unchanged
+      if constexpr (MB > 1 && MARS_W_IN_REGISTER && R * MB + MB + 1 <= kVectorRegisters) asm("" : "+v"(wv));
       for (int m = 0; m < MB; ++m) acc[r][m] = vfma(wv, xv[m], acc[r][m]);
     }
   }
