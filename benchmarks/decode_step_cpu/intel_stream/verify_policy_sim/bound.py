@@ -1,0 +1,76 @@
+"""The best ratio lossless verify could reach on this host if everything a verify step pays beyond its forward's
+extra columns were gone.  The default policy (2 masks, draft threshold 0.15) is replayed on `collect.py`'s record
+and priced as `simulate.py` prices it, then again with the adapter's cost on mask steps removed (a mask step priced
+as a draft step of its width), the engine's extra time per verify step removed, and the prefills made equal, then
+zero.  What remains is the forward's cost of the extra columns themselves.  Two sets of step costs, each measured
+by `step_costs.py` on this host: the nineteenth session's (`simulate.py`'s) and the twentieth's, after the kernel
+changes of `../weight_register_ab/` and `../attention_groups/`:
+
+    python benchmarks/decode_step_cpu/intel_stream/verify_policy_sim/bound.py masks.pkl
+"""
+
+import pickle
+import sys
+
+import simulate as sim
+
+POLICY = (lambda last: 2, (0.15, 0.15, 0.15))
+# ms: AR's step forward, draft steps' forwards by columns (adapter idle), mask steps' (adapter live); the engine
+# per AR / verify step; the 16 prefills of AR / verify.  None: not measured (that step kind does not occur here).
+COSTS = {
+    "nineteenth session": dict(
+        ar=28.4,
+        draft={2: 30.0, 3: 31.1, 4: 32.3},
+        mask={2: 31.0, 3: 32.1, 4: 33.4},
+        rest=(1.87, 2.45),
+        prefill=(2490.0, 2590.0),
+    ),
+    "twentieth session, after the kernel changes": dict(
+        ar=27.35,
+        draft={2: 29.10, 3: 29.52, 4: None},
+        mask={2: None, 3: 30.52, 4: None},
+        rest=(1.40, 1.92),
+        prefill=(2442.0, 2504.0),
+    ),
+}
+
+
+def price(costs: dict, records: list, adapter: bool, engine: bool, prefill: str) -> tuple[float, float, float]:
+    rest_ar, rest_verify = costs["rest"]
+    rest = rest_verify if engine else rest_ar
+    sim.COST = {("A", 1): costs["ar"] + rest_ar}
+    for columns, forward in costs["draft"].items():
+        masked = costs["mask"][columns] if adapter else forward
+        if forward is not None:
+            sim.COST["D", columns] = forward + rest
+        if masked is not None:
+            sim.COST["M", columns] = masked + rest
+    sim.PREFILL_AR, sim.PREFILL_VERIFY = {
+        "measured": costs["prefill"],
+        "equal": (costs["prefill"][0],) * 2,
+        "none": (0.0, 0.0),
+    }[prefill]
+    r = sim.price(records, *POLICY)
+    return r["per_forward"], r["steps"], r["wall"]
+
+
+def main(path: str) -> None:
+    records = pickle.load(open(path, "rb"))
+    scenarios = [
+        ("as measured", True, True, "measured"),
+        ("no adapter cost on mask steps", False, True, "measured"),
+        ("and no extra engine time", False, False, "measured"),
+        ("and verify's prefill as AR's", False, False, "equal"),
+        ("and no prefill at all", False, False, "none"),
+    ]
+    for name, costs in COSTS.items():
+        print(f"\nStep costs of the {name}:\n")
+        print("| costs | tok/fwd | vs AR, steps only (ratio) | vs AR, with prefill (ratio) |")
+        print("|---|---|---|---|")
+        for label, adapter, engine, prefill in scenarios:
+            tpf, steps, wall = price(costs, records, adapter, engine, prefill)
+            print(f"| {label} | {tpf:.3f} | {steps:.3f}x ({steps / tpf:.3f}) | {wall:.3f}x ({wall / tpf:.3f}) |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
