@@ -66,6 +66,22 @@ def test_a_columns_output_does_not_depend_on_what_rides_along():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dim", [128, 40])
+def test_seven_heads_per_kv_head_with_masks_per_head_match_sdpa_column_by_column(dim):
+    """A KV head's query heads run together in groups of at most four (7 = 4 + 3 here), with the head dimension
+    compiled in at 128 or run-time at 40; a mask that differs per head still applies to its own head only."""
+    q, k, v, visible = step_inputs(batch=2, heads=14, kv_heads=2, queries=3, length=70, dim=dim)
+    g = torch.Generator().manual_seed(1)
+    per_head = visible.expand(2, 14, 3, 70) & (torch.rand(2, 14, 3, 70, generator=g) > 0.3)
+    per_head[..., 0] = True  # every query sees at least one key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=additive(per_head), scale=0.1, enable_gqa=True)
+    together = OP(q, k, v, per_head, 0.1)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-6)
+    for i in range(3):
+        alone = OP(q[:, :, i : i + 1], k, v, per_head[:, :, i : i + 1], 0.1)
+        assert torch.equal(alone, together[:, :, i : i + 1])
+
+
 def test_an_ar_step_and_a_verify_step_agree_on_their_shared_column():
     """The AR step at position p reads p + 1 cached keys; a verify step feeding that column with two drafts
     after it reads p + 3, the last two hidden from it by the mask.  Its output must not change."""

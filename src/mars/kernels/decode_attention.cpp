@@ -133,8 +133,8 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
   }
 }
 
-// Heads sharing a KV head taken together in groups of at most this many (their query vectors and accumulators
-// stay in registers: 2 x 4 x 4 zmm at a head dimension of 64).
+// Heads sharing a KV head taken together in groups of at most this many (at a head dimension of 64, their query
+// vectors take 4 x 4 zmm in the scores' loop, then their accumulators 4 x 4 in the values' loop).
 constexpr int64_t kHeadsPerTask = 4;
 
 using Attend = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
