@@ -27,6 +27,7 @@ inline float hsum8(__m256 v) {
 #ifdef __AVX512F__
 using Vec = __m512;
 constexpr int64_t kLanes = 16;
+constexpr int kVectorRegisters = 32;  // zmm0-31
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 // 16 bf16 values (their bits) widened to fp32: exact, a bf16 is the upper half of an fp32
@@ -59,6 +60,7 @@ inline float vsum(Vec v) {
 #else
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
+constexpr int kVectorRegisters = 16;  // ymm0-15
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const uint16_t* p) {

@@ -74,11 +74,6 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 #ifndef MARS_W_IN_REGISTER
 #define MARS_W_IN_REGISTER 0
 #endif
-#ifdef __AVX512F__
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
 
 namespace {
 
