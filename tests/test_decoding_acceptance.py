@@ -10,6 +10,7 @@ from mars.decoding.acceptance import (
     choose_tokens,
     cut_at_eos,
     exact_ar_rows,
+    top_probability,
     unverified_counts,
     validate_threshold,
 )
@@ -33,6 +34,18 @@ def test_probability_metric_accepts_left_to_right_run():
     assert accept_counts(score, torch.tensor([0.75]), "probability", cap).tolist() == [2]
     assert accept_counts(score, torch.tensor([0.5]), "probability", cap).tolist() == [4]
     assert accept_counts(score, torch.tensor([0.85]), "probability", cap).tolist() == [1]
+
+
+def test_top_probability_from_logits_is_the_softmax_maximum_with_masked_tokens():
+    """The draft threshold's confidence without a log-softmax: the top token's softmax probability from the
+    logits and their maximum alone, also with a token at -inf (the mask token) and logits far from zero."""
+    rows = logits_from_probs([ROW])
+    shifted = torch.randn(2, 5, 4000) * 4 + 80.0
+    shifted[..., 7] = float("-inf")
+    for logits, expected in ((rows, torch.tensor([[0.9, 0.8, 0.5, 0.95]])), (shifted, None)):
+        expected = torch.softmax(logits, -1).max(-1).values if expected is None else expected
+        got = top_probability(logits, logits.max(-1).values)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=0)
 
 
 def test_at_least_one_token_even_when_first_fails():

@@ -87,6 +87,12 @@ def tempered_log_probs(
     return torch.log_softmax(logits / scale, dim=-1), sampled
 
 
+def top_probability(logits: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+    """The softmax probability of each distribution's top token, from its logits ``[..., vocab]`` and their
+    maximum ``[...]``: ``1 / sum(exp(logits - max))``, one read of the logits where a log-softmax writes them all."""
+    return (logits - top_logits.unsqueeze(-1)).exp_().sum(-1).reciprocal_()
+
+
 def gumbel_noise(logp: torch.Tensor, generator, columns: Sequence[int] | None = None) -> torch.Tensor:
     """Gumbel noise shaped like ``logp`` ``[rows, positions, vocab]``.  With one generator per row each
     row draws from its own, and only its first ``columns[r]`` positions (zeros after), so what a row

@@ -55,6 +55,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -64,9 +65,11 @@ from .acceptance import (
     confidence,
     cut_at_eos,
     gumbel_noise,
+    leading_run,
     never_emitted,
     suppress,
     tempered_log_probs,
+    top_probability,
     unverified_counts,
 )
 from .attention import mars_attention
@@ -101,6 +104,18 @@ class StepEvent:
 
 
 @dataclass
+class PlanTensors:
+    """A :class:`StepPlan`'s per-row arrays as device tensors (the same names)."""
+
+    uncached: torch.Tensor
+    predictions: torch.Tensor
+    drafts: torch.Tensor
+    draft_masks: torch.Tensor
+    waiting: torch.Tensor
+    verifying: torch.Tensor
+
+
+@dataclass
 class StepPlan:
     """What every row feeds this step, decided on the host before the forward (one entry per row).
 
@@ -115,6 +130,14 @@ class StepPlan:
     waiting: np.ndarray  # rows that sit this step out (cache=block: their block is full, another's is not)
     verifying: np.ndarray  # rows whose drafts this step verifies
     commit: bool  # this step's real tokens enter the KV cache
+    device: torch.device
+
+    @cached_property
+    def on_device(self) -> PlanTensors:
+        """The per-row arrays on the model's device, moved in two transfers."""
+        counts = np.stack([self.uncached, self.predictions, self.drafts, self.draft_masks]).astype(np.int64)
+        flags = np.stack([self.waiting, self.verifying])
+        return PlanTensors(*torch.from_numpy(counts).to(self.device), *torch.from_numpy(flags).to(self.device))
 
     @property
     def prediction_width(self) -> int:
@@ -144,6 +167,15 @@ class Acceptance:
     hit_eos: torch.Tensor  # [rows]
     verified: torch.Tensor  # [rows]: drafts that passed (0 for rows that did not verify)
     next_drafts: NextDrafts | None  # None when no row verified
+
+
+@dataclass
+class StepScores:
+    """What verification reads of a step's logits (device tensors)."""
+
+    logp: torch.Tensor | None  # [rows, predictions, vocab] (None when no row reads one: see _reads_probabilities)
+    predicted: torch.Tensor  # [rows, predictions]: the token chosen at each column
+    top: torch.Tensor | None  # [rows, predictions]: the top probability, where the draft threshold reads it
 
 
 @dataclass
@@ -181,6 +213,7 @@ class DecodeEngine:
         self.fill_window = settings.effective_window == "cache_block"
         self.window = settings.cache_block if self.fill_window else int(settings.effective_window)
         self.max_drafts = self._max_drafts()
+        self.draft_slots = torch.arange(self.max_drafts, device=self.device)  # a row's draft positions
         self.guess_slots = self.window - 1 if settings.decoder == "jacobi" else 0
         self.rows = RowBatch(self.device, self.mask_id, self.max_drafts, self.guess_slots)
         self.cache = RaggedKVCache(runner.num_layers) if settings.cache != "none" else None
@@ -303,6 +336,7 @@ class DecodeEngine:
                 if r.verify:
                     return False  # a verifying request keeps its own threshold (lossless without one)
                 r.threshold, r.exact = thr, is_exact_threshold(thr, self.settings.metric)
+                self.rows.host.exact[i] = r.exact
                 with torch.inference_mode():  # the row tensors were made inside a step
                     self.rows.tensors.threshold[i] = thr
                     self.rows.tensors.cap[i] = self._cap(r)
@@ -402,7 +436,7 @@ class DecodeEngine:
             masks = predictions - 1 - drafts  # masks or guesses: what a row can do without
             kept = masks_within(masks, s.max_step_columns - int((uncached + drafts).sum()))
             predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
-        return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit)
+        return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit, self.device)
 
     def _masks_fed(self) -> np.ndarray:
         """How many masks each verifying row feeds on a step (``verify_masks``; ``auto`` on a CPU trims the
@@ -427,7 +461,7 @@ class DecodeEngine:
     def _exact_rows(self) -> np.ndarray:
         """Which rows decode at their exact threshold (1.0: lossless when verifying); the CPU ``auto`` choices
         of ``chain_drafts`` and ``verify_masks`` differ for them."""
-        return np.array([r.exact for r in self.rows.records.requests], dtype=bool)
+        return self.rows.host.exact
 
     def _block_schedule(self, uncached: np.ndarray) -> tuple[bool, np.ndarray]:
         """Whether this step's real tokens enter the KV cache, and which rows wait.  The block cache
@@ -446,14 +480,14 @@ class DecodeEngine:
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits ``[rows, prediction_width, vocab]``: column i predicts the token i places after the last real one."""
         dev, width, reads = self.device, plan.input_width, plan.prediction_width
-        uncached = torch.as_tensor(plan.uncached, device=dev)
+        uncached = plan.on_device.uncached
         columns = torch.arange(width, device=dev)
         positions = self.rows.tensors.cached.unsqueeze(1) + columns  # position ids (= KV buffer positions)
         ids = self._input_ids(plan, positions, uncached)
         read = ((uncached - 1).unsqueeze(1) + torch.arange(reads, device=dev)).clamp_max(width - 1)
         # Columns a row reads: its real tokens and the inputs of its own predictions; the rest pads it to
         # the batch's widest row (a threshold-1.0 row beside rows with masks), skipped by the fast path.
-        row_reads = torch.as_tensor(plan.predictions, device=dev).unsqueeze(1)
+        row_reads = plan.on_device.predictions.unsqueeze(1)
         live = columns.unsqueeze(0) < uncached.unsqueeze(1) + row_reads - 1
         live_reads = torch.arange(reads, device=dev).unsqueeze(0) < row_reads
         if self.cache is None:
@@ -472,7 +506,7 @@ class DecodeEngine:
         ids = rows.tokens.gather(1, positions.clamp_max(self.rows.width - 1))
         after = torch.arange(positions.shape[1], device=self.device).unsqueeze(0) - uncached.unsqueeze(1)
         if self.max_drafts:  # ``after``: columns after the last real token
-            drafts = torch.as_tensor(plan.drafts, device=self.device).unsqueeze(1)
+            drafts = plan.on_device.drafts.unsqueeze(1)
             drafted = rows.drafts.gather(1, after.clamp(0, self.max_drafts - 1))
             proposals = torch.where((after >= 0) & (after < drafts), drafted, self._proposals(after - drafts))
         else:
@@ -488,11 +522,11 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ accept
     def _accept(self, plan: StepPlan, logits: torch.Tensor) -> Acceptance:
-        s, rows, dev = self.settings, self.rows.tensors, self.device
-        logp, predicted = self._choose(plan, logits)
+        s, rows = self.settings, self.rows.tensors
+        logp, predicted, top = self._choose(plan, logits)
         budget = rows.end - rows.length
-        cap_now = torch.minimum(torch.minimum(rows.cap, budget), torch.as_tensor(plan.predictions, device=dev))
-        cap_now = cap_now.masked_fill(torch.as_tensor(plan.waiting, device=dev), 0)
+        cap_now = torch.minimum(torch.minimum(rows.cap, budget), plan.on_device.predictions)
+        cap_now = cap_now.masked_fill(plan.on_device.waiting, 0)
         if self.guess_slots:  # Jacobi: the AR token, then every guess its prediction confirms
             compared = min(plan.prediction_width - 1, self.guess_slots)
             guesses = rows.guesses[:, :compared]
@@ -505,69 +539,87 @@ class DecodeEngine:
             count = accept_counts(score, rows.threshold, s.metric, cap_now)
         tokens, verified, next_drafts = predicted, torch.zeros_like(count), None
         if plan.verifying.any():
-            tokens, count, verified, next_drafts = self._verify(plan, logp, predicted, score, count)
+            scores = StepScores(logp, predicted, top)
+            tokens, count, verified, next_drafts = self._verify(plan, scores, score, count)
         count, hit_eos = cut_at_eos(tokens, count, self.eos)
         return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts)
 
-    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Log-probabilities at every prediction column (None when no row reads one) and the token chosen
-        there: the argmax of the logits, or a Gumbel-max draw for sampling rows (each from its own
-        generator, only its own columns).  ``logits`` come back with the never-emitted tokens at -inf."""
-        predicted = suppress(logits, self.never).max(dim=-1).indices  # max(-1): first maximum, as argmax, faster
+    def _choose(
+        self, plan: StepPlan, logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities at every prediction column (None when no row reads one), the token chosen
+        there (the argmax of the logits, or a Gumbel-max draw for sampling rows, each from its own
+        generator, only its own columns) and, on a greedy step whose masks the draft threshold reads, the
+        argmax's probability from the logits (no log-softmax; None otherwise).  ``logits`` come back with
+        the never-emitted tokens at -inf."""
+        best = suppress(logits, self.never).max(dim=-1)  # max(-1): the first maximum, as argmax, faster
+        predicted = best.indices
         if not self._reads_probabilities(plan):
-            return None, predicted
+            drafting = plan.draft_masks.any() or (self.settings.fallback == "jacobi" and plan.verifying.any())
+            top = top_probability(logits, best.values) if self.settings.draft_threshold > 0 and drafting else None
+            return None, predicted, top
         logp, sampled = self.log_probs(logits, self.rows.tensors.temperature)
         if sampled is not None:
             noise = gumbel_noise(logp, self.rows.row_generators(), plan.predictions)
             predicted = torch.where(sampled.unsqueeze(1), torch.argmax(logp + noise, dim=-1), predicted)
-        return logp, predicted
+        return logp, predicted, None
 
     def _reads_probabilities(self, plan: StepPlan) -> bool:
         """Whether a row reads a probability this step: a threshold below 1.0 (its confidence), sampling,
-        typical acceptance, a draft distribution, or the draft threshold on masks a verifying row fed.  Greedy
-        rows at an exact threshold read only the argmax otherwise (AR; lossless verify on a step that checks
-        drafts), and Jacobi rows only theirs: the step skips the log-softmax over the vocabulary."""
+        typical acceptance or a draft distribution.  Greedy rows at an exact threshold read only the argmax
+        (AR, lossless verify; the draft threshold takes the drafting columns' top probability from their
+        logits), and Jacobi rows only theirs: the step skips the log-softmax over the vocabulary."""
         s, rows = self.settings, self.rows
         if rows.sampling or s.typical_epsilon > 0 or rows.tensors.draft_log_q is not None:
             return True
-        if s.draft_threshold > 0 and (plan.draft_masks.any() or (s.fallback == "jacobi" and plan.verifying.any())):
-            return True
         return not (self.guess_slots or self._exact_rows().all())
 
-    def _verify(self, plan: StepPlan, logp, predicted: torch.Tensor, score, count: torch.Tensor):
+    def _verify(self, plan: StepPlan, scores: StepScores, score, count: torch.Tensor):
         """Verifying rows accept their passing drafts plus the target's token after them, then (below
         threshold 1.0) the masks that meet their threshold; next drafts."""
-        dev = self.device
-        verifying = torch.as_tensor(plan.verifying, device=dev)
-        drafts_fed = torch.as_tensor(plan.drafts, device=dev)
-        tokens, passed = self._check_drafts(plan, logp, predicted, drafts_fed, verifying)
+        fed = plan.on_device
+        tokens, passed = self._check_drafts(plan, scores)
+        lossless = not (plan.verifying & ~self._exact_rows()).any()
         # the masks followed the right text only when every draft passed
-        all_passed = (passed == drafts_fed) & torch.as_tensor(plan.draft_masks > 0, device=dev)
-        requests = self.rows.records.requests
-        if any(not r.exact for r, v in zip(requests, plan.verifying) if v):
-            from_masks = self._confident_masks(plan, score, passed, drafts_fed, all_passed)
-        else:  # lossless verify (every verifying row at threshold 1.0), the usual case: no work per step
-            from_masks = torch.zeros_like(passed)
-        count = torch.where(verifying, passed + 1 + from_masks, count)
-        next_drafts = self._next_drafts(plan, logp, predicted, passed, drafts_fed, verifying, all_passed, from_masks)
-        return tokens, count, passed.where(verifying, torch.zeros_like(passed)), next_drafts
+        if not plan.drafts.any():  # (no drafts this step: all of none passed)
+            all_passed = fed.draft_masks > 0
+        elif plan.draft_masks.any() or not lossless:
+            all_passed = (passed == fed.drafts) & (fed.draft_masks > 0)
+        else:  # no row fed masks: none followed anything
+            all_passed = torch.zeros_like(fed.verifying)
+        if lossless:  # every verifying row at threshold 1.0, the usual case: no mask is accepted unverified
+            count = torch.where(fed.verifying, passed + 1, count)
+            next_drafts = self._next_drafts(plan, scores, passed, all_passed, None)
+        else:
+            from_masks = self._confident_masks(plan, score, passed, all_passed)
+            count = torch.where(fed.verifying, passed + 1 + from_masks, count)
+            next_drafts = self._next_drafts(plan, scores, passed, all_passed, from_masks)
+        return tokens, count, passed.where(fed.verifying, 0), next_drafts
 
-    def _confident_masks(self, plan: StepPlan, score, passed, drafts_fed, all_passed) -> torch.Tensor:
+    def _confident_masks(self, plan: StepPlan, score, passed, all_passed) -> torch.Tensor:
         """Masks a verifying row accepts unverified: the leading ones after its drafts and their AR token
         that meet its threshold, when every draft passed; none at an exact threshold (1.0)."""
-        rows, dev = self.rows.tensors, self.device
-        columns = (drafts_fed.unsqueeze(1) + 1 + torch.arange(self.window - 1, device=dev)).clamp_max(
+        rows, dev, fed = self.rows.tensors, self.device, plan.on_device
+        columns = (fed.drafts.unsqueeze(1) + 1 + torch.arange(self.window - 1, device=dev)).clamp_max(
             score.shape[1] - 1
         )
-        fed = torch.as_tensor(plan.draft_masks, device=dev)
         room = rows.end - rows.length - passed - 1
-        return unverified_counts(score.gather(1, columns), rows.threshold, self.settings.metric, fed, room, all_passed)
+        metric = self.settings.metric
+        return unverified_counts(score.gather(1, columns), rows.threshold, metric, fed.draft_masks, room, all_passed)
 
-    def _check_drafts(self, plan: StepPlan, logp, predicted, drafts_fed, verifying):
+    def _check_drafts(self, plan: StepPlan, scores: StepScores):
         """How many leading drafts pass (greedy: equal to the target's argmax before them, or typical under it
         with ``typical_epsilon``; sampling: speculative sampling) and the tokens each row appends."""
         rows, epsilon = self.rows.tensors, self.settings.typical_epsilon
+        logp, predicted, drafts_fed, verifying = (
+            scores.logp,
+            scores.predicted,
+            plan.on_device.drafts,
+            plan.on_device.verifying,
+        )
         widest = int(plan.drafts.max())
+        if widest == 0:  # no row fed drafts (a step that only fed masks)
+            return predicted, torch.zeros_like(drafts_fed)
         drafts = rows.drafts[:, :widest]
         typical = typical_drafts(logp, drafts, epsilon) if epsilon > 0 else None
         passed = leading_matches(drafts, predicted, drafts_fed, typical)  # the greedy rows'
@@ -590,34 +642,43 @@ class DecodeEngine:
         appended = torch.where(columns < passed.unsqueeze(1), drafted, after)
         return torch.where(verifying.unsqueeze(1), appended, predicted), passed
 
-    def _next_drafts(
-        self, plan: StepPlan, logp, predicted, passed, drafts_fed, verifying, all_passed, accepted_masks
-    ) -> NextDrafts:
+    def _next_drafts(self, plan: StepPlan, scores: StepScores, passed, all_passed, accepted_masks) -> NextDrafts:
         """The masks' predictions when every draft passed (they followed the right text; those after any the
-        row accepted), else the fallback: none, or the target's unverified predictions after the rejected
-        draft (Jacobi-style guesses)."""
-        s, rows, dev = self.settings, self.rows.tensors, self.device
+        row accepted: ``accepted_masks``, None for none), else the fallback: none, or the target's unverified
+        predictions after the rejected draft (Jacobi-style guesses)."""
+        s, rows, fed = self.settings, self.rows.tensors, plan.on_device
         jacobi = s.fallback == "jacobi"
         if not (jacobi or plan.draft_masks.any() or rows.draft_log_q is not None):  # no row fed masks: no drafts
-            return NextDrafts(rows.drafts, rows.draft_count.masked_fill(verifying, 0), None)
-        first = torch.where(all_passed, drafts_fed + 1 + accepted_masks, passed + 1)
-        read = (first.unsqueeze(1) + torch.arange(self.max_drafts, device=dev)).clamp_max(predicted.shape[1] - 1)
+            return NextDrafts(rows.drafts, rows.draft_count.masked_fill(fed.verifying, 0), None)
+        # the first column read: after the drafts (all passed, so passed + 1) and the masks accepted, else after
+        # the rejected draft
+        first = passed + 1 if accepted_masks is None else passed + 1 + accepted_masks.where(all_passed, 0)
+        predicted = scores.predicted
+        read = (first.unsqueeze(1) + self.draft_slots).clamp_max(predicted.shape[1] - 1)
         tokens = predicted.gather(1, read)
-        fed = torch.as_tensor(plan.draft_masks, device=dev).clamp_max(self.max_drafts)  # the masks this step fed
-        from_masks = (fed - accepted_masks).clamp_min(0)
-        count = torch.where(all_passed, from_masks, torch.zeros_like(drafts_fed))
+        from_masks = fed.draft_masks.clamp_max(self.max_drafts)  # the masks this step fed, after those accepted
+        if accepted_masks is not None:
+            from_masks = (from_masks - accepted_masks).clamp_min(0)
+        count = from_masks.where(all_passed, 0)
         if jacobi:
-            count = torch.where(all_passed, count, torch.clamp(drafts_fed - passed, max=self.max_drafts))
-        if s.draft_threshold > 0:
-            # the mask's top probability; without sampling rows that is at the argmax (no max over the vocabulary)
-            top_logp = logp.max(dim=-1).values if self.rows.sampling else logp.gather(2, predicted.unsqueeze(-1))
-            top = top_logp.view(predicted.shape).gather(1, read).exp()
-            strong = leading_matches(torch.ones_like(tokens), (top >= s.draft_threshold).long(), count)
-            count = torch.minimum(count, strong)
+            count = torch.where(all_passed, count, torch.clamp(fed.drafts - passed, max=self.max_drafts))
+        if s.draft_threshold > 0:  # the leading drafts whose column is sure enough of its token
+            count = torch.minimum(leading_run(self._draft_confidence(scores, read) >= s.draft_threshold), count)
         log_q = None
         if rows.draft_log_q is not None:
-            log_q = logp.gather(1, read.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
-        return NextDrafts(tokens, torch.where(verifying, count, rows.draft_count), log_q)
+            log_q = scores.logp.gather(1, read.unsqueeze(-1).expand(-1, -1, scores.logp.shape[-1]))
+        return NextDrafts(tokens, torch.where(fed.verifying, count, rows.draft_count), log_q)
+
+    def _draft_confidence(self, scores: StepScores, read: torch.Tensor) -> torch.Tensor:
+        """The top probability at the columns ``read`` (the argmax's; a sampling row's top token's): from the
+        log-probabilities where the step has them, else as ``_choose`` took it from the logits."""
+        if scores.logp is None:
+            return scores.top.gather(1, read)
+        if self.rows.sampling:
+            top_logp = scores.logp.max(dim=-1).values
+        else:
+            top_logp = scores.logp.gather(2, scores.predicted.unsqueeze(-1)).squeeze(-1)
+        return top_logp.gather(1, read).exp()
 
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: StepPlan, accepted: Acceptance) -> Committed:
@@ -636,7 +697,7 @@ class DecodeEngine:
         done = accepted.hit_eos | (rows.length >= rows.end)
         self._keep_proposals(plan, accepted)
         committed = self._sync(accepted, done, width)
-        if plan.verifying.any():
+        if plan.drafts.any():
             self._draft_stats(plan, committed.verified)
         return committed
 
@@ -651,7 +712,7 @@ class DecodeEngine:
         nxt = accepted.next_drafts
         if nxt is None:
             return
-        verifying = torch.as_tensor(plan.verifying, device=self.device)
+        verifying = plan.on_device.verifying
         rows.drafts = torch.where(verifying.unsqueeze(1), nxt.tokens, rows.drafts)
         rows.draft_count = nxt.count
         if nxt.log_q is not None:
@@ -678,12 +739,10 @@ class DecodeEngine:
         return Committed(count, done_host, eos_host, synced[:, 5], synced[:, drafts_end:])
 
     def _draft_stats(self, plan: StepPlan, verified: np.ndarray) -> None:
-        records = self.rows.records
-        for i in np.flatnonzero(plan.verifying & (plan.drafts > 0)):
-            for position in range(int(plan.drafts[i])):
-                records.proposed[i][position] += 1
-                if position < verified[i]:
-                    records.accepted[i][position] += 1
+        """Count each draft position's proposals and acceptances (rows that fed no drafts add zeros)."""
+        host, slots = self.rows.host, np.arange(self.max_drafts)
+        host.proposed += slots < plan.drafts[:, None]
+        host.accepted += slots < verified[:, None]  # (verified <= drafts)
 
     # ------------------------------------------------------------------ emit and retire
     def _emit(self, committed: Committed) -> list[StepEvent]:
@@ -731,8 +790,8 @@ class DecodeEngine:
                 list(records.outputs[i]),
                 int(rows.host.forwards[i]),
                 reasons[i],
-                list(records.proposed[i]),
-                list(records.accepted[i]),
+                rows.host.proposed[i].tolist(),
+                rows.host.accepted[i].tolist(),
                 list(records.from_mask[i]),
             )
         keep = np.flatnonzero(~done)

@@ -87,9 +87,12 @@ class RowMirrors:
     end: np.ndarray
     cap: np.ndarray
     verify: np.ndarray  # bool
+    exact: np.ndarray  # bool: the request's threshold is exact (Request.exact)
     draft_count: np.ndarray
     drafts: np.ndarray  # [rows, max_drafts]
     forwards: np.ndarray  # forwards the row took part in
+    proposed: np.ndarray  # [rows, max_drafts]: drafts proposed, per draft position
+    accepted: np.ndarray  # [rows, max_drafts]: drafts accepted, per draft position
 
 
 @dataclass
@@ -98,8 +101,6 @@ class RowRecords:
 
     requests: list[Request]
     generators: list[torch.Generator | None]
-    proposed: list[list[int]]  # drafts proposed, per draft position
-    accepted: list[list[int]]  # drafts accepted, per draft position
     outputs: list[list[int]]  # generated ids after the stop rules (what streaming has sent)
     from_mask: list[list[bool]]  # per generated id: accepted from a mask prediction (neither AR nor verified)
 
@@ -209,15 +210,16 @@ class RowBatch:
             end=end,
             cap=np.asarray(caps, dtype=np.int64),
             verify=np.array([r.verify for r in requests], dtype=bool),
+            exact=np.array([r.exact for r in requests], dtype=bool),
             draft_count=zeros.copy(),
             drafts=np.full((count, self.max_drafts), self.mask_id, dtype=np.int64),
             forwards=zeros.copy(),
+            proposed=np.zeros((count, self.max_drafts), dtype=np.int64),
+            accepted=np.zeros((count, self.max_drafts), dtype=np.int64),
         )
         records = RowRecords(
             requests=list(requests),
             generators=[_generator(r.seed, dev) if r.temperature > 0 else None for r in requests],
-            proposed=[[0] * self.max_drafts for _ in requests],
-            accepted=[[0] * self.max_drafts for _ in requests],
             outputs=[[] for _ in requests],
             from_mask=[[] for _ in requests],
         )

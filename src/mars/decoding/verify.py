@@ -45,11 +45,11 @@ def leading_matches(
     k = drafts.shape[1]
     if k == 0:
         return torch.zeros_like(n_drafts)
-    valid = torch.arange(k, device=drafts.device).unsqueeze(0) < n_drafts.unsqueeze(1)
     match = drafts == predicted[:, :k]
     if passing is not None:
         match = match | passing
-    return torch.cumprod((match & valid).to(torch.int32), dim=1).sum(dim=1).to(torch.long)
+    # the leading run, cut at n_drafts (the same as the run of matches among the first n_drafts)
+    return torch.minimum(torch.cumprod(match.to(torch.int32), dim=1).sum(dim=1), n_drafts).to(torch.long)
 
 
 def typical_drafts(logp: torch.Tensor, drafts: torch.Tensor, epsilon: float) -> torch.Tensor:
