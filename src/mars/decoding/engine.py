@@ -579,21 +579,19 @@ class DecodeEngine:
         threshold 1.0) the masks that meet their threshold; next drafts."""
         fed = plan.on_device
         tokens, passed = self._check_drafts(plan, scores)
-        lossless = not (plan.verifying & ~self._exact_rows()).any()
         # the masks followed the right text only when every draft passed
-        if not plan.drafts.any():  # (no drafts this step: all of none passed)
-            all_passed = fed.draft_masks > 0
-        elif plan.draft_masks.any() or not lossless:
-            all_passed = (passed == fed.drafts) & (fed.draft_masks > 0)
-        else:  # no row fed masks: none followed anything
+        if not plan.draft_masks.any():  # no row fed masks: none followed anything
             all_passed = torch.zeros_like(fed.verifying)
-        if lossless:  # every verifying row at threshold 1.0, the usual case: no mask is accepted unverified
-            count = torch.where(fed.verifying, passed + 1, count)
-            next_drafts = self._next_drafts(plan, scores, passed, all_passed, None)
+        elif not plan.drafts.any():  # no row fed drafts: all of none passed
+            all_passed = fed.draft_masks > 0
         else:
-            from_masks = self._confident_masks(plan, score, passed, all_passed)
-            count = torch.where(fed.verifying, passed + 1 + from_masks, count)
-            next_drafts = self._next_drafts(plan, scores, passed, all_passed, from_masks)
+            all_passed = (passed == fed.drafts) & (fed.draft_masks > 0)
+        # below threshold 1.0 the masks that meet it are accepted unverified; lossless rows (the usual case) none
+        lossless = not (plan.verifying & ~self._exact_rows()).any()
+        from_masks = None if lossless else self._confident_masks(plan, score, passed, all_passed)
+        appended = passed + 1 if from_masks is None else passed + 1 + from_masks
+        count = torch.where(fed.verifying, appended, count)
+        next_drafts = self._next_drafts(plan, scores, passed, all_passed, from_masks)
         return tokens, count, passed.where(fed.verifying, 0), next_drafts
 
     def _confident_masks(self, plan: StepPlan, score, passed, all_passed) -> torch.Tensor:
@@ -611,12 +609,8 @@ class DecodeEngine:
         """How many leading drafts pass (greedy: equal to the target's argmax before them, or typical under it
         with ``typical_epsilon``; sampling: speculative sampling) and the tokens each row appends."""
         rows, epsilon = self.rows.tensors, self.settings.typical_epsilon
-        logp, predicted, drafts_fed, verifying = (
-            scores.logp,
-            scores.predicted,
-            plan.on_device.drafts,
-            plan.on_device.verifying,
-        )
+        logp, predicted = scores.logp, scores.predicted
+        drafts_fed, verifying = plan.on_device.drafts, plan.on_device.verifying
         widest = int(plan.drafts.max())
         if widest == 0:  # no row fed drafts (a step that only fed masks)
             return predicted, torch.zeros_like(drafts_fed)
