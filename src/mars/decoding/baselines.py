@@ -9,6 +9,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from .attention import mars_attention
 from .fastpath import fast_linear
+from .huge_pages import place_weights
 from .stats import DecodeStats
 from .stopping import StopStrings
 
@@ -30,6 +31,7 @@ def generate_ar(
     ``suppress_ids`` (the mask token) are never generated: transformers sets their logits to -inf, as
     the MARS engine does, so the baseline and MARS at threshold 1.0 stay token-for-token equal."""
     device = next(model.parameters()).device
+    place_weights(model)  # the weights in huge pages, as the MARS engine streams them
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     input_ids, attention = _left_padded(prompts, pad_id)
     width = input_ids.shape[1]

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from .fastpath import enabled_by_env, fast_linear, linear, only_columns, usable
+from .huge_pages import place_weights
 from .kv import RaggedKVCache
 from .lean import lean_decoder
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.base = base if (base is not None and base is not model and head is not None and not special_head) else None
         self.head = head
         self.device = next(model.parameters()).device
+        place_weights(model)  # once per model: every step streams the weights (mars.decoding.huge_pages)
         self.num_layers = config.num_hidden_layers
         self.context_length = getattr(config, "max_position_embeddings", None)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -381,6 +381,7 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
 
 def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, Any]:
     """What the run was: its arguments, the machine, threads, dtype and fast-path state."""
+    from mars.decoding import huge_pages
     from mars.hardware import describe
 
     return {
@@ -393,6 +394,7 @@ def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, An
         "threads": torch.get_num_threads(),
         "omp_wait_policy": describe_wait_policy(),
         "fast_path": fast_path_state(model),
+        "huge_pages": huge_pages.describe(),
         "host": platform.node(),
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -612,7 +614,7 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         f"model `{model}`, {config['dtype']} on {config['device']} ({hw.get('cuda') or hw.get('cpu') or 'cpu'}; "
         f"native bf16: {hw.get('cpu_native_bf16')}), {config['threads']} threads "
         f"(OpenMP wait {config.get('omp_wait_policy', '(unset)')}), decode fast path "
-        f"{config.get('fast_path', 'off')}, "
+        f"{config.get('fast_path', 'off')}, weights in 2 MB pages {config.get('huge_pages', '(not recorded)')}, "
         + (f"gated adapter truncated to rank {config['adapter_rank']}, " if config.get("adapter_rank") else "")
         + f"block size {config['block_size']}, "
         f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
