@@ -72,18 +72,20 @@ def enabled_by_env(name: str = ENV) -> bool:
     raise ValueError(f"{name}={value!r}: use 1/on or 0/off")
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def _cpu_linears(model: torch.nn.Module):
     # Exactly nn.Linear: subclasses (quantized, LoRA, ...) compute something else in their forward.
-    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+    return (m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu")
 
 
 def unavailable_reason(model: torch.nn.Module) -> str | None:
-    """Why the fast path cannot serve ``model`` here, or None when it can."""
-    linears = [m for m in _linears(model) if m.weight.device.type == "cpu"]
-    if not linears:
+    """Why the fast path cannot serve ``model`` here, or None when it can (asked before every generate: the
+    walk stops at the first float32 linear)."""
+    linears = _cpu_linears(model)
+    first = next(linears, None)
+    if first is None:
         return None if next(model.parameters()).device.type != "cpu" else "the model has no nn.Linear layers"
-    if not any(m.weight.dtype == torch.float32 for m in linears):
-        return f"its linear weights are {linears[0].weight.dtype}; the small-M kernel is float32-only"
+    if first.weight.dtype != torch.float32 and not any(m.weight.dtype == torch.float32 for m in linears):
+        return f"its linear weights are {first.weight.dtype}; the small-M kernel is float32-only"
     from mars.kernels import KernelUnavailable, small_linear_op
 
     try:
