@@ -85,16 +85,26 @@ constexpr int64_t kMaxColumns = 64;
 // with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
 // T: the weights' element, float or a bf16's bits (uint16_t: LoRA factors whose values are bf16 numbers stream in
 // half the bytes; widened exactly to fp32 on load, so the arithmetic and its result are the same).
-template <int R, int MB, typename T = float>
+// kSpread: this tile prefetches only rows [pf_lo, pf_hi) of the tile ahead (rows_all_columns: the column blocks
+// of a wide step share them out).
+template <int R, int MB, typename T = float, bool kSpread = false>
 inline void tile(const T* __restrict w, int64_t ldw, const float* __restrict x, int64_t ldx,
-                 float* __restrict y, int64_t ldy, int64_t K, const float* __restrict bias) {
+                 float* __restrict y, int64_t ldy, int64_t K, const float* __restrict bias, int pf_lo = 0,
+                 int pf_hi = R) {
   Vec acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    if (MARS_PF > 0 && (k & (64 / int64_t(sizeof(T)) - 1)) == 0)  // one prefetch per 64-byte line of each row
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + MARS_PF * R) * ldw + k), _MM_HINT_T0);
+    if (MARS_PF > 0 && (k & (64 / int64_t(sizeof(T)) - 1)) == 0) {  // one prefetch per 64-byte line of each row
+      if constexpr (kSpread) {
+        for (int r = pf_lo; r < pf_hi; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + MARS_PF * R) * ldw + k), _MM_HINT_T0);
+      } else {
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + MARS_PF * R) * ldw + k), _MM_HINT_T0);
+      }
+    }
     Vec xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = vload(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
@@ -115,23 +125,43 @@ inline void tile(const T* __restrict w, int64_t ldw, const float* __restrict x, 
 }
 
 // All M columns against R rows, columns in blocks of up to MB.
-template <int R, int MB, typename T = float>
-inline void rows_all_columns(const T* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
-                             int64_t M, int64_t K, const float* bias) {
-  int64_t m = 0;
-  for (; m + MB <= M; m += MB) tile<R, MB, T>(w, ldw, x + m * ldx, ldx, y + m * ldy, ldy, K, bias);
+template <int R, int MB, typename T = float, bool kSpread = false>
+inline void blocks_of_columns(const T* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
+                              int64_t M, int64_t K, const float* bias) {
+  const int64_t blocks = (M + MB - 1) / MB;
+  // block b prefetches its share of the next tile's rows
+  auto lo = [&](int64_t b) { return static_cast<int>(b * R / blocks); };
+  int64_t m = 0, b = 0;
+  for (; m + MB <= M; m += MB, ++b)
+    tile<R, MB, T, kSpread>(w, ldw, x + m * ldx, ldx, y + m * ldy, ldy, K, bias, lo(b), lo(b + 1));
   const int64_t rest = M - m;
   const float* xr = x + m * ldx;
   float* yr = y + m * ldy;
   if constexpr (MB > 1) {
-    if (rest == 1) tile<R, 1, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 1) tile<R, 1, T, kSpread>(w, ldw, xr, ldx, yr, ldy, K, bias, lo(b), lo(b + 1));
   }
   if constexpr (MB > 2) {
-    if (rest == 2) tile<R, 2, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 2) tile<R, 2, T, kSpread>(w, ldw, xr, ldx, yr, ldy, K, bias, lo(b), lo(b + 1));
   }
   if constexpr (MB > 3) {
-    if (rest == 3) tile<R, 3, T>(w, ldw, xr, ldx, yr, ldy, K, bias);
+    if (rest == 3) tile<R, 3, T, kSpread>(w, ldw, xr, ldx, yr, ldy, K, bias, lo(b), lo(b + 1));
   }
+}
+
+// MARS_PF_SPREAD=1: with several column blocks per tile (a prefill, a wide batch), each block prefetches a share
+// of the next tile's rows instead of the first one all of them.  All at once, the prefetches waited for line fill
+// buffers while the arithmetic of the other blocks had no memory traffic to hide, so a wide pass cost its
+// arithmetic plus the weight stream instead of the larger of the two.
+#ifndef MARS_PF_SPREAD
+#define MARS_PF_SPREAD 1
+#endif
+template <int R, int MB, typename T = float>
+inline void rows_all_columns(const T* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
+                             int64_t M, int64_t K, const float* bias) {
+  if (MARS_PF_SPREAD && M > MB)
+    blocks_of_columns<R, MB, T, true>(w, ldw, x, ldx, y, ldy, M, K, bias);
+  else
+    blocks_of_columns<R, MB, T, false>(w, ldw, x, ldx, y, ldy, M, K, bias);
 }
 
 // The low-rank product of a LoRA's up factor B [N, r], low[c][t] = sum_j B[t][j] a[c][j], for rows t in [t0, t1)
