@@ -5,7 +5,8 @@ build once per round, interleaved; outputs checked equal across builds:
     VARIANTS='{"amd":["-DMARS_PF=2","-DMARS_R1=8"],"intel":["-DMARS_PF=1","-DMARS_R1=4"]}' \
         GOMP_SPINCOUNT=30000 REPS=41 python benchmarks/decode_step_cpu/intel_stream/stream_ab.py
 
-COLS (default 1,2,3,4), ADAPTER=1 (a rank-8 gated LoRA at every column but the first), MKL=1 (F.linear beside them).
+COLS (default 1,2,3,4), ADAPTER=1 (a rank-8 gated LoRA at every column but the first), MKL=1 (F.linear beside them),
+HUGE=1 (the weights and factors in 2 MB pages, as mars.decoding.huge_pages places a model's).
 """
 
 import hashlib
@@ -44,6 +45,10 @@ for name, extra in VARIANTS.items():
     )
     ops[name] = getattr(torch.ops, f"ab_{name}")
 layers, lora = make_layers(8)
+if os.environ.get("HUGE") == "1":
+    from mars.decoding.huge_pages import place_tensors
+
+    place_tensors([t for lay in layers for t in lay.values()] + [t for lay in lora for ab in lay.values() for t in ab])
 factors = {
     name: [{n: (a, op.pack_lowrank.default(b)) for n, (a, b) in lay.items()} for lay in lora]
     for name, op in ops.items()

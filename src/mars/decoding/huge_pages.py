@@ -1,14 +1,16 @@
 """A CPU model's weights moved into one buffer of 2 MB pages (Linux transparent huge pages) for decoding.
 
 A batch-1 decode step streams every weight from memory.  With 4 KB pages each step's 540 MB (SmolLM2-135M,
-fp32) cross about 135,000 pages, and on a KVM guest every TLB miss walks two page tables.  In 2 MB pages the
-same step took 25.7 ms instead of 27.6 ms for AR and 27.5 instead of 29.6 for a 3-column verify step on a
-2-vCPU AMX Xeon, with the same tokens (benchmarks/decode_step_cpu/intel_stream/huge_pages_ab/).  Most of a
+fp32) cross about 135,000 pages, and on a KVM guest every TLB miss walks two page tables.  In 2 MB pages an AR
+step took 25.1 ms instead of 26.2 and a 3-column verify step 27.2 instead of 28.5 on a 2-vCPU AMX Xeon, with the
+same tokens (benchmarks/decode_step_cpu/intel_stream/huge_pages_ab/).  Most of a
 small model's tensors are under 2 MB, so pages of their own would not do: they share one buffer here, each
 tensor keeping its own storage (so nothing looks shared to safetensors or to ``save_pretrained``).
 
 Values, dtypes, devices and parameter objects stay the same (``param.data`` is swapped), so outputs are the same
-bits and optimisers and tied weights are unaffected.  ``MARS_HUGE_PAGES=0`` turns it off; it is a no-op where
+bits and optimisers and tied weights are unaffected.  It costs once per model what the kernel takes to zero (and
+compact for) the 2 MB pages at first touch: 1.2 s for SmolLM2-135M's 549 MB there, against 2.6 s to load the
+model.  ``MARS_HUGE_PAGES=0`` turns it off; it is a no-op where
 transparent huge pages are off or absent (other systems, ``never``) and for models not on a CPU.
 """
 
@@ -48,6 +50,11 @@ def available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and transparent_huge_pages() in ("always", "madvise")
 
 
+def wanted() -> bool:
+    """Whether decoding places its weights in huge pages here: on (``MARS_HUGE_PAGES``) and available."""
+    return enabled_by_env(ENV) and available()
+
+
 def describe() -> str:
     """Whether decoding places weights in huge pages here, for run records."""
     if not enabled_by_env(ENV):
@@ -62,10 +69,10 @@ def place_weights(model: torch.nn.Module) -> int:
     if model in _placed:
         return _placed[model]
     placed = 0
-    if enabled_by_env(ENV) and available():
+    if wanted():
         params = [p for p in _unique(model.parameters()) if p.device.type == "cpu" and p.numel() > 0]
         if params:
-            placed = _move(params)
+            placed = place_tensors(params)
             log.info("decoding weights in 2 MB pages: %.0f MB (%s=0 turns this off)", placed / 1e6, ENV)
     _placed[model] = placed
     return placed
@@ -75,7 +82,9 @@ def _unique(params) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in params}.values())  # a tied weight is one parameter: moved once
 
 
-def _move(params: list[torch.nn.Parameter]) -> int:
+def place_tensors(params: list[torch.Tensor]) -> int:
+    """Move ``params`` (parameters or plain tensors, each once) into one new huge-page buffer, in order, each on a
+    4 KB page of its own, by swapping their ``.data``; the buffer's bytes."""
     offsets, total = [], 0
     for p in params:
         offsets.append(total)

@@ -34,12 +34,17 @@ apply_process_defaults()  # the OpenMP wait before torch loads libgomp
 
 import torch  # noqa: E402
 
+from mars.decoding import huge_pages  # noqa: E402
+
 PATHS = ("fast", "python-loop", "eager")
 
 
 def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """GB/s reading a fresh fp32 tensor of ``nbytes`` (a sum: one read, no write), median of ``repeats``."""
+    """GB/s reading a fresh fp32 tensor of ``nbytes`` (a sum: one read, no write), median of ``repeats``; in
+    2 MB pages where decoding puts the weights there (mars.decoding.huge_pages)."""
     x = torch.ones(max(nbytes // 4, 1 << 20))
+    if huge_pages.wanted():
+        huge_pages.place_tensors([x])
     x.sum()
     times = []
     for _ in range(repeats):
@@ -196,7 +201,8 @@ def write(rows: list[dict], bounds: dict, config: dict, out: Path) -> str:
     ]
     lines = [
         "# Decode step cost\n",
-        f"model `{config['model']}`, fp32, OpenMP wait {config['omp_wait_policy']}, KV cache of "
+        f"model `{config['model']}`, fp32, OpenMP wait {config['omp_wait_policy']}, weights in 2 MB pages "
+        f"{config.get('huge_pages', '(not recorded)')}, KV cache of "
         f"{config['context']} tokens per row, median of {config['repeats']} steps, every configuration once per "
         f"round ({config['cpu']}, {config['cpus']} CPUs, torch {config['torch']}).  `fast`: the decode fast path "
         "(mars::fused_linear for up to 16 columns in all, the projections of one input in one pass; the layer loop "
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         cpus=available_cpus(),
         omp_wait_policy=describe_wait_policy(),
+        huge_pages=huge_pages.describe(),
         context=args.context,
         repeats=args.repeats,
         cpu=platform.processor() or platform.machine(),
