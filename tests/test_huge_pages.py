@@ -111,3 +111,19 @@ def test_decoding_places_the_weights_and_gives_the_same_tokens(thp, tokenizer): 
     verify = generate(placed, tokenizer, prompts, verify=True, **kwargs)
     assert out.token_ids == ar.token_ids == verify.token_ids
     assert huge_pages.place_weights(placed) > 0
+
+
+def test_views_and_distributed_models_are_left_where_they_are(thp, monkeypatch):
+    model = tied_model()
+    flat = torch.zeros(64 * 32 + 64)
+    with torch.no_grad():
+        shared = torch.nn.Parameter(flat[64:].view(32, 64))  # a view into a larger storage, as a flat shard's
+    model.model.layers[0].mlp.down_proj.weight = shared
+    huge_pages.place_weights(model)
+    assert model.model.layers[0].mlp.down_proj.weight.data_ptr() == flat.data_ptr() + 64 * 4
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() % huge_pages.ALIGN == 0  # the others moved
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    other = tied_model()
+    pointers = [p.data_ptr() for p in other.parameters()]
+    assert huge_pages.place_weights(other) == 0
+    assert [p.data_ptr() for p in other.parameters()] == pointers

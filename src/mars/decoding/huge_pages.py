@@ -69,13 +69,25 @@ def place_weights(model: torch.nn.Module) -> int:
     if model in _placed:
         return _placed[model]
     placed = 0
-    if wanted():
-        params = [p for p in _unique(model.parameters()) if p.device.type == "cpu" and p.numel() > 0]
+    if wanted() and not _distributed():
+        params = [p for p in _unique(model.parameters()) if _movable(p)]
         if params:
             placed = place_tensors(params)
             log.info("decoding weights in 2 MB pages: %.0f MB (%s=0 turns this off)", placed / 1e6, ENV)
     _placed[model] = placed
     return placed
+
+
+def _distributed() -> bool:
+    # a sharded or replicated model's wrappers keep their own views of its parameters: left where they are
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _movable(p: torch.Tensor) -> bool:
+    """A plain CPU tensor that is its whole storage (not a view into another, not a DTensor or a subclass)."""
+    storage = p.untyped_storage()
+    whole = p.data_ptr() == storage.data_ptr() and storage.nbytes() == p.numel() * p.element_size()
+    return type(p.data) is torch.Tensor and p.device.type == "cpu" and p.numel() > 0 and whole and p.is_contiguous()
 
 
 def _unique(params) -> list[torch.nn.Parameter]:
