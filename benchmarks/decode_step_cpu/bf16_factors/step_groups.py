@@ -1,12 +1,19 @@
 """One SmolLM2-135M decode step's projections through ``fused_linear`` (q/k/v, o, gate/up, down per layer, 30
 layers with their own random weights, so nothing stays cached), with a rank-r gated LoRA at the step's masks
-(all columns but the first), for the A/B scripts of this directory."""
+(all columns but the first), and builds of the kernel with other flags, for the A/B scripts of this directory
+and of ../intel_stream/."""
 
+import hashlib
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from torch.utils import cpp_extension
+
+SMALL_GEMM = Path(__file__).resolve().parents[3] / "src" / "mars" / "kernels" / "small_gemm.cpp"
 
 H, FF, KV, LAYERS = 576, 1536, 192, 30
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
@@ -64,3 +71,24 @@ def time_interleaved(runs: dict, repeats: int) -> dict:
 
 def threads() -> None:
     torch.set_num_threads(int(os.environ.get("T", "2")))
+
+
+def build_small_gemm(name: str, extra: list[str]):
+    """small_gemm.cpp built with this machine's flags (mars.kernels.cflags) then ``extra`` (later flags win), under
+    its own op namespace ``ab_<name>``, so several builds load side by side; its ``torch.ops`` namespace.  Builds
+    are kept in the temporary directory by source and flags."""
+    from mars.kernels import cflags
+
+    flags = [*cflags(), *extra, f"-DMARS_NAMESPACE=ab_{name}", "-Wno-builtin-macro-redefined"]
+    key = hashlib.sha1((SMALL_GEMM.read_text() + " ".join(flags)).encode()).hexdigest()[:8]
+    directory = Path(tempfile.gettempdir()) / f"mars_ab_{name}_{key}"
+    directory.mkdir(exist_ok=True)
+    cpp_extension.load(
+        name=f"ab_{name}",
+        sources=[str(SMALL_GEMM)],
+        extra_cflags=flags,
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    return getattr(torch.ops, f"ab_{name}")

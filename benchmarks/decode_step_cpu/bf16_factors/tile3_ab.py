@@ -4,38 +4,18 @@ builds of small_gemm.cpp under their own op namespaces, loaded side by side, int
     GOMP_SPINCOUNT=3000 REPS=31 python benchmarks/decode_step_cpu/bf16_factors/tile3_ab.py
 """
 
-import hashlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).parent))
-from step_groups import make_layers, run_step, threads, time_interleaved  # noqa: E402
+from step_groups import build_small_gemm, make_layers, run_step, threads, time_interleaved  # noqa: E402
 
-from mars.kernels import cflags  # noqa: E402
-
-SRC = Path(__file__).resolve().parents[3] / "src" / "mars" / "kernels" / "small_gemm.cpp"
 VARIANTS = {"r3_8": [], "r3_off": ["-DMARS_R3=0"]}
 threads()
-ops = {}
-for name, extra in VARIANTS.items():
-    flags = [*cflags(), *extra, f"-DMARS_NAMESPACE=ab_{name}"]
-    key = hashlib.sha1((SRC.read_text() + " ".join(flags)).encode()).hexdigest()[:8]
-    build = Path(tempfile.gettempdir()) / f"mars_tile3_{name}_{key}"
-    build.mkdir(exist_ok=True)
-    cpp_extension.load(
-        name=f"ab_{name}",
-        sources=[str(SRC)],
-        extra_cflags=flags,
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
-    ops[name] = getattr(torch.ops, f"ab_{name}")
+ops = {name: build_small_gemm(name, extra) for name, extra in VARIANTS.items()}
 layers, lora = make_layers(int(os.environ.get("RANK", "32")))
 factors = {
     name: [{n: (a, op.pack_lowrank.default(b)) for n, (a, b) in lay.items()} for lay in lora]

@@ -9,41 +9,21 @@ COLS (default 1,2,3,4), ADAPTER=1 (a rank-8 gated LoRA at every column but the f
 HUGE=1 (the weights and factors in 2 MB pages, as mars.decoding.huge_pages places a model's).
 """
 
-import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bf16_factors"))
-from step_groups import make_layers, run_step, threads, time_interleaved  # noqa: E402
+from step_groups import build_small_gemm, make_layers, run_step, threads, time_interleaved  # noqa: E402
 
-from mars.kernels import cflags  # noqa: E402
-
-SRC = Path(__file__).resolve().parents[3] / "src" / "mars" / "kernels" / "small_gemm.cpp"
 VARIANTS = json.loads(os.environ["VARIANTS"])
 COLS = [int(c) for c in os.environ.get("COLS", "1,2,3,4").split(",")]
 ADAPTER = os.environ.get("ADAPTER", "0") == "1"
 threads()
-ops = {}
-for name, extra in VARIANTS.items():
-    flags = [*cflags(), *extra, f"-DMARS_NAMESPACE=ab_{name}", "-Wno-builtin-macro-redefined"]
-    key = hashlib.sha1((SRC.read_text() + " ".join(flags)).encode()).hexdigest()[:8]
-    build = Path(tempfile.gettempdir()) / f"mars_stream_{name}_{key}"
-    build.mkdir(exist_ok=True)
-    cpp_extension.load(
-        name=f"ab_{name}",
-        sources=[str(SRC)],
-        extra_cflags=flags,
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
-    ops[name] = getattr(torch.ops, f"ab_{name}")
+ops = {name: build_small_gemm(name, extra) for name, extra in VARIANTS.items()}
 layers, lora = make_layers(8)
 if os.environ.get("HUGE") == "1":
     from mars.decoding.huge_pages import place_tensors

@@ -9,35 +9,18 @@ from mars.threads import apply_process_defaults
 
 apply_process_defaults()
 
-import hashlib  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
 
-from mars.kernels import cflags  # noqa: E402
 from mars.threads import configure_threads  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[4] / "src" / "mars" / "kernels" / "small_gemm.cpp"
-
-
-def build(name: str, extra: list[str]):
-    flags = [*cflags(), *extra, f"-DMARS_NAMESPACE=ab_{name}", "-Wno-builtin-macro-redefined"]
-    key = hashlib.sha1((SRC.read_text() + " ".join(flags)).encode()).hexdigest()[:8]
-    directory = Path(tempfile.gettempdir()) / f"mars_spread_{name}_{key}"
-    directory.mkdir(exist_ok=True)
-    cpp_extension.load(
-        name=f"ab_{name}",
-        sources=[str(SRC)],
-        extra_cflags=flags,
-        build_directory=str(directory),
-        is_python_module=False,
-    )
-    return getattr(torch.ops, f"ab_{name}").small_linear.default
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bf16_factors"))
+from step_groups import build_small_gemm  # noqa: E402
 
 
 def seconds_per_call(op, x, weights) -> float:
@@ -49,7 +32,8 @@ def seconds_per_call(op, x, weights) -> float:
 
 def main() -> None:
     configure_threads("auto")
-    ops = {"base": build("base", ["-DMARS_PF_SPREAD=0"]), "spread": build("spread", ["-DMARS_PF_SPREAD=1"])}
+    builds = {"base": ["-DMARS_PF_SPREAD=0"], "spread": ["-DMARS_PF_SPREAD=1"]}
+    ops = {name: build_small_gemm(name, extra).small_linear.default for name, extra in builds.items()}
     k, n = int(os.environ.get("K", 576)), int(os.environ.get("N", 1536))
     weights = [torch.randn(n, k) for _ in range(60)]
     print(f"K={k} N={n}, ms per call (median of 7 rounds)\n")
