@@ -11,6 +11,7 @@ from mars.decoding.acceptance import (
     cut_at_eos,
     exact_ar_rows,
     top_probability,
+    top_tokens,
     unverified_counts,
     validate_threshold,
 )
@@ -46,6 +47,50 @@ def test_top_probability_from_logits_is_the_softmax_maximum_with_masked_tokens()
         expected = torch.softmax(logits, -1).max(-1).values if expected is None else expected
         got = top_probability(logits, logits.max(-1).values)
         assert torch.allclose(got, expected, rtol=1e-5, atol=0)
+
+
+def _hard_logits() -> torch.Tensor:
+    """[2 rows, 3 columns, 37 tokens] (not a whole number of vectors): ties, a NaN column, an all -inf column and
+    a maximum at the suppressed token 5."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 3, 37)
+    logits[0, 0, 5] = 9.0  # the suppressed token holds the maximum
+    logits[0, 1, [4, 20, 36]] = 7.0  # tied maxima: the first wins
+    logits[1, 0, [8, 30]] = float("nan")  # NaN: the first NaN is the max, as torch's
+    logits[1, 2] = float("-inf")
+    return logits
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("top_from", [None, 0, 1, 3])
+def test_top_tokens_is_the_suppressed_argmax_and_top_probability(fused, top_from):
+    """Both paths (the fused CPU kernel and the ATen ops) give ``max(-1)``'s index after the suppression, which
+    they write into the logits, and the top probability from column ``top_from`` on (NaN before; None for no
+    column); the kernel's probability is the ATen one within rounding."""
+    logits = _hard_logits()
+    reference = logits.clone()
+    reference[..., 5] = float("-inf")
+    best = reference.max(dim=-1)
+    indices, top = top_tokens(logits, [5], top_from, fused=fused)
+    assert torch.equal(indices, best.indices)
+    assert indices[0, 0] != 5 and indices[0, 1] == 4 and indices[1, 0] == 8 and indices[1, 2] == 0
+    assert torch.equal(logits.isnan(), reference.isnan())
+    assert torch.equal(logits.nan_to_num(), reference.nan_to_num())  # suppressed in place, nothing else
+    if top_from is None:
+        assert top is None
+        return
+    expected = top_probability(reference, best.values)
+    assert top.shape == expected.shape and top[:, :top_from].isnan().all()
+    torch.testing.assert_close(top[:, top_from:], expected[:, top_from:], rtol=1e-5, atol=0, equal_nan=True)
+
+
+def test_top_tokens_kernel_and_aten_agree_on_a_vocabulary_of_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5, 49152) * 4
+    kernel, kernel_top = top_tokens(logits.clone(), [49151], 1, fused=True)
+    aten, aten_top = top_tokens(logits.clone(), [49151], 1, fused=False)
+    assert torch.equal(kernel, aten)
+    torch.testing.assert_close(kernel_top, aten_top, rtol=1e-5, atol=0, equal_nan=True)
 
 
 def test_at_least_one_token_even_when_first_fails():

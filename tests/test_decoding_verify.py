@@ -197,6 +197,32 @@ def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(mode
     assert lossy_chained == (chain != "never")
 
 
+def test_greedy_steps_choose_the_same_tokens_and_drafts_with_the_fused_choice_or_aten(model, tokenizer, monkeypatch):
+    """``MARS_TOP_TOKENS=0`` (the ATen ops) and the fused kernel (default) pick the same tokens, so AR and lossless
+    verify give the greedy text and verify proposes and accepts the same drafts either way."""
+    prompts = random_prompts((5, 17, 9))
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("MARS_TOP_TOKENS", switch)
+        ar = generate(model, tokenizer, prompts, max_new_tokens=20)
+        verified = generate(model, tokenizer, prompts, verify=True, max_new_tokens=20)
+        assert ar.token_ids == verified.token_ids == hf_greedy(model, tokenizer, prompts, 20)
+        extra = verified.stats.extra
+        runs[switch] = (verified.stats.forwards, extra["drafts_proposed"], extra["drafts_accepted"])
+    assert runs["0"] == runs["1"]
+    assert sum(runs["1"][1]) > 0
+
+
+def test_lookup_rows_feed_the_lean_number_of_masks_too(model, tokenizer, plans):
+    """``verify_masks=auto`` trims a lossless row on a CPU to LEAN_VERIFY_MASKS masks whatever its other drafts'
+    source: a prompt-lookup row feeds them on the steps lookup has no draft for."""
+    prompts = random_prompts((5, 17, 9))
+    out = generate(model, tokenizer, prompts, verify=True, draft_source="lookup", window=6, max_new_tokens=24)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 24)
+    masks = np.concatenate([p.draft_masks[p.verifying] for p in plans])
+    assert masks.max() == 2
+
+
 @pytest.mark.parametrize("verify_masks,lossless,lossy", [("auto", 2, 5), ("all", 5, 5), (3, 3, 3), (1, 1, 1)])
 def test_verify_masks_decides_how_many_masks_a_verifying_row_feeds(
     model, tokenizer, plans, verify_masks, lossless, lossy

@@ -69,17 +69,21 @@ from .acceptance import (
     never_emitted,
     suppress,
     tempered_log_probs,
-    top_probability,
+    top_tokens,
     unverified_counts,
 )
 from .attention import mars_attention
 from .drafts import DraftSource, draft_source_for
+from .fastpath import enabled_by_env
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
 from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept, typical_drafts
+
+# Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens; A/B runs): the same tokens.
+TOP_TOKENS_ENV = "MARS_TOP_TOKENS"
 
 
 def masks_within(masks: np.ndarray, room: int) -> np.ndarray:
@@ -208,6 +212,7 @@ class DecodeEngine:
         self.device = runner.device
         self.mask_id = int(mask_token_id)
         self.never = never_emitted(self.mask_id, eos_ids)  # the mask token is never an output token
+        self.fused_choice = enabled_by_env(TOP_TOKENS_ENV)
         self.eos = torch.tensor(list(eos_ids), device=self.device)
         self.tokenizer = tokenizer
         self.fill_window = settings.effective_window == "cache_block"
@@ -440,13 +445,13 @@ class DecodeEngine:
 
     def _masks_fed(self) -> np.ndarray:
         """How many masks each verifying row feeds on a step (``verify_masks``; ``auto`` on a CPU trims the
-        lossless rows drafting from the masks to LEAN_VERIFY_MASKS)."""
+        lossless rows to LEAN_VERIFY_MASKS, whatever their other drafts' source)."""
         s, full = self.settings, self.window - 1
         if s.verify_masks == "all":
             return np.full(len(self.rows), full)
         if s.verify_masks != "auto":
             return np.full(len(self.rows), min(int(s.verify_masks), full))
-        if self.device.type != "cpu" or s.draft_source != "masks":
+        if self.device.type != "cpu":
             return np.full(len(self.rows), full)
         return np.where(self._exact_rows(), min(LEAN_VERIFY_MASKS, full), full)
 
@@ -550,13 +555,14 @@ class DecodeEngine:
         """Log-probabilities at every prediction column (None when no row reads one), the token chosen
         there (the argmax of the logits, or a Gumbel-max draw for sampling rows, each from its own
         generator, only its own columns) and, on a greedy step whose masks the draft threshold reads, the
-        argmax's probability from the logits (no log-softmax; None otherwise).  ``logits`` come back with
-        the never-emitted tokens at -inf."""
-        best = suppress(logits, self.never).max(dim=-1)  # max(-1): the first maximum, as argmax, faster
-        predicted = best.indices
-        if not self._reads_probabilities(plan):
-            drafting = plan.draft_masks.any() or (self.settings.fallback == "jacobi" and plan.verifying.any())
-            top = top_probability(logits, best.values) if self.settings.draft_threshold > 0 and drafting else None
+        argmax's probability from the logits at the columns after the first (no log-softmax; None otherwise).
+        ``logits`` come back with the never-emitted tokens at -inf."""
+        reads = self._reads_probabilities(plan)
+        drafting = plan.draft_masks.any() or (self.settings.fallback == "jacobi" and plan.verifying.any())
+        # the draft threshold reads the top probability at the columns after the AR one (after the drafts)
+        top_from = 1 if not reads and self.settings.draft_threshold > 0 and drafting else None
+        predicted, top = top_tokens(logits, self.never, top_from, self.fused_choice)
+        if not reads:
             return None, predicted, top
         logp, sampled = self.log_probs(logits, self.rows.tensors.temperature)
         if sampled is not None:
@@ -591,7 +597,7 @@ class DecodeEngine:
         from_masks = None if lossless else self._confident_masks(plan, score, passed, all_passed)
         appended = passed + 1 if from_masks is None else passed + 1 + from_masks
         count = torch.where(fed.verifying, appended, count)
-        next_drafts = self._next_drafts(plan, scores, passed, all_passed, from_masks)
+        next_drafts = self._next_drafts(plan, scores, appended, all_passed, from_masks)
         return tokens, count, passed.where(fed.verifying, 0), next_drafts
 
     def _confident_masks(self, plan: StepPlan, score, passed, all_passed) -> torch.Tensor:
@@ -636,17 +642,16 @@ class DecodeEngine:
         appended = torch.where(columns < passed.unsqueeze(1), drafted, after)
         return torch.where(verifying.unsqueeze(1), appended, predicted), passed
 
-    def _next_drafts(self, plan: StepPlan, scores: StepScores, passed, all_passed, accepted_masks) -> NextDrafts:
+    def _next_drafts(self, plan: StepPlan, scores: StepScores, first, all_passed, accepted_masks) -> NextDrafts:
         """The masks' predictions when every draft passed (they followed the right text; those after any the
         row accepted: ``accepted_masks``, None for none), else the fallback: none, or the target's unverified
-        predictions after the rejected draft (Jacobi-style guesses)."""
+        predictions after the rejected draft (Jacobi-style guesses).  ``first``: the first column read, which is
+        the number of tokens the row appends this step (its passing drafts, the target's token, and the masks it
+        accepted, which only a row whose drafts all passed accepts)."""
         s, rows, fed = self.settings, self.rows.tensors, plan.on_device
         jacobi = s.fallback == "jacobi"
         if not (jacobi or plan.draft_masks.any() or rows.draft_log_q is not None):  # no row fed masks: no drafts
             return NextDrafts(rows.drafts, rows.draft_count.masked_fill(fed.verifying, 0), None)
-        # the first column read: after the drafts (all passed, so passed + 1) and the masks accepted, else after
-        # the rejected draft
-        first = passed + 1 if accepted_masks is None else passed + 1 + accepted_masks.where(all_passed, 0)
         predicted = scores.predicted
         read = (first.unsqueeze(1) + self.draft_slots).clamp_max(predicted.shape[1] - 1)
         tokens = predicted.gather(1, read)
@@ -655,7 +660,8 @@ class DecodeEngine:
             from_masks = (from_masks - accepted_masks).clamp_min(0)
         count = from_masks.where(all_passed, 0)
         if jacobi:
-            count = torch.where(all_passed, count, torch.clamp(fed.drafts - passed, max=self.max_drafts))
+            # the guesses after the rejected draft: the drafts fed beyond it (passed = first - 1 there)
+            count = torch.where(all_passed, count, torch.clamp(fed.drafts + 1 - first, max=self.max_drafts))
         if s.draft_threshold > 0:  # the leading drafts whose column is sure enough of its token
             count = torch.minimum(leading_run(self._draft_confidence(scores, read) >= s.draft_threshold), count)
         log_q = None

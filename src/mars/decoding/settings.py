@@ -166,7 +166,7 @@ class DecodingSettings:
         metadata=_help(
             "verify=True: masks a verifying row feeds per step, i.e. the most drafts its next step can verify: an "
             "integer (at most window - 1), all (window - 1) or auto (window - 1, but at most "
-            f"{LEAN_VERIFY_MASKS} for lossless rows drafting from the masks on a CPU: there every column costs "
+            f"{LEAN_VERIFY_MASKS} for lossless rows on a CPU: there every column costs "
             "about 5% of a step and the deepest drafts rarely pass)"
         ),
     )

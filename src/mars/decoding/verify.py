@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .acceptance import leading_run
+
 
 def _uniform(shape: tuple[int, ...], rows: int, generator, device, counts: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, *shape]`` uniforms.  With one generator per row each row draws from its own, and only
@@ -49,7 +51,7 @@ def leading_matches(
     if passing is not None:
         match = match | passing
     # the leading run, cut at n_drafts (the same as the run of matches among the first n_drafts)
-    return torch.minimum(torch.cumprod(match.to(torch.int32), dim=1).sum(dim=1), n_drafts).to(torch.long)
+    return torch.minimum(leading_run(match), n_drafts)
 
 
 def typical_drafts(logp: torch.Tensor, drafts: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -228,14 +228,14 @@ VERIFIED = dict(decoder="mars", cache="cursor", verify=True)
 
 def draft_variant(entry: str, args) -> Variant:
     """A verified decoder drafting from prompt lookup or a draft model: ``lookup``/``model`` alone (window 1,
-    plain speculative decoding) or ``+masks`` (the checkpoint's masks extend the drafts)."""
+    plain speculative decoding) or ``+masks`` (the checkpoint's masks draft too, as ``chain_drafts`` places them:
+    with its default, on a CPU, on the steps the other source has no draft for; on an accelerator after every
+    step's drafts, extending them)."""
     source = entry.split("+")[0]
     kwargs = {**VERIFIED, "draft_source": source}
     if source == "model":
         kwargs["draft_model"] = args.draft_model
-    if entry.endswith("+masks"):
-        kwargs["chain_drafts"] = "always"  # the masks ride after every step's drafts, extending them
-    else:
+    if not entry.endswith("+masks"):
         kwargs["window"] = 1
     return Variant(f"verify-{entry}", kwargs, fixed_threshold=1.0)
 
@@ -531,7 +531,8 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help=f"also time verified decoding with other drafts, comma-separated from {', '.join(DRAFT_SOURCE_ROWS)} "
         "(`lookup`: prompt-lookup drafts, `model`: a draft model; alone they are plain speculative decoding, "
-        "with `+masks` the checkpoint's masks extend the drafts); rows `verify-<entry>`",
+        "with `+masks` the checkpoint's masks draft too, where `--chain-drafts` puts them: by default, on a CPU, on "
+        "the steps the other source has no draft for); rows `verify-<entry>`",
     )
     p.add_argument(
         "--ar-static",
@@ -626,7 +627,8 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         "*same as AR*: rows whose tokens equal `ar-hf`'s (in bf16, differently shaped inputs can flip near-tied "
         "greedy choices, so take fidelity figures from fp32 runs). `mars-verify` is lossless by construction, and so "
         "are `verify-lookup` (prompt-lookup drafts) and `verify-model` (a draft model's drafts; tok/fwd counts the "
-        "target's forwards), whose `+masks` rows let the masks after the drafts extend them. "
+        "target's forwards), whose `+masks` rows draft from the masks too (`chain_drafts` auto: on a CPU, on the "
+        "steps without another draft). "
         "Decoders whose output does not depend on the threshold (AR, verify) are timed once per batch size and "
         "repeat and listed once, under the first threshold (the CSV repeats them under every threshold).\n",
         "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | tok/fwd (per request) | draft acc. | same as AR |",

@@ -2,7 +2,8 @@
 ``mars::fused_linear``, several of them over one input in one parallel pass (with a gated LoRA's low-rank
 terms at given columns; ``mars::lowrank_linear`` is a LoRA up factor's product in the same order, and
 ``mars::pack_lowrank`` the factor's layout for the fused pass); ``mars::decode_attention``, a decode step's
-attention (a few query columns against the KV cache, column-invariant; ``decode_attention.cpp``); and
+attention (a few query columns against the KV cache, column-invariant; ``decode_attention.cpp``);
+``mars::top_tokens``, a greedy step's argmax and top probability per column in one pass (``top_tokens.cpp``); and
 ``mars.DecoderStep``, a Llama-family decoder pass for one decode step written against ATen (``decoder_step.cpp``:
 the lean forward's loop without the interpreter).
 
@@ -32,7 +33,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "small_gemm.cpp", HERE / "decode_attention.cpp", HERE / "decoder_step.cpp")
+SOURCES = tuple(
+    HERE / name for name in ("small_gemm.cpp", "decode_attention.cpp", "decoder_step.cpp", "top_tokens.cpp")
+)
 HEADERS = (HERE / "small_gemm.h", HERE / "simd.h", HERE / "decode_attention.h")
 # -ffp-contract=off: a product and a sum written apart stay apart (the LoRA epilogue must round as peft does)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
@@ -194,6 +197,16 @@ def decode_attention_op():
 
 
 @functools.cache
+def top_tokens_op():
+    """``torch.ops.mars.top_tokens``: a greedy step's choice at each prediction column in one pass over its logits
+    (``top_tokens.cpp``); built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.top_tokens.default
+
+
+@functools.cache
 def decoder_step_class():
     """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
     :class:`KernelUnavailable` likewise."""
@@ -277,6 +290,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("mars::decode_attention")
     def _(query, key, value, mask, scale):
         return query.new_empty(query.shape)
+
+    @torch.library.register_fake("mars::top_tokens")
+    def _(logits, suppress, top_from):
+        return logits.new_empty(logits.shape[:-1], dtype=torch.long), logits.new_empty(logits.shape[:-1])
 
     @torch.library.register_fake("mars::fused_linear")
     def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):

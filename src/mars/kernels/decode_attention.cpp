@@ -33,26 +33,6 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
-// Below this, exp is 0 (and at -inf: masked positions contribute exactly nothing).
-constexpr float kExpFloor = -87.0f;
-
-// exp(x) for x <= 0 (a score minus its row's maximum): Cephes' expf, x = n ln2 + r with |r| <= ln2 / 2, a
-// degree-5 polynomial in r, scaled by 2^n; 0 below kExpFloor.
-inline Vec vexp_nonpositive(Vec x) {
-  const Vec xc = vmax(x, vset1(kExpFloor));
-  const Vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
-  Vec r = vfma(n, vset1(-0.693359375f), xc);  // ln2 in two parts: the first exact in float
-  r = vfma(n, vset1(2.12194440e-4f), r);
-  Vec p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
-  return vkeep_at_least(x, vmul(p, vpow2i(n)), kExpFloor);
-}
-
 // One task: for each of N queries n (heads of one KV head, one query column), out_n[0:D] = softmax(scale * q_n .
 // k_j + mask_nj over visible j) . v_j.  The queries share each key and value vector as it is loaded, and their
 // independent FMA chains fill each other's latency; each query's operations are the same as alone (and as

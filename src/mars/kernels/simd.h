@@ -57,6 +57,13 @@ inline float vsum(Vec v) {
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
   return hsum8(_mm256_add_ps(lo, hi));
 }
+// whether any lane is NaN
+inline bool vany_nan(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+// the first lane equal to m, or -1
+inline int vfirst_equal(Vec v, float m) {
+  const __mmask16 hit = _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  return hit ? __builtin_ctz(hit) : -1;
+}
 #else
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -82,6 +89,42 @@ inline Vec vkeep_at_least(Vec x, Vec y, float limit) {
   return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ), y);
 }
 inline float vsum(Vec v) { return hsum8(v); }
+// whether any lane is NaN
+inline bool vany_nan(Vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+// the first lane equal to m, or -1
+inline int vfirst_equal(Vec v, float m) {
+  const int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(m), _CMP_EQ_OQ));
+  return hit ? __builtin_ctz(hit) : -1;
+}
 #endif
+
+// The largest lane (no NaN among them).
+inline float vmax_lanes(Vec v) {
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, v);
+  float m = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
+}
+
+// Below this, exp is 0 (and at -inf: masked positions contribute exactly nothing).
+constexpr float kExpFloor = -87.0f;
+
+// exp(x) for x <= 0 (a score minus its row's maximum): Cephes' expf, x = n ln2 + r with |r| <= ln2 / 2, a
+// degree-5 polynomial in r, scaled by 2^n; 0 below kExpFloor.
+inline Vec vexp_nonpositive(Vec x) {
+  const Vec xc = vmax(x, vset1(kExpFloor));
+  const Vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
+  Vec r = vfma(n, vset1(-0.693359375f), xc);  // ln2 in two parts: the first exact in float
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vkeep_at_least(x, vmul(p, vpow2i(n)), kExpFloor);
+}
 
 }  // namespace mars_simd
