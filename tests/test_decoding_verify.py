@@ -198,19 +198,28 @@ def test_chain_drafts_decides_where_masks_ride_and_never_changes_the_output(mode
 
 
 def test_greedy_steps_choose_the_same_tokens_and_drafts_with_the_fused_choice_or_aten(model, tokenizer, monkeypatch):
-    """``MARS_TOP_TOKENS=0`` (the ATen ops) and the fused kernel (default) pick the same tokens, so AR and lossless
-    verify give the greedy text and verify proposes and accepts the same drafts either way."""
+    """``MARS_TOP_TOKENS=0`` (the ATen ops) and the fused kernel (default, under the fast path only) pick the same
+    tokens, so AR and lossless verify give the greedy text and verify proposes and accepts the same drafts either
+    way."""
     prompts = random_prompts((5, 17, 9))
+    fused = []
+    init = DecodeEngine.__init__
+    monkeypatch.setattr(
+        DecodeEngine, "__init__", lambda self, *a, **k: init(self, *a, **k) or fused.append(self.fused_choice)
+    )
     runs = {}
-    for switch in ("0", "1"):
+    for switch, fast_path in (("0", "1"), ("1", "1"), ("1", "0")):
         monkeypatch.setenv("MARS_TOP_TOKENS", switch)
+        monkeypatch.setenv("MARS_FAST_PATH", fast_path)
+        fused.clear()
         ar = generate(model, tokenizer, prompts, max_new_tokens=20)
         verified = generate(model, tokenizer, prompts, verify=True, max_new_tokens=20)
+        assert set(fused) == {switch == fast_path == "1"}  # the kernel's choice only under the fast path
         assert ar.token_ids == verified.token_ids == hf_greedy(model, tokenizer, prompts, 20)
         extra = verified.stats.extra
-        runs[switch] = (verified.stats.forwards, extra["drafts_proposed"], extra["drafts_accepted"])
-    assert runs["0"] == runs["1"]
-    assert sum(runs["1"][1]) > 0
+        runs[switch, fast_path] = (verified.stats.forwards, extra["drafts_proposed"], extra["drafts_accepted"])
+    assert runs["0", "1"] == runs["1", "1"]
+    assert sum(runs["1", "1"][1]) > 0
 
 
 def test_lookup_rows_feed_the_lean_number_of_masks_too(model, tokenizer, plans):

@@ -83,6 +83,7 @@ from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept, typical_drafts
 
 # Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens; A/B runs): the same tokens.
+# MARS_FAST_PATH=0 turns it off too.
 TOP_TOKENS_ENV = "MARS_TOP_TOKENS"
 
 
@@ -212,7 +213,8 @@ class DecodeEngine:
         self.device = runner.device
         self.mask_id = int(mask_token_id)
         self.never = never_emitted(self.mask_id, eos_ids)  # the mask token is never an output token
-        self.fused_choice = enabled_by_env(TOP_TOKENS_ENV)
+        # the one-pass choice is a kernel of the fast path: off with it (no build where it is not wanted)
+        self.fused_choice = enabled_by_env(TOP_TOKENS_ENV) and runner.fast_path()
         self.eos = torch.tensor(list(eos_ids), device=self.device)
         self.tokenizer = tokenizer
         self.fill_window = settings.effective_window == "cache_block"
@@ -557,10 +559,11 @@ class DecodeEngine:
         generator, only its own columns) and, on a greedy step whose masks the draft threshold reads, the
         argmax's probability from the logits at the columns after the first (no log-softmax; None otherwise).
         ``logits`` come back with the never-emitted tokens at -inf."""
-        reads = self._reads_probabilities(plan)
-        drafting = plan.draft_masks.any() or (self.settings.fallback == "jacobi" and plan.verifying.any())
+        s, reads = self.settings, self._reads_probabilities(plan)
         # the draft threshold reads the top probability at the columns after the AR one (after the drafts)
-        top_from = 1 if not reads and self.settings.draft_threshold > 0 and drafting else None
+        thresholds_drafts = not reads and s.draft_threshold > 0
+        drafting = thresholds_drafts and (plan.draft_masks.any() or (s.fallback == "jacobi" and plan.verifying.any()))
+        top_from = 1 if drafting else None
         predicted, top = top_tokens(logits, self.never, top_from, self.fused_choice)
         if not reads:
             return None, predicted, top

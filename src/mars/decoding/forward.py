@@ -52,7 +52,7 @@ class ModelRunner:
             self._lean = lean_decoder(self.model) or False
         return self._lean or None
 
-    def _fast(self) -> bool:
+    def fast_path(self) -> bool:
         """The fast path for this step: asked for (``fast``, else ``MARS_FAST_PATH``) and usable here."""
         if not (enabled_by_env() if self.fast is None else self.fast):
             return False
@@ -87,7 +87,7 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        fast = self._fast()
+        fast = self.fast_path()
         lean = None
         if fast and self.base is not None and (cache is None or isinstance(cache, RaggedKVCache)):
             lean = self._lean_forward()
