@@ -2,6 +2,7 @@
 with and without the per-row cache, padding columns skipped or not), and refused where it would differ."""
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -257,14 +258,15 @@ _W = fastpath.MAX_COLUMNS // 2 + 4  # 12 where the kernel takes 16 columns, 36 w
 WIDE = ((_W, (_W - 1, _W)), (_W - 3, (_W - 3, _W - 3)), (_W - 3, (_W - 3, 1)))  # wider than the kernel takes
 
 
-def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW):
+def _decode_ragged_batch(model, native: bool | None, masks: bool, steps=NARROW, runner=None):
     """Two rows of different lengths on the per-row cache: a prefill (row 0's prompt one token shorter, its
     last column padding), then decode steps in which row 0 feeds its last token and masks (or real tokens)
     and row 1 its last token and real tokens or padding; through the C++ pass, the lean Python loop or
-    transformers' forward.  Returns the logits at every step's live columns and the cache's keys."""
+    transformers' forward (or ``runner``, one of those).  Returns the logits at every step's live columns and
+    the cache's keys."""
     from decoding_fixtures import MASK_ID
 
-    runner = _runner(model, native)
+    runner = runner or _runner(model, native)
     cache = RaggedKVCache(runner.num_layers, capacity=8)  # the decode steps grow the buffers
     vocab, logits = model.config.vocab_size, []
     start = torch.tensor([0, 0])
@@ -303,6 +305,26 @@ def test_cpp_decoder_step_takes_a_ragged_batch_bit_for_bit(kind, steps):
         plain, _ = _decode_ragged_batch(model, True, False, steps)
         width = steps[1][1][0]
         assert not torch.equal(plain[1][1:width], cpp[1][1:width])
+
+
+def test_the_cpp_decoder_step_keeps_the_weights_it_was_built_with():
+    """The C++ pass resolves its weights to addresses once, when it is built (not at each of a step's passes): a
+    layer's parameters given new storage afterwards (``param.data = ...``) leave it computing with the memory it
+    was built on, kept alive, in its kernel passes and in a step wider than the kernel alike; a pass built
+    afterwards reads the new parameters."""
+    kernel_or_skip()
+    model = MODELS["gated"]()
+    runner = _runner(model, True)
+    before, _ = _decode_ragged_batch(model, True, True, WIDE, runner=runner)
+    torch.manual_seed(0)
+    for layer in model.model.layers:
+        for p in layer.parameters():
+            p.data = torch.randn_like(p) * 0.05
+    gc.collect()
+    again, _ = _decode_ragged_batch(model, True, True, WIDE, runner=runner)
+    assert all(torch.equal(a, b) for a, b in zip(before, again))
+    rebuilt, _ = _decode_ragged_batch(model, True, True, WIDE)
+    assert not any(torch.equal(a, b) for a, b in zip(before, rebuilt))
 
 
 def test_a_step_wider_than_the_kernel_computes_the_adapter_at_its_masks_only(monkeypatch):

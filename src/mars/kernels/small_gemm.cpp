@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -242,21 +243,12 @@ void lowrank_rows(const T* packed, const float* a, int64_t r, float* const* y, i
   }
 }
 
-// One weight of a pass (small_linear: the only one; fused_linear: one of its group): its output, where its
-// rows start in the pass's block numbering (set by run_blocks), and its gated LoRA (null lora_down when none):
-// the down factor A and the up factor B packed.
-struct Segment {
-  const float* w;
-  const float* bias;
-  float* y;
-  int64_t n;
-  int64_t first_block;
-  const void* lora_down;  // A [r, K]
-  const void* lora_up;    // B packed (pack_lowrank)
-  int64_t r;
-  float scaling;
-  bool down_bf16;  // the factor's element: a bf16's bits (uint16_t) or float
-  bool up_bf16;
+// One weight of a pass (small_linear: the only one; fused_linear: one of its group): the weight as the kernel reads
+// it (FusedWeight, small_gemm.h), its output, and where its rows start in the pass's block numbering (set by
+// run_blocks).
+struct Segment : FusedWeight {
+  float* y = nullptr;
+  int64_t first_block = 0;
 };
 
 // a [ncols, r] = the r rows of a LoRA down factor A [r, K] times the adapted columns xm [ncols, K], R rows at a time.
@@ -316,7 +308,7 @@ void run_segments(const std::vector<Segment>& segs, const float* x, int64_t M, i
       }
     }
     if (!kLora || ncols == 0) return;
-    std::vector<float> a;  // one segment's down products [ncols, r]
+    thread_local std::vector<float> a;  // one segment's down products [ncols, r] (kept: no allocation per pass)
     float* cols_y[kMaxColumns];
     for (const Segment& g : segs) {
       const auto [t0, t1] = rows_of(g);
@@ -395,8 +387,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
   if (M == 0) return y;
-  std::vector<Segment> one{
-      {wc.data_ptr<float>(), bp, y.data_ptr<float>(), N, 0, nullptr, nullptr, 0, 0.0f, false, false}};
+  std::vector<Segment> one(1);
+  one[0].w = wc.data_ptr<float>();
+  one[0].bias = bp;
+  one[0].n = N;
+  one[0].k = K;
+  one[0].y = y.data_ptr<float>();
   run_all(one, xc.data_ptr<float>(), M, K, nullptr, nullptr, 0);
   return y;
 }
@@ -485,19 +481,82 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
                                      const c10::List<c10::optional<at::Tensor>>& lora_a,
                                      const c10::List<c10::optional<at::Tensor>>& lora_b, at::ArrayRef<double> scalings,
                                      const c10::optional<at::Tensor>& columns) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "mars::fused_linear: float32 CPU input only");
+  // the factors are read (and checked) only where the adapter acts: at given columns
+  const bool adapted = columns.has_value() && columns->defined() && columns->numel() > 0;
+  static const c10::List<c10::optional<at::Tensor>> none;
+  std::vector<at::Tensor> keep;
+  const std::vector<FusedWeight> prepared =
+      prepare_fused(weights, biases, adapted ? lora_a : none, adapted ? lora_b : none,
+                    adapted ? scalings : at::ArrayRef<double>(), keep);
+  return fused_linear_prepared(x, prepared, columns);
+}
+
+std::vector<FusedWeight> prepare_fused(at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                                       const c10::List<c10::optional<at::Tensor>>& lora_a,
+                                       const c10::List<c10::optional<at::Tensor>>& lora_b,
+                                       at::ArrayRef<double> scalings, std::vector<at::Tensor>& keep) {
   const size_t count = weights.size();
   TORCH_CHECK(count > 0 && biases.size() == count, "mars::fused_linear: one bias entry per weight");
   const bool has_lora = lora_a.size() > 0;
   TORCH_CHECK(!has_lora || (lora_a.size() == count && lora_b.size() == count && scalings.size() == count),
               "mars::fused_linear: lora_a, lora_b and scalings need one entry per weight");
+  const int64_t K = weights[0].dim() == 2 ? weights[0].size(1) : -1;
+  std::vector<FusedWeight> prepared(count);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
+                "mars::fused_linear: weight ", i, " must be float32 [N, ", K, "], got ", w.sizes());
+    keep.push_back(w.contiguous());
+    FusedWeight& g = prepared[i];
+    g.w = keep.back().data_ptr<float>();
+    g.n = w.size(0);
+    g.k = K;
+    const c10::optional<at::Tensor> bias = biases.get(i);
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->numel() == g.n,
+                  "mars::fused_linear: bad bias ", i);
+      keep.push_back(bias->contiguous());
+      g.bias = keep.back().data_ptr<float>();
+    }
+    const c10::optional<at::Tensor> A = has_lora ? lora_a.get(i) : c10::nullopt;
+    if (A.has_value() && A->defined()) {
+      const c10::optional<at::Tensor> B = lora_b.get(i);
+      TORCH_CHECK(B.has_value() && B->defined(), "mars::fused_linear: lora_a ", i, " without lora_b");
+      const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
+      const int64_t r = Ac.size(0);
+      TORCH_CHECK(Ac.device().is_cpu() && Bc.device().is_cpu() && is_factor_dtype(Ac) && Ac.dim() == 2 &&
+                      Ac.size(1) == K && is_factor_dtype(Bc) && packed_fits(Bc, g.n, r),
+                  "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
+                  " (packed by pack_lowrank) do not fit");
+      keep.push_back(Ac);
+      keep.push_back(Bc);
+      g.lora_down = Ac.data_ptr();
+      g.lora_up = Bc.data_ptr();
+      g.down_bf16 = Ac.scalar_type() == at::kBFloat16;
+      g.up_bf16 = Bc.scalar_type() == at::kBFloat16;
+      g.r = r;
+      g.scaling = static_cast<float>(scalings[i]);
+    }
+  }
+  return prepared;
+}
+
+std::vector<at::Tensor> fused_linear_prepared(const at::Tensor& x, const std::vector<FusedWeight>& weights,
+                                              const c10::optional<at::Tensor>& columns) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "mars::fused_linear: float32 CPU input only");
+  TORCH_CHECK(!weights.empty(), "mars::fused_linear: no weights");
   const int64_t K = x.size(-1);
+  TORCH_CHECK(weights[0].k == K, "mars::fused_linear: an input of width ", K, " for weights [N, ", weights[0].k, "]");
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
+  const bool has_lora =
+      std::any_of(weights.begin(), weights.end(), [](const FusedWeight& w) { return w.lora_down != nullptr; });
   at::Tensor cols;
   int64_t ncols = 0;
   if (has_lora && columns.has_value() && columns->defined()) {
-    cols = columns->to(at::kLong).contiguous();
+    // the decode step's mask rows are int64 already: no dispatch (a step makes 120 of these calls)
+    cols = columns->scalar_type() == at::kLong && columns->is_contiguous() ? *columns
+                                                                           : columns->to(at::kLong).contiguous();
     ncols = cols.numel();
     TORCH_CHECK(ncols <= kMaxColumns, "mars::fused_linear: at most ", kMaxColumns, " adapted columns, got ", ncols);
   }
@@ -521,47 +580,15 @@ std::vector<at::Tensor> fused_linear(const at::Tensor& x, at::TensorList weights
       xm = gathered.data();
     }
   }
-  std::vector<at::Tensor> outputs, keep;
-  std::vector<Segment> segs;
-  for (size_t i = 0; i < count; ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
-                "mars::fused_linear: weight ", i, " must be float32 [N, ", K, "], got ", w.sizes());
-    const at::Tensor wc = w.contiguous();
-    keep.push_back(wc);
-    const int64_t N = wc.size(0);
-    Segment g{wc.data_ptr<float>(), nullptr, nullptr, N, 0, nullptr, nullptr, 0, 0.0f, false, false};
-    const c10::optional<at::Tensor> bias = biases.get(i);
-    if (bias.has_value() && bias->defined()) {
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mars::fused_linear: bad bias ", i);
-      keep.push_back(bias->contiguous());
-      g.bias = keep.back().data_ptr<float>();
-    }
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(weights.size());
+  std::vector<Segment> segs(weights.size());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    static_cast<FusedWeight&>(segs[i]) = weights[i];
+    shape.back() = weights[i].n;
     outputs.push_back(at::empty(shape, x.options()));
-    g.y = outputs.back().data_ptr<float>();
-    if (ncols > 0) {
-      const c10::optional<at::Tensor> A = lora_a.get(i), B = lora_b.get(i);
-      if (A.has_value() && A->defined()) {
-        TORCH_CHECK(B.has_value() && B->defined(), "mars::fused_linear: lora_a ", i, " without lora_b");
-        const at::Tensor Ac = A->contiguous(), Bc = B->contiguous();
-        const int64_t r = Ac.size(0);
-        TORCH_CHECK(is_factor_dtype(Ac) && Ac.dim() == 2 && Ac.size(1) == K && is_factor_dtype(Bc) &&
-                        packed_fits(Bc, N, r),
-                    "mars::fused_linear: LoRA factors ", i, " ", Ac.sizes(), " and ", Bc.sizes(),
-                    " (packed by pack_lowrank) do not fit");
-        keep.push_back(Ac);
-        keep.push_back(Bc);
-        g.lora_down = Ac.data_ptr();
-        g.lora_up = Bc.data_ptr();
-        g.down_bf16 = Ac.scalar_type() == at::kBFloat16;
-        g.up_bf16 = Bc.scalar_type() == at::kBFloat16;
-        g.r = r;
-        g.scaling = static_cast<float>(scalings[i]);
-      }
-    }
-    segs.push_back(g);
+    segs[i].y = outputs.back().data_ptr<float>();
   }
   if (M == 0) return outputs;
   run_all(segs, xc.data_ptr<float>(), M, K, xm, ncols > 0 ? cols.data_ptr<int64_t>() : nullptr, ncols);
