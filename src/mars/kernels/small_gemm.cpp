@@ -123,10 +123,10 @@ inline void tile(const T* __restrict w, int64_t ldw, const float* __restrict x, 
 // All M columns against R rows, columns in blocks of up to MB.
 template <int R, int MB, typename T = float, bool kSpread = false>
 inline void blocks_of_columns(const T* w, int64_t ldw, const float* x, int64_t ldx, float* y, int64_t ldy,
-                              int64_t M, int64_t K, const float* bias) {
+                              int64_t M, int64_t K, const float* bias, int64_t ahead = R) {
   const int64_t blocks = (M + MB - 1) / MB;
-  // block b prefetches its share of the next tile's rows
-  auto lo = [&](int64_t b) { return static_cast<int>(b * R / blocks); };
+  // block b prefetches its share of the first `ahead` rows of the next tile (kSpread)
+  auto lo = [&](int64_t b) { return static_cast<int>(b * ahead / blocks); };
   int64_t m = 0, b = 0;
   for (; m + MB <= M; m += MB, ++b)
     tile<R, MB, T, kSpread>(w, ldw, x + m * ldx, ldx, y + m * ldy, ldy, K, bias, lo(b), lo(b + 1));
@@ -252,11 +252,17 @@ struct Segment : FusedWeight {
 };
 
 // a [ncols, r] = the r rows of a LoRA down factor A [r, K] times the adapted columns xm [ncols, K], R rows at a time.
+// A tile prefetches only the factor's own rows ahead of it: a rank-8 factor is one tile, and the tile ahead of it,
+// which a weight's tile would prefetch, is whatever memory follows the factor (9-24 KB of it per segment, 150 or
+// so segments a thread in a step with an adapter: benchmarks/decode_step_cpu/intel_stream/factor_prefetch_ab/).
 template <int R, int MB, typename T>
 void down_products(const T* A, int64_t r, int64_t K, const float* xm, int64_t ncols, float* a) {
+  auto rows_ahead = [&](int64_t t, int64_t rows) { return std::clamp<int64_t>(r - t - MARS_PF * rows, 0, rows); };
   int64_t t = 0;
-  for (; t + R <= r; t += R) rows_all_columns<R, MB, T>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr);
-  for (; t < r; ++t) rows_all_columns<1, MB, T>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr);
+  for (; t + R <= r; t += R)
+    blocks_of_columns<R, MB, T, true>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr, rows_ahead(t, R));
+  for (; t < r; ++t)
+    blocks_of_columns<1, MB, T, true>(A + t * K, K, xm, K, a + t, r, ncols, K, nullptr, rows_ahead(t, 1));
 }
 
 // One parallel pass over a group's weight rows (R per block); then, where the group has a gated LoRA, each
