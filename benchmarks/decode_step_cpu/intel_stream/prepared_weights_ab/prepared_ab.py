@@ -132,5 +132,6 @@ def main() -> None:
             f"{ms[b, 'adapter'] - ms[b, 'none']:.3f} |"
         )
 
+
 if __name__ == "__main__":
     main()
