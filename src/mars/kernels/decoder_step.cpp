@@ -33,9 +33,9 @@ using OptionalList = c10::List<c10::optional<at::Tensor>>;
 // The projections of one input (q/k/v, o, gate/up, down): weights, biases, and a gated LoRA's factors.
 struct Group {
   std::vector<at::Tensor> weights;
-  OptionalList biases, lora_a, lora_b_packed;  // the down factors as fused_linear streams them; the up ones packed
+  OptionalList biases, lora_b_packed;  // the up factors packed (the down ones, as streamed, are in `fused`)
   std::vector<at::Tensor> lora_a_wide;  // the down factors in float32 (undefined where absent), for dense steps
-  std::vector<double> scalings;  // empty with lora_a when the group has no adapter
+  std::vector<double> scalings;  // empty with the factors when the group has no adapter
   bool adapted = false;
   // The same, as fused_linear_prepared reads them: checked and resolved to pointers once, at construction, so
   // that a step's 120 passes do not re-read every tensor's metadata, which each pass's weight stream has pushed
@@ -90,13 +90,14 @@ struct DecoderStep : torch::CustomClassHolder {
       size_t i = 7 * l;
       for (int size : sizes) {
         Group g;
+        OptionalList streamed;  // the down factors as fused_linear streams them (read into `fused` below)
         for (int j = 0; j < size; ++j, ++i) {
           g.weights.push_back(held(weights[i]));
           g.biases.push_back(held(biases.get(i)));
           if (lora) {
             const c10::optional<at::Tensor> a = held(lora_a.get(i));
             g.adapted = g.adapted || (a.has_value() && a->defined());
-            g.lora_a.push_back(a);
+            streamed.push_back(a);
             // a down factor streamed as bf16 widens exactly: the fp32 factor's values
             g.lora_a_wide.push_back(a.has_value() && a->defined() ? a->to(at::kFloat) : at::Tensor());
             g.lora_b_packed.push_back(held(lora_b_packed.get(i)));
@@ -104,12 +105,12 @@ struct DecoderStep : torch::CustomClassHolder {
           }
         }
         if (!g.adapted) {  // as LeanDecoder's _Group: no LoRA entries for a group without an adapter
-          g.lora_a = OptionalList();
+          streamed = OptionalList();
           g.lora_a_wide.clear();
           g.lora_b_packed = OptionalList();
           g.scalings.clear();
         }
-        g.fused = prepare_fused(g.weights, g.biases, g.lora_a, g.lora_b_packed, g.scalings, g.fused_keep);
+        g.fused = prepare_fused(g.weights, g.biases, streamed, g.lora_b_packed, g.scalings, g.fused_keep);
         groups.push_back(std::move(g));
       }
     }
