@@ -222,6 +222,54 @@ def test_greedy_steps_choose_the_same_tokens_and_drafts_with_the_fused_choice_or
     assert sum(runs["1", "1"][1]) > 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_greedy_verify_kernel_decides_what_the_tensor_ops_decide(model, tokenizer, seed):
+    """``mars::greedy_verify`` against the engine's tensor ops on random verify steps: rows verifying or not, any
+    number of drafts and masks fed, drafts that match the argmax for a while, top probabilities on both sides of
+    the draft threshold (NaN at the AR column), steps with and without masks, drafts strided or contiguous.  Same
+    counts, drafts and flags."""
+    from mars.decoding import DecodingSettings
+    from mars.decoding.engine import StepPlan, StepScores
+    from mars.decoding.forward import ModelRunner
+
+    rng = np.random.default_rng(seed)
+    settings = DecodingSettings(max_new_tokens=20, verify=True, window=4)
+    engine = DecodeEngine(ModelRunner(model), settings, 16, [2], tokenizer)
+    assert engine.fused_choice  # the kernels are built here
+    rows = 6
+    engine.admit([engine.make_request([5, 6, 7]) for _ in range(rows)])
+    slots = engine.max_drafts
+    checked = {"masks": 0, "no masks": 0, "passed some": 0}
+    for _ in range(60):
+        verifying = rng.random(rows) < 0.8
+        drafts = np.where(verifying, rng.integers(0, slots + 1, rows), 0)
+        masks = np.where(verifying & (rng.random() < 0.7), rng.integers(0, slots + 1, rows), 0)
+        predictions = np.where(verifying, 1 + drafts + masks, rng.integers(1, 3, rows))
+        no_row = np.zeros(rows, dtype=bool)
+        plan = StepPlan(np.ones(rows, np.int64), predictions, drafts, masks, no_row, verifying, True, engine.device)
+        width = int(predictions.max())
+        predicted = torch.from_numpy(rng.integers(0, 3, (rows, width)))
+        top = torch.from_numpy(rng.random((rows, width), dtype=np.float32))
+        top[:, 0] = float("nan")
+        drafted = torch.from_numpy(rng.integers(0, 3, (slots, rows))).t()  # strided, as a draft source may leave it
+        engine.rows.tensors.drafts = drafted if rng.random() < 0.5 else drafted.contiguous()
+        engine.rows.tensors.draft_count = torch.from_numpy(rng.integers(0, slots + 1, rows))
+        count = torch.from_numpy(rng.integers(0, 3, rows))
+        engine.settings = settings.replace(draft_threshold=float(rng.choice([0.0, 0.3, 0.6])))
+        scores = StepScores(None, predicted, top if engine.settings.draft_threshold > 0 and masks.any() else None)
+        decided = {}
+        for fused in (True, False):
+            engine.fused_choice = fused
+            tokens, counts, verified, nxt = engine._verify(plan, scores, None, count)
+            assert nxt.log_q is None
+            decided[fused] = (tokens, counts, verified, nxt.tokens, nxt.count)
+        for kernel, ops in zip(decided[True], decided[False]):
+            assert torch.equal(kernel, ops)
+        checked["masks" if masks.any() else "no masks"] += 1
+        checked["passed some"] += int((decided[True][2] > 0).any())
+    assert min(checked.values()) > 0
+
+
 def test_lookup_rows_feed_the_lean_number_of_masks_too(model, tokenizer, plans):
     """``verify_masks=auto`` trims a lossless row on a CPU to LEAN_VERIFY_MASKS masks whatever its other drafts'
     source: a prompt-lookup row feeds them on the steps lookup has no draft for."""

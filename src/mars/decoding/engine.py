@@ -80,7 +80,7 @@ from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
 from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
-from .verify import leading_matches, speculative_accept, typical_drafts
+from .verify import greedy_verify_kernel, leading_matches, speculative_accept, typical_drafts
 
 # Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens; A/B runs): the same tokens.
 # MARS_FAST_PATH=0 turns it off too.
@@ -586,6 +586,9 @@ class DecodeEngine:
     def _verify(self, plan: StepPlan, scores: StepScores, score, count: torch.Tensor):
         """Verifying rows accept their passing drafts plus the target's token after them, then (below
         threshold 1.0) the masks that meet their threshold; next drafts."""
+        fused = self._greedy_verify(plan, scores, count)
+        if fused is not None:
+            return fused
         fed = plan.on_device
         tokens, passed = self._check_drafts(plan, scores)
         # the masks followed the right text only when every draft passed
@@ -602,6 +605,22 @@ class DecodeEngine:
         count = torch.where(fed.verifying, appended, count)
         next_drafts = self._next_drafts(plan, scores, appended, all_passed, from_masks)
         return tokens, count, passed.where(fed.verifying, 0), next_drafts
+
+    def _greedy_verify(self, plan: StepPlan, scores: StepScores, count: torch.Tensor):
+        """:meth:`_verify` in one kernel (``mars::greedy_verify``: the same results, one op for about 25) where every
+        row is greedy at its exact threshold (the step read no probability: nothing sampled, typical or accepted
+        unverified) and no row falls back to Jacobi guesses, under the fused choice; None otherwise."""
+        s = self.settings
+        op = greedy_verify_kernel() if self.fused_choice and scores.logp is None and s.fallback != "jacobi" else None
+        if op is None:
+            return None
+        rows, fed = self.rows.tensors, plan.on_device
+        threshold = s.draft_threshold if scores.top is not None else 0.0  # (no top: no row fed masks to draft from)
+        args = (rows.drafts, fed.drafts, fed.draft_masks, fed.verifying, rows.draft_count, count, threshold)
+        count, verified, drafts, draft_count = op(scores.predicted, scores.top, *args)
+        if not plan.draft_masks.any():  # no row fed masks: no next drafts, the rows keep the tensor they had
+            drafts = rows.drafts
+        return scores.predicted, count, verified, NextDrafts(drafts, draft_count, None)
 
     def _confident_masks(self, plan: StepPlan, score, passed, all_passed) -> torch.Tensor:
         """Masks a verifying row accepts unverified: the leading ones after its drafts and their AR token

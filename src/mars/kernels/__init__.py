@@ -3,7 +3,8 @@
 terms at given columns; ``mars::lowrank_linear`` is a LoRA up factor's product in the same order, and
 ``mars::pack_lowrank`` the factor's layout for the fused pass); ``mars::decode_attention``, a decode step's
 attention (a few query columns against the KV cache, column-invariant; ``decode_attention.cpp``);
-``mars::top_tokens``, a greedy step's argmax and top probability per column in one pass (``top_tokens.cpp``); and
+``mars::top_tokens``, a greedy step's argmax and top probability per column in one pass (``top_tokens.cpp``);
+``mars::greedy_verify``, a lossless greedy verify step's draft check and next drafts (``greedy_verify.cpp``); and
 ``mars.DecoderStep``, a Llama-family decoder pass for one decode step written against ATen (``decoder_step.cpp``:
 the lean forward's loop without the interpreter).
 
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = tuple(
-    HERE / name for name in ("small_gemm.cpp", "decode_attention.cpp", "decoder_step.cpp", "top_tokens.cpp")
+    HERE / name
+    for name in ("small_gemm.cpp", "decode_attention.cpp", "decoder_step.cpp", "top_tokens.cpp", "greedy_verify.cpp")
 )
 HEADERS = (HERE / "small_gemm.h", HERE / "simd.h", HERE / "decode_attention.h")
 # -ffp-contract=off: a product and a sum written apart stay apart (the LoRA epilogue must round as peft does)
@@ -207,6 +209,16 @@ def top_tokens_op():
 
 
 @functools.cache
+def greedy_verify_op():
+    """``torch.ops.mars.greedy_verify``: a lossless greedy verify step's bookkeeping in one op
+    (``greedy_verify.cpp``); built with :func:`small_linear_op`, raises :class:`KernelUnavailable` likewise."""
+    import torch
+
+    small_linear_op()
+    return torch.ops.mars.greedy_verify.default
+
+
+@functools.cache
 def decoder_step_class():
     """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
     :class:`KernelUnavailable` likewise."""
@@ -294,6 +306,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("mars::top_tokens")
     def _(logits, suppress, top_from):
         return logits.new_empty(logits.shape[:-1], dtype=torch.long), logits.new_empty(logits.shape[:-1])
+
+    @torch.library.register_fake("mars::greedy_verify")
+    def _(predicted, top, drafts, fed, draft_masks, verifying, draft_count, count, draft_threshold):
+        return count.new_empty(count.shape), count.new_empty(count.shape), drafts.new_empty(drafts.shape), count.new_empty(count.shape)
 
     @torch.library.register_fake("mars::fused_linear")
     def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):
