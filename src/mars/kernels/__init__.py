@@ -309,7 +309,8 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("mars::greedy_verify")
     def _(predicted, top, drafts, fed, draft_masks, verifying, draft_count, count, draft_threshold):
-        return count.new_empty(count.shape), count.new_empty(count.shape), drafts.new_empty(drafts.shape), count.new_empty(count.shape)
+        rows = count.new_empty(count.shape)
+        return rows, rows.clone(), drafts.new_empty(drafts.shape), rows.clone()
 
     @torch.library.register_fake("mars::fused_linear")
     def _(x, weights, biases, lora_a, lora_b, scalings, columns=None):
