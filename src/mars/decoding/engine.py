@@ -561,9 +561,7 @@ class DecodeEngine:
         ``logits`` come back with the never-emitted tokens at -inf."""
         s, reads = self.settings, self._reads_probabilities(plan)
         # the draft threshold reads the top probability at the columns after the AR one (after the drafts)
-        thresholds_drafts = not reads and s.draft_threshold > 0
-        drafting = thresholds_drafts and (plan.draft_masks.any() or (s.fallback == "jacobi" and plan.verifying.any()))
-        top_from = 1 if drafting else None
+        top_from = 1 if not reads and s.draft_threshold > 0 and self._seeds_drafts(plan) else None
         predicted, top = top_tokens(logits, self.never, top_from, self.fused_choice)
         if not reads:
             return None, predicted, top
@@ -572,6 +570,12 @@ class DecodeEngine:
             noise = gumbel_noise(logp, self.rows.row_generators(), plan.predictions)
             predicted = torch.where(sampled.unsqueeze(1), torch.argmax(logp + noise, dim=-1), predicted)
         return logp, predicted, None
+
+    def _seeds_drafts(self, plan: StepPlan) -> bool:
+        """Whether this step's predictions become next drafts: a row fed masks, verifying rows fall back to Jacobi
+        guesses after a rejected draft, or rows sample their drafts (whose distributions are kept)."""
+        jacobi = self.settings.fallback == "jacobi" and plan.verifying.any()
+        return bool(plan.draft_masks.any() or jacobi or self.rows.tensors.draft_log_q is not None)
 
     def _reads_probabilities(self, plan: StepPlan) -> bool:
         """Whether a row reads a probability this step: a threshold below 1.0 (its confidence), sampling,
@@ -618,7 +622,7 @@ class DecodeEngine:
         threshold = s.draft_threshold if scores.top is not None else 0.0  # (no top: no row fed masks to draft from)
         args = (rows.drafts, fed.drafts, fed.draft_masks, fed.verifying, rows.draft_count, count, threshold)
         count, verified, drafts, draft_count = op(scores.predicted, scores.top, *args)
-        if not plan.draft_masks.any():  # no row fed masks: no next drafts, the rows keep the tensor they had
+        if not self._seeds_drafts(plan):  # no next drafts: the rows keep the tensor they had
             drafts = rows.drafts
         return scores.predicted, count, verified, NextDrafts(drafts, draft_count, None)
 
@@ -672,7 +676,7 @@ class DecodeEngine:
         accepted, which only a row whose drafts all passed accepts)."""
         s, rows, fed = self.settings, self.rows.tensors, plan.on_device
         jacobi = s.fallback == "jacobi"
-        if not (jacobi or plan.draft_masks.any() or rows.draft_log_q is not None):  # no row fed masks: no drafts
+        if not self._seeds_drafts(plan):
             return NextDrafts(rows.drafts, rows.draft_count.masked_fill(fed.verifying, 0), None)
         predicted = scores.predicted
         read = (first.unsqueeze(1) + self.draft_slots).clamp_max(predicted.shape[1] - 1)
