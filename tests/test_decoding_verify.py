@@ -260,6 +260,7 @@ def test_the_greedy_verify_kernel_decides_what_the_tensor_ops_decide(model, toke
         decided = {}
         for fused in (True, False):
             engine.fused_choice = fused
+            assert (engine._greedy_verify(plan, scores, count) is not None) == fused  # the kernel, then the ops
             tokens, counts, verified, nxt = engine._verify(plan, scores, None, count)
             assert nxt.log_q is None
             decided[fused] = (tokens, counts, verified, nxt.tokens, nxt.count)
