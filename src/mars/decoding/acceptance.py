@@ -19,10 +19,11 @@ capped at one token per step: the output is then token-for-token greedy AR by co
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
+
+from mars.kernels import op_or_none, top_tokens_op
 
 from .settings import METRICS, validate_metric, validate_threshold  # noqa: F401  (re-exported)
 
@@ -97,7 +98,7 @@ def top_tokens(
     :func:`top_probability`).  ``fused``: fp32 CPU logits in one pass of ``mars::top_tokens`` where it is built
     (after a decode step the engine's code runs from memory, so each op it saves saves about 0.1 ms on a
     2-vCPU Xeon), the ATen ops otherwise: the same indices, probabilities within rounding."""
-    op = _top_tokens_op() if fused and logits.device.type == "cpu" else None
+    op = op_or_none(top_tokens_op) if fused and logits.device.type == "cpu" else None
     if op is not None and logits.dtype == torch.float32 and logits.dim() >= 2 and logits.is_contiguous():
         indices, top = op(logits, list(token_ids), logits.shape[-2] if top_from is None else top_from)
         return indices, None if top_from is None else top
@@ -106,16 +107,6 @@ def top_tokens(
         return best.indices, None
     top = top_probability(logits[..., top_from:, :], best.values[..., top_from:])
     return best.indices, torch.nn.functional.pad(top, (top_from, 0), value=float("nan"))
-
-
-@functools.cache
-def _top_tokens_op():
-    from mars.kernels import KernelUnavailable, top_tokens_op
-
-    try:
-        return top_tokens_op()
-    except KernelUnavailable:  # (the decode kernels' own check says why, once)
-        return None
 
 
 def top_probability(logits: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:

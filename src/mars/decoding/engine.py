@@ -60,6 +60,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from mars.kernels import greedy_verify_op, op_or_none
+
 from .acceptance import (
     accept_counts,
     confidence,
@@ -80,7 +82,7 @@ from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
 from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
 from .stopping import StopStrings
-from .verify import greedy_verify_kernel, leading_matches, speculative_accept, typical_drafts
+from .verify import leading_matches, speculative_accept, typical_drafts
 
 # Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens; A/B runs): the same tokens.
 # MARS_FAST_PATH=0 turns it off too.
@@ -615,7 +617,8 @@ class DecodeEngine:
         row is greedy at its exact threshold (the step read no probability: nothing sampled, typical or accepted
         unverified) and no row falls back to Jacobi guesses, under the fused choice; None otherwise."""
         s = self.settings
-        op = greedy_verify_kernel() if self.fused_choice and scores.logp is None and s.fallback != "jacobi" else None
+        fused = self.fused_choice and scores.logp is None and s.fallback != "jacobi"
+        op = op_or_none(greedy_verify_op) if fused else None
         if op is None:
             return None
         rows, fed = self.rows.tensors, plan.on_device

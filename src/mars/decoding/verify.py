@@ -19,7 +19,6 @@ Pure tensor functions, vectorised over rows; tested on hand-made distributions.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -53,18 +52,6 @@ def leading_matches(
         match = match | passing
     # the leading run, cut at n_drafts (the same as the run of matches among the first n_drafts)
     return torch.minimum(leading_run(match), n_drafts)
-
-
-@functools.cache
-def greedy_verify_kernel():
-    """``mars::greedy_verify`` (a lossless greedy verify step's draft check and next drafts in one op), or None
-    where the kernels are not built here."""
-    from mars.kernels import KernelUnavailable, greedy_verify_op
-
-    try:
-        return greedy_verify_op()
-    except KernelUnavailable:  # (the decode kernels' own check says why, once)
-        return None
 
 
 def typical_drafts(logp: torch.Tensor, drafts: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -219,6 +219,17 @@ def greedy_verify_op():
 
 
 @functools.cache
+def op_or_none(accessor):
+    """``accessor()`` (one of this module's op accessors: ``top_tokens_op``, ``greedy_verify_op``), or None where the
+    kernels cannot be built or run here, for callers with an ATen fallback (the kernels' own check says why, once);
+    asked once per accessor."""
+    try:
+        return accessor()
+    except KernelUnavailable:
+        return None
+
+
+@functools.cache
 def decoder_step_class():
     """``torch.classes.mars.DecoderStep`` (see ``decoder_step.cpp``); built with :func:`small_linear_op`, raises
     :class:`KernelUnavailable` likewise."""
