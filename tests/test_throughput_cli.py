@@ -14,10 +14,12 @@ from mars.evaluation.throughput import main
 
 def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     timed = Counter()
+    calls = []  # (prompts, decoder, threshold) in the order they ran
     run_one = throughput.run_one
 
     def counting_run_one(*args, **kwargs):
-        timed[args[5].name] += 1
+        timed[args[4].name] += 1
+        calls.append((tuple(args[2]), args[4].name, args[5]))
         return run_one(*args, **kwargs)
 
     monkeypatch.setattr(throughput, "run_one", counting_run_one)
@@ -77,8 +79,16 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] in ("float32", "bfloat16") and "cpu_native_bf16" in config["hardware"]
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
-    # 2 batch sizes x 1 repeat: the threshold-free decoders once each, MARS once per threshold (2)
-    assert timed == {**{name: 2 for name in ars}, "mars-verify": 2, "mars-cursor": 4}
+    # 2 batch sizes x 1 repeat over 2 prompts (2 batches of 1, then 1 of 2): the threshold-free decoders once
+    # per batch, MARS once per batch and threshold (2)
+    assert timed == {**{name: 3 for name in ars}, "mars-verify": 3, "mars-cursor": 6}
+    # each batch of prompts runs through all 9 decoders back to back, the first of them rotating between batches
+    jobs = len(ars) + 3
+    blocks = [calls[i : i + jobs] for i in range(0, len(calls), jobs)]
+    assert len(blocks) == 3 and all(len({prompts for prompts, *_ in block}) == 1 for block in blocks)
+    assert [len(block[0][0]) for block in blocks] == [1, 1, 2]
+    assert all(len({(name, t) for _, name, t in block}) == jobs for block in blocks)
+    assert blocks[0][0][1:] != blocks[1][0][1:]
     assert len(rows) == 2 * 2 * 8  # the CSV lists every decoder under both thresholds
     table = [line.split(" | ") for line in (out / "throughput.md").read_text().splitlines() if line.startswith("| ")]
     listed = Counter(

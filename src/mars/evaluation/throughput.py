@@ -240,39 +240,36 @@ def draft_variant(entry: str, args) -> Variant:
     return Variant(f"verify-{entry}", kwargs, fixed_threshold=1.0)
 
 
-def run_one(model, tokenizer, prompts, batch: int, common: dict, variant: Variant, threshold: float):
-    """Decode ``prompts`` in batches of ``batch``; totals over the batches.  ``common`` holds the run's
-    ``settings`` (one DecodingSettings from the flags) and ``chat_template``; the variant replaces its
-    fields in it."""
+def run_one(model, tokenizer, prompts, common: dict, variant: Variant, threshold: float) -> dict:
+    """Decode one batch of ``prompts`` with ``variant``.  ``common`` holds the run's ``settings`` (one
+    DecodingSettings from the flags) and ``chat_template``; the variant replaces its fields in it."""
     from mars.decoding import generate
 
-    tokens = forwards = 0
-    seconds = 0.0
-    ids: list[list[int]] = []
-    row_rates: list[float] = []
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
     settings = common["settings"].replace(**variant.kwargs, threshold=threshold)
-    drafts = [0, 0]
-    for start in range(0, len(prompts), batch):
-        with fast_path_off(variant.eager):
-            batch_prompts = prompts[start : start + batch]
-            res = generate(model, tokenizer, batch_prompts, chat_template=common["chat_template"], settings=settings)
-        extra = res.stats.extra
-        if extra.get("drafts_proposed"):
-            drafts[0] += sum(extra["drafts_proposed"])
-            drafts[1] += sum(extra["drafts_accepted"])
-        tokens += res.stats.generated_tokens
-        forwards += res.stats.forwards
-        seconds += res.stats.seconds
-        ids.extend(res.token_ids)
-        row_rates.extend(t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f)
+    with fast_path_off(variant.eager):
+        res = generate(model, tokenizer, prompts, chat_template=common["chat_template"], settings=settings)
+    extra = res.stats.extra
     return dict(
-        tokens=tokens,
-        forwards=forwards,
-        seconds=seconds,
-        ids=ids,
-        row_tpf=statistics.mean(row_rates),
-        draft_acceptance=drafts[1] / drafts[0] if drafts[0] else None,
+        tokens=res.stats.generated_tokens,
+        forwards=res.stats.forwards,
+        seconds=res.stats.seconds,
+        ids=list(res.token_ids),
+        row_rates=[t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f],
+        drafts=(sum(extra.get("drafts_proposed") or ()), sum(extra.get("drafts_accepted") or ())),
+    )
+
+
+def combine(parts: list[dict]) -> dict:
+    """One decoder's totals over the batches of a repeat."""
+    proposed = sum(p["drafts"][0] for p in parts)
+    return dict(
+        tokens=sum(p["tokens"] for p in parts),
+        forwards=sum(p["forwards"] for p in parts),
+        seconds=sum(p["seconds"] for p in parts),
+        ids=[ids for p in parts for ids in p["ids"]],
+        row_tpf=statistics.mean(rate for p in parts for rate in p["row_rates"]),
+        draft_acceptance=sum(p["drafts"][1] for p in parts) / proposed if proposed else None,
     )
 
 
@@ -331,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = {**common, "settings": common["settings"].replace(max_new_tokens=8)}
     for v in vs:  # warm-up: allocator, kernels, tokenizer caches
         for _ in range(args.warmup):
-            run_one(model, tokenizer, pool[:2], 2, warm, v, thresholds[0])
+            run_one(model, tokenizer, pool[:2], warm, v, thresholds[0])
     rows = []
     for batch in batch_sizes:
         n = max(args.num_prompts, batch)  # small batches run several batches of the same prompts
@@ -356,19 +353,28 @@ def base_settings(args, block_size: int | None = None) -> DecodingSettings:
 
 
 def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repeats) -> dict[float, dict]:
-    """Every decoder on ``prompts`` at this batch size, ``repeats`` times, interleaved within each repeat.
+    """Every decoder on ``prompts`` at this batch size, ``repeats`` times.
 
-    Decoders whose output does not depend on the threshold (the AR baselines, verified decoding) are timed
-    once per batch size and repeat, not once per threshold; each repeat still interleaves them with the
-    thresholded decoders, so every speed-up is a ratio of runs taken side by side."""
+    Within a repeat every batch of prompts runs through all decoders back to back, in an order that rotates
+    from batch to batch and repeat to repeat: this host's memory bandwidth drifts by 10-15% within a minute,
+    and a decoder timed over the whole prompt set in one block (20-30 s here) caught a different minute from
+    the next one's.  Decoders whose output does not depend on the threshold (the AR baselines, verified
+    decoding) are timed once per batch size and repeat, not once per threshold."""
     fixed = [v for v in vs if v.fixed_threshold is not None]
     swept = [v for v in vs if v.fixed_threshold is None]
     runs: dict[float, dict[str, list[dict]]] = {t: {v.name: [] for v in vs} for t in thresholds}
+    jobs = [(v, v.fixed_threshold, thresholds) for v in fixed]
+    jobs += [(v, t, [t]) for t in thresholds for v in swept]
+    batches = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
     for rep in range(repeats):
-        jobs = [(v, v.fixed_threshold, thresholds) for v in fixed]
-        jobs += [(v, t, [t]) for t in thresholds for v in swept]
-        for v, threshold, sweep in jobs:
-            r = run_one(model, tokenizer, prompts, batch, common, v, threshold)
+        parts: list[list[dict]] = [[] for _ in jobs]
+        for b, batch_prompts in enumerate(batches):
+            turn = (rep + b) % len(jobs)
+            for j in [*range(turn, len(jobs)), *range(turn)]:
+                v, threshold, _ = jobs[j]
+                parts[j].append(run_one(model, tokenizer, batch_prompts, common, v, threshold))
+        for (v, threshold, sweep), part in zip(jobs, parts):
+            r = combine(part)
             for t in sweep:
                 runs[t][v.name].append(r)
             print(
@@ -619,7 +625,8 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         + (f"gated adapter truncated to rank {config['adapter_rank']}, " if config.get("adapter_rank") else "")
         + f"block size {config['block_size']}, "
         f"cache block {config['cache_block']}, max {config['max_new_tokens']} new tokens, "
-        f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]).\n",
+        f"prompts: {config.get('prompts_file') or 'built-in'}, {config['repeats']} repeats (median, [min-max]); in a "
+        "repeat each batch of prompts runs through every decoder back to back, in a rotating order.\n",
         "The AR baseline of each row is the fastest AR decoder measured in the same run (`ar-hf`: transformers "
         "`generate` with its dynamic KV cache; `ar-hf-static`: its static cache; `ar-cursor`: this project's engine "
         "at threshold 1.0, exactly greedy AR with a per-row KV cache from which finished rows leave; `-eager`: the same "
