@@ -52,6 +52,7 @@ from mars.threads import apply_process_defaults, describe_wait_policy
 apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.threads says why)
 
 import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
@@ -368,7 +369,8 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
     batches = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
     for rep in range(repeats):
         parts: list[list[dict]] = [[] for _ in jobs]
-        for b, batch_prompts in enumerate(batches):
+        bar = tqdm(batches, desc=f"batch {batch}, repeat {rep + 1}/{repeats}", unit="batch", leave=False)
+        for b, batch_prompts in enumerate(bar):
             turn = (rep + b) % len(jobs)
             for j in [*range(turn, len(jobs)), *range(turn)]:
                 v, threshold, _ = jobs[j]

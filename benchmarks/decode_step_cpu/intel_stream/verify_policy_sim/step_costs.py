@@ -1,10 +1,13 @@
 """The step costs `simulate.py` and `bound.py` price policies with: AR (the engine at threshold 1.0) and lossless
-verify decode the 16 held-out prompts alternately in one process, 2 rounds; per step, the forward's time
-(`ModelRunner.logits_at`) by its number of columns and whether masks were fed (the adapter live), medians, and the
-engine's time per step outside the forward; the prefills' total:
+verify decode the 16 held-out prompts in one process, interleaved prompt by prompt (the order alternating), for
+several rounds. Per round and decoder: the engine's seconds (``stats.seconds``, what the throughput command times),
+split into the prefills' forwards, the decode steps' forwards (`ModelRunner.logits_at`) by their number of columns
+and whether masks were fed (the adapter live), mean and median, and the rest (the engine outside the forward, per
+step); then verify's speed-up over AR, its ratio to verify's tokens per forward (issue 17's figure), and that ratio
+without the prefills and on the decode forwards alone:
 
     python benchmarks/decode_step_cpu/intel_stream/verify_policy_sim/step_costs.py \
-        benchmarks/reproduce_smollm2-135m-amx/adapter_rank8
+        benchmarks/reproduce_smollm2-135m-amx/adapter_rank8 [rounds]
 """
 
 from mars.threads import apply_process_defaults
@@ -29,13 +32,13 @@ DECODERS = {"ar": dict(decoder="mars", cache="cursor", threshold=1.0), "verify":
 PREFILL_FROM = 10  # a forward of at least this many columns is a prompt's prefill
 
 
-def main(checkpoint: str, rounds: int = 2) -> None:
+def main(checkpoint: str, rounds: int = 3) -> None:
     configure_threads("auto")
     lm = load_model(checkpoint, dtype=torch.float32)
     mask_id = lm.model.mars_gate.mask_token_id
     prompts = [json.loads(line)["prompt"] for line in open("data/prompts/heldout.jsonl")][:16]
-    forwards = collections.defaultdict(list)
     logits_at = ModelRunner.logits_at
+    forwards = collections.defaultdict(list)  # the decoder being timed: (columns, masks fed) -> seconds
 
     def timed(self, ids, *args, **kwargs):
         start = time.perf_counter()
@@ -46,27 +49,46 @@ def main(checkpoint: str, rounds: int = 2) -> None:
     ModelRunner.logits_at = timed
     for kwargs in DECODERS.values():
         generate(lm.model, lm.tokenizer, prompts[:1], max_new_tokens=8, chat_template=True, **kwargs)
-    for _ in range(rounds):
-        for name, kwargs in DECODERS.items():
-            forwards.clear()
-            start = time.perf_counter()
-            for prompt in prompts:
-                generate(lm.model, lm.tokenizer, [prompt], max_new_tokens=64, chat_template=True, **kwargs)
-            total = time.perf_counter() - start
-            steps = {key: v for key, v in forwards.items() if key[0] < PREFILL_FROM}
-            prefill = sum(sum(v) for key, v in forwards.items() if key[0] >= PREFILL_FROM)
-            count = sum(len(v) for v in steps.values())
-            rest = (total - prefill - sum(sum(v) for v in steps.values())) / count
+    for r in range(rounds):
+        runs = {name: dict(seconds=0.0, tokens=0, forwards=0, steps=collections.defaultdict(list)) for name in DECODERS}
+        for i, prompt in enumerate(prompts):
+            for name in list(DECODERS)[:: 1 if (i + r) % 2 == 0 else -1]:
+                forwards = runs[name]["steps"]
+                out = generate(
+                    lm.model, lm.tokenizer, [prompt], max_new_tokens=64, chat_template=True, **DECODERS[name]
+                )
+                runs[name]["seconds"] += out.stats.seconds
+                runs[name]["tokens"] += out.stats.generated_tokens
+                runs[name]["forwards"] += out.stats.forwards
+        for name, run in runs.items():
+            steps = {key: v for key, v in run["steps"].items() if key[0] < PREFILL_FROM}
+            run["prefill"] = sum(sum(v) for key, v in run["steps"].items() if key[0] >= PREFILL_FROM)
+            run["decode"] = sum(sum(v) for v in steps.values())
+            run["count"] = sum(len(v) for v in steps.values())
+            rest = (run["seconds"] - run["prefill"] - run["decode"]) / run["count"]
             widths = ", ".join(
-                f"{c} col{' + masks' if masked else ''}: {len(v)} x {statistics.median(v) * 1e3:.2f} ms"
+                f"{c} col{' + masks' if masked else ''}: {len(v)} x {statistics.mean(v) * 1e3:.2f} ms "
+                f"(median {statistics.median(v) * 1e3:.2f})"
                 for (c, masked), v in sorted(steps.items())
             )
             print(
-                f"{name}: total {total:.2f} s, prefills {prefill * 1e3:.0f} ms, {count} steps ({widths}), "
-                f"engine {rest * 1e3:.2f} ms per step",
+                f"round {r} {name}: {run['seconds']:.2f} s, prefills {run['prefill'] * 1e3:.0f} ms, "
+                f"{run['count']} steps ({widths}), engine {rest * 1e3:.2f} ms per step",
                 flush=True,
             )
+        ar, verify = runs["ar"], runs["verify"]
+        per_forward = verify["tokens"] / verify["forwards"]
+        speedup = ar["seconds"] / verify["seconds"]
+        no_prefill = (ar["seconds"] - ar["prefill"]) / (verify["seconds"] - verify["prefill"])
+        decode_per_forward = (verify["tokens"] - len(prompts)) / verify["count"]  # a prefill emits one token
+        step_ratio = (ar["decode"] / ar["count"]) / (verify["decode"] / verify["count"])
+        print(
+            f"round {r}: verify {speedup:.4f}x AR at {per_forward:.4f} tokens per forward, ratio "
+            f"{speedup / per_forward:.4f}; without the prefills {no_prefill / decode_per_forward:.4f}; AR's mean "
+            f"decode forward over verify's {step_ratio:.4f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
