@@ -357,10 +357,12 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
     """Every decoder on ``prompts`` at this batch size, ``repeats`` times.
 
     Within a repeat every batch of prompts runs through all decoders back to back, in an order that rotates
-    from batch to batch and repeat to repeat: this host's memory bandwidth drifts by 10-15% within a minute,
-    and a decoder timed over the whole prompt set in one block (20-30 s here) caught a different minute from
-    the next one's.  Decoders whose output does not depend on the threshold (the AR baselines, verified
-    decoding) are timed once per batch size and repeat, not once per threshold."""
+    from batch to batch and repeat to repeat, so both sides of a speed-up span the same minutes: a shared or
+    virtual host's memory bandwidth drifts within the minute, and a decoder timed over the whole prompt set in
+    one block caught a different minute from the next one's (a 2-vCPU Xeon's AR moved 28.6-36.3 tokens/s
+    between 20-30 s blocks of one run, benchmarks/decode_step_cpu/emerald_rapids/).  Decoders whose output does
+    not depend on the threshold (the AR baselines, verified decoding) are timed once per batch size and repeat,
+    not once per threshold."""
     fixed = [v for v in vs if v.fixed_threshold is not None]
     swept = [v for v in vs if v.fixed_threshold is None]
     runs: dict[float, dict[str, list[dict]]] = {t: {v.name: [] for v in vs} for t in thresholds}
