@@ -3,8 +3,9 @@
     python -m mars.evaluation.throughput --batch-sizes 1,4,8,16 --repeats 3 --max-new-tokens 64 \
         --thresholds 1.0,0.95 --out results/throughput
 
-Every decoder runs on the same prompts in one process, interleaved within each repeat so that load
-drift on a shared machine hits all of them alike.  For each (threshold, batch size, decoder) it
+Every decoder runs on the same prompts in one process; within each repeat every batch of prompts runs
+through all of them back to back, in a rotating order, so that load drift on a shared machine hits all
+of them alike.  For each (threshold, batch size, decoder) it
 reports the median tokens/s with its min-max spread, the speedup over AR (median of the per-repeat
 ratios), tokens per forward (generated tokens of the batch / batched forwards, and the per-request
 mean), and how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be
