@@ -10,6 +10,7 @@ from decoding_fixtures import (  # noqa: F401
     build_model,
     extra_eos,
     hf_greedy,
+    kernel_or_skip,
     model,
     ragged,
     random_prompts,
@@ -33,6 +34,33 @@ def test_verify_is_hf_greedy_with_ragged_batch(model, tokenizer, ragged, cache, 
     assert sum(stats["drafts_proposed"]) > 0
     # every accepted draft saved a forward: per row, tokens = forwards + accepted drafts
     assert out.stats.generated_tokens <= out.stats.forwards * len(ragged) + sum(stats["drafts_accepted"])
+
+
+@pytest.mark.parametrize("length", [30, 46, 62])
+def test_verify_prefill_gives_the_prompt_the_bits_of_ar_prefill(model, tokenizer, monkeypatch, length):
+    """Lossless verify prefills the prompt with its first two masks, AR the prompt alone; the prompt's last column
+    must come out bit for bit the same in both (at these widths SDPA's blocked kernel rounded it differently)."""
+    from mars.decoding.forward import ModelRunner
+
+    kernel_or_skip()
+    first = []
+    logits_at = ModelRunner.logits_at
+
+    def spy(self, input_ids, *args, **kwargs):
+        out = logits_at(self, input_ids, *args, **kwargs)
+        first.append((input_ids.shape[1], out[0, 0].clone()))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "logits_at", spy)
+    prompt = random_prompts((length,), seed=length)
+    prefills = []
+    for kwargs in ({"threshold": 1.0}, {"verify": True}):
+        first.clear()
+        generate(model, tokenizer, prompt, max_new_tokens=8, **kwargs)
+        prefills.append(first[0])
+    (ar_width, ar), (verify_width, verify) = prefills
+    assert (ar_width, verify_width) == (length, length + 2)
+    assert torch.equal(ar, verify)
 
 
 @pytest.mark.parametrize("window,draft_length", [(2, None), (4, 2), (6, None)])

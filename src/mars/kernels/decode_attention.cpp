@@ -1,5 +1,5 @@
-// Attention for a decode step: a few query columns per row against a KV cache, fp32 (AVX2 + FMA, AVX-512 where
-// the build targets it).
+// Attention for a decode step (a few query columns per row against a KV cache) and for a prefill of up to
+// kDecodeAttentionMaxQueries columns, fp32 (AVX2 + FMA, AVX-512 where the build targets it).
 //
 // A decode step's attention is tiny (SmolLM2-135M at 150 cached tokens: 9 heads x 150 keys x 64 dims per
 // query), and SDPA's CPU flash kernel, built for blocks of queries, spends most of its time around it: 20 us a
@@ -12,8 +12,9 @@
 //
 // Column invariance: a query's operations depend only on itself, its mask row and the cached keys and
 // values -- not on how many other columns, heads or rows ride along, nor on how tasks are split over threads -- so a
-// column's output is the same alone (an AR step) or beside drafts and masks (a verify step), as the small-M GEMM
-// is.  It is not SDPA's rounding: the fast path uses this kernel in every forward it serves (the lean loops and
+// column's output is the same alone (an AR step) or beside drafts and masks (a verify step), and a prompt's columns
+// the same in AR's prefill as in verify's (the prompt and its first masks), as the small-M GEMM's are.  It is not
+// SDPA's rounding: the fast path uses this kernel in every forward it serves (the lean loops and
 // the model's own forward, mars.decoding.attention), so they agree bit for bit with each other.
 #include "decode_attention.h"
 
@@ -51,14 +52,31 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
   Vec qv[N][NV > 0 ? NV : kMaxHeadDim / kLanes];
   for (int n = 0; n < N; ++n)
     for (int64_t d = 0; d < nvec; ++d) qv[n][d] = vload(q[n] + d * kLanes);
+  // A hidden key (false, or -inf added) scores -inf without its dot product and adds exactly nothing after it, so
+  // the keys after the last one any of these queries sees are not visited at all: a prefill's causal mask hides
+  // half of them.  The same bits as visiting them (their exp is 0, and x + 0 is x).
+  auto hidden = [&](int n, int64_t j) {
+    return mask_keep != nullptr ? !mask_keep[n][j * mask_pos_stride]
+                                : mask_add != nullptr && mask_add[n][j * mask_pos_stride] == kNegInf;
+  };
+  int64_t seen = L;  // keys [0, seen) hold every visible one
+  if (mask_keep != nullptr || mask_add != nullptr) {
+    seen = 0;
+    for (int n = 0; n < N; ++n)
+      for (int64_t j = L - 1; j >= seen; --j)
+        if (!hidden(n, j)) {
+          seen = j + 1;
+          break;
+        }
+  }
   float best[N];
   for (int n = 0; n < N; ++n) best[n] = kNegInf;
-  for (int64_t j = 0; j < L; ++j) {
+  for (int64_t j = 0; j < seen; ++j) {
     const float* kj = k + j * k_pos_stride;
 #pragma GCC unroll 4
     for (int n = 0; n < N; ++n) {
       float s = kNegInf;
-      if (mask_keep == nullptr || mask_keep[n][j * mask_pos_stride]) {
+      if (!hidden(n, j)) {
         float dot = 0.0f;
         if (nvec > 0) {
           Vec acc = vmul(qv[n][0], vload(kj));
@@ -78,9 +96,9 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
     total[n] = vzero();
     if (best[n] == kNegInf) continue;  // nothing visible: zeros (the row is padding; nobody reads it)
     float* sn = scores + n * stride;
-    std::fill(sn + L, sn + L + kLanes, kNegInf);  // the last vector's tail: exp gives 0
+    std::fill(sn + seen, sn + seen + kLanes, kNegInf);  // the last vector's tail: exp gives 0
     const Vec top = vset1(best[n]);
-    for (int64_t j = 0; j < L; j += kLanes) {
+    for (int64_t j = 0; j < seen; j += kLanes) {
       const Vec e = vexp_nonpositive(vsub(vload(sn + j), top));
       vstore(sn + j, e);
       total[n] = vadd(total[n], e);
@@ -90,7 +108,7 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
   float tail[N][kLanes] = {};
   for (int n = 0; n < N; ++n)
     for (int64_t d = 0; d < nvec; ++d) acc[n][d] = vzero();
-  for (int64_t j = 0; j < L; ++j) {
+  for (int64_t j = 0; j < seen; ++j) {
     const float* vj = v + j * v_pos_stride;
 #pragma GCC unroll 4
     for (int n = 0; n < N; ++n) {

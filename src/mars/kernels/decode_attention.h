@@ -2,8 +2,13 @@
 #pragma once
 #include <ATen/ATen.h>
 
-// Query columns per row the kernel takes; wider inputs (prefills) belong to SDPA's blocked flash kernel.
-constexpr int64_t kDecodeAttentionMaxQueries = 16;
+// Query columns per row the kernel takes: decode steps and prefills up to this width (a prefill's queries then give
+// the same bits whatever rides along, so lossless verify's prefill, the prompt and two masks, agrees with AR's bit
+// for bit; SDPA's flash kernel does not: 2 more queries changed the first ones' outputs at 64, 100, 400 and 800).
+// Past about 800 queries the kernel costs more than SDPA (a query's loops, not a blocked GEMM), so wider prefills go
+// to SDPA.  Measured on a 2-vCPU Xeon, 9/3 heads of 64, causal mask, one layer: 63 / 274 / 1160 / 3712 / 14850 us
+// at 40 / 100 / 207 / 400 / 800 queries, SDPA 109 / 397 / 1426 / 3698 / 14657 us.
+constexpr int64_t kDecodeAttentionMaxQueries = 1024;
 
 // softmax(scale q k^T + mask) v for query [batch, heads, queries, dim], key/value [batch, kv heads, length, dim]
 // (heads grouped over kv heads), mask None or [batch or 1, 1 or heads, queries, length] (additive fp32 or bool,
