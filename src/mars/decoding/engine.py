@@ -214,6 +214,7 @@ class DecodeEngine:
         self.runner, self.settings = runner, settings
         self.device = runner.device
         self.mask_id = int(mask_token_id)
+        runner.mask_token_id = self.mask_id  # (see ModelRunner.mask_token_id)
         self.never = never_emitted(self.mask_id, eos_ids)  # the mask token is never an output token
         # the one-pass choice is a kernel of the fast path: off with it (no build where it is not wanted)
         self.fused_choice = enabled_by_env(TOP_TOKENS_ENV) and runner.fast_path()

@@ -5,15 +5,16 @@ by reading the weights (SmolLM2-135M: 540 MB of fp32), and MKL's sgemm, tuned fo
 compute-bound from about four columns (a 4-column step cost 1.97x a 1-column step on a 2-core EPYC).
 :func:`fast_linear` routes every fp32 CPU ``nn.Linear`` of a model through the streaming kernel of
 :mod:`mars.kernels` while a decode step (or ``transformers`` ``generate`` for the AR baseline) runs, and
-restores the modules afterwards; inputs with more than :data:`MAX_COLUMNS` columns (prefill of long
-prompts, big batches), gradients, other dtypes and other devices take ``F.linear`` as before.
+restores the modules afterwards; inputs with more than :data:`MAX_COLUMNS` columns besides the step's
+mask tokens (prefill of long prompts, big batches; see :func:`step_masks`), gradients, other dtypes and other
+devices take ``F.linear`` as before.
 
 The kernel's summation order does not depend on the number of columns, so a row's output is the same
 whether it rides alone or with masks and other rows (batch invariance); it differs from MKL's by float
 rounding only (greedy outputs are unchanged on the equivalence tests).
 
 Its attention (:func:`attention`) goes through ``mars::decode_attention``, a kernel for a decode step's few
-query columns with the same column invariance; :mod:`mars.decoding.attention` routes the model's own attention
+query columns and for prefills with the same column invariance; :mod:`mars.decoding.attention` routes the model's own attention
 to it inside a :func:`fast_linear` block, and the lean forward calls it directly.
 
 Off switch: ``MARS_FAST_PATH=0`` in the environment (or ``fast_linear(model, enabled=False)``).  Where the
@@ -52,6 +53,8 @@ def _max_columns() -> int:
 
 
 MAX_COLUMNS = _max_columns()
+# Mask columns one pass of the kernel applies a gated LoRA at (small_gemm.cpp's kMaxColumns)
+MAX_MASKS = 64
 _warned: set[str] = set()
 # Inside a `fast_linear` block that patched the model: its attention takes mars::decode_attention too (see
 # `attention`), so the model's own forward and the lean forward agree bit for bit.
@@ -60,6 +63,8 @@ _attention_on: contextvars.ContextVar[bool] = contextvars.ContextVar("mars_fast_
 _live: contextvars.ContextVar[tuple[tuple[int, ...], torch.Tensor] | None] = contextvars.ContextVar(
     "mars_live_columns", default=None
 )
+# Mask tokens among the current step's input columns (see `step_masks`): not counted against MAX_COLUMNS.
+_masks: contextvars.ContextVar[int] = contextvars.ContextVar("mars_step_masks", default=0)
 
 
 def enabled_by_env(name: str = ENV) -> bool:
@@ -236,16 +241,38 @@ def _at_live_rows(
         y = x.new_zeros((*x.shape[:-1], n))
         y.view(-1, n).index_copy_(0, index, op(x.reshape(-1, k).index_select(0, index), weight, bias))
         return y
-    if any_width or x.numel() <= MAX_COLUMNS * k:
+    if any_width or not beyond_kernel(x.numel() // k):
         return op(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def beyond_kernel(rows: int) -> bool:
+    """Whether an input of ``rows`` flattened rows goes to ``F.linear`` rather than the kernel: more than
+    :data:`MAX_COLUMNS`, not counting the step's mask tokens (:func:`step_masks`), or more masks than one pass of
+    the kernel adapts (:data:`MAX_MASKS`)."""
+    masks = _masks.get()
+    return rows - masks > MAX_COLUMNS or masks > MAX_MASKS
+
+
+@contextmanager
+def step_masks(count: int):
+    """Inside this block the step's input holds ``count`` mask tokens, which do not count against
+    :data:`MAX_COLUMNS`.  A prompt prefilled alone (AR) and the same prompt with masks after it (lossless verify,
+    MARS at threshold 1.0) then take the same path, kernel or ``F.linear``, so the prompt's columns get the same
+    bits in both: counted in full, a prompt of ``MAX_COLUMNS - 1`` tokens took the kernel and the same prompt with
+    two masks MKL (tested)."""
+    token = _masks.set(count)
+    try:
+        yield
+    finally:
+        _masks.reset(token)
 
 
 def computed_rows(shape: tuple[int, ...]) -> torch.Tensor | None:
     """The flattened input rows the kernel computes for an input of leading shape ``shape`` inside an
     :func:`only_columns` block (the live columns), or None when it computes all of them."""
     live = _live.get()
-    if live is not None and tuple(shape) == live[0] and live[1].numel() <= MAX_COLUMNS:
+    if live is not None and tuple(shape) == live[0] and not beyond_kernel(live[1].numel()):
         return live[1]
     return None
 
@@ -272,7 +299,7 @@ def fused_linears(
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     rows = computed_rows(lead)
     flat = x.reshape(-1, k)
-    if rows is None and flat.shape[0] > MAX_COLUMNS:
+    if rows is None and beyond_kernel(flat.shape[0]):
         return None
     a, b, scalings = lora if lora is not None else ([], [], [])
     outputs = fused_linear_op()(

@@ -18,7 +18,7 @@ caller runs the model's own forward) for anything it does not mirror exactly: ot
 activations other than SiLU, tensor-parallel pretraining splits.
 
 A step on the per-row cache (every step of the engine's cursor cache, at any batch size; the projections of
-steps wider than the kernel takes, ``fastpath.MAX_COLUMNS``, through ``F.linear``, as in the Python loop) runs
+steps wider than the kernel takes, ``fastpath.beyond_kernel``, through ``F.linear``, as in the Python loop) runs
 the same loop in C++ (``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order, bit-identical,
 tested) instead of Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that way against 39.5 ms for the Python
 loop, 8 rows of one column 36.2 vs 48.0 ms (2 threads, measured side by side;
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from mars.kernels import KernelUnavailable
 
 from .fastpath import (
-    MAX_COLUMNS,
     attention,
+    beyond_kernel,
     computed_rows,
     down_linear,
     enabled_by_env,
@@ -300,7 +300,7 @@ class LeanDecoder:
             start, length = cache.single_row_start, cache.kv_length
             positions = cache.write_positions if start is None else None  # None: one row, one run (a copy)
             rows = computed_rows(tuple(x.shape[:2]))
-            dense = rows is None and x.shape[0] * x.shape[1] > MAX_COLUMNS  # wider than the kernel: F.linear
+            dense = rows is None and beyond_kernel(x.shape[0] * x.shape[1])  # wider than the kernel: F.linear
             cached = (keys, values, start or 0, length)
             return native.step(x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, dense)
         batch, columns = input_ids.shape

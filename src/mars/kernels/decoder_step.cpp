@@ -11,7 +11,8 @@
 //
 // It covers every step on the per-row cache: one row whose new columns are one run of cache positions from
 // `start` (a slice copy), or several rows written at their own positions (the cache's scatter); up to 64
-// computed columns (16 with AVX2: mars.decoding.fastpath.MAX_COLUMNS) through fused_linear, the padding columns of a ragged batch left out of the matmuls as the
+// computed columns besides the masks (16 with AVX2: mars.decoding.fastpath.beyond_kernel) through fused_linear,
+// the padding columns of a ragged batch left out of the matmuls as the
 // Python loop's `only_columns` does (`rows`: the flattened columns computed), wider steps (prefills, big
 // batches) through at::linear as the Python loop does.  The Python caller (mars.decoding.lean) checks that
 // and otherwise runs its own loop.
