@@ -66,6 +66,40 @@ def test_a_prefill_with_masks_gives_the_prompt_the_bits_of_ar_prefill(model, tok
     assert torch.equal(ar, masked)
 
 
+@pytest.mark.parametrize("exact", [{"verify": True}, {"full_window": True}])
+def test_batched_steps_with_drafts_or_masks_give_each_row_the_bits_of_ar(model, tokenizer, monkeypatch, exact):
+    """A batch of verify steps (each row its last token and two drafts or masks) is wider than the same rows' AR
+    steps; with the kernel's width at 6 columns (as 16 on an AVX2 build) 3 AR rows stay within it and 3 verify rows
+    of 3 columns would not, nor would the prefill of 3 prompts of 2 tokens with their masks.  The width that decides
+    is the new real tokens, so every row's column at its last real token comes out of both decoders with the same
+    bits."""
+    from mars.decoding.forward import ModelRunner
+
+    kernel_or_skip()
+    monkeypatch.setattr(fastpath, "MAX_COLUMNS", 6)
+    seen = []
+    logits_at = ModelRunner.logits_at
+
+    def spy(self, input_ids, positions, mask, columns, *args, **kwargs):
+        out = logits_at(self, input_ids, positions, mask, columns, *args, **kwargs)
+        first = positions.gather(1, columns[:, :1]).squeeze(1)  # the position of each row's first read column
+        seen.append({(b, int(p)): out[b, 0].clone() for b, p in enumerate(first)})
+        return out
+
+    monkeypatch.setattr(ModelRunner, "logits_at", spy)
+    prompts = random_prompts((2, 2, 2), seed=3)
+    runs = []
+    for kwargs in ({"threshold": 1.0}, exact):
+        seen.clear()
+        out = generate(model, tokenizer, prompts, max_new_tokens=16, **kwargs)
+        runs.append((out.token_ids, {k: v for step in seen for k, v in step.items()}))
+    (ar_tokens, ar), (tokens, other) = runs
+    assert tokens == ar_tokens
+    shared = sorted(set(ar) & set(other))
+    assert len(shared) >= 6  # the prefill and later steps of every row
+    assert all(torch.equal(ar[k], other[k]) for k in shared), [k for k in shared if not torch.equal(ar[k], other[k])]
+
+
 @pytest.mark.parametrize("window,draft_length", [(2, None), (4, 2), (6, None)])
 def test_verify_window_and_draft_length_stay_exact(model, tokenizer, window, draft_length):
     prompts = random_prompts((5, 17, 9))

@@ -193,9 +193,9 @@ def test_fused_linear_rejects_factors_that_do_not_fit():
         fused(x, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([2]))
     with pytest.raises(RuntimeError, match="one entry per weight"):
         fused(x, [w, w], [None, None], [torch.randn(3, 8)], [up], [1.0], torch.tensor([1]))
-    wide = torch.randn(65, 8)  # more adapted columns than the kernel's low-rank buffer holds
-    with pytest.raises(RuntimeError, match="at most 64 adapted columns"):
-        fused(wide, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.arange(65))
+    wide = torch.randn(1025, 8)  # more adapted columns than the kernel's low-rank buffer holds
+    with pytest.raises(RuntimeError, match="at most 1024 adapted columns"):
+        fused(wide, [w], [None], [torch.randn(3, 8)], [up], [1.0], torch.arange(1025))
     torch.library.opcheck(kernels.fused_linear_op(), (x, [w], [None], [], [], [], None))
 
 

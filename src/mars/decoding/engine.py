@@ -214,7 +214,6 @@ class DecodeEngine:
         self.runner, self.settings = runner, settings
         self.device = runner.device
         self.mask_id = int(mask_token_id)
-        runner.mask_token_id = self.mask_id  # (see ModelRunner.mask_token_id)
         self.never = never_emitted(self.mask_id, eos_ids)  # the mask token is never an output token
         # the one-pass choice is a kernel of the fast path: off with it (no build where it is not wanted)
         self.fused_choice = enabled_by_env(TOP_TOKENS_ENV) and runner.fast_path()
@@ -500,15 +499,23 @@ class DecodeEngine:
         row_reads = plan.on_device.predictions.unsqueeze(1)
         live = columns.unsqueeze(0) < uncached.unsqueeze(1) + row_reads - 1
         live_reads = torch.arange(reads, device=dev).unsqueeze(0) < row_reads
+        reads_kw = dict(live=live, live_columns=live_reads, width=self._kernel_width(plan))
         if self.cache is None:
             attention = (columns.unsqueeze(0) <= columns.unsqueeze(1)).expand(len(self.rows), 1, width, width)
-            return self.runner.logits_at(ids, positions, attention, read, live=live, live_columns=live_reads)
+            return self.runner.logits_at(ids, positions, attention, read, **reads_kw)
         kv_length = int(self.rows.host.cached.max()) + width
         attention = torch.arange(kv_length, device=dev).view(1, 1, -1) <= positions.unsqueeze(2)
         self.cache.prepare_step(positions, kv_length)
-        return self.runner.logits_at(
-            ids, positions, attention.unsqueeze(1), read, self.cache, live=live, live_columns=live_reads
-        )
+        return self.runner.logits_at(ids, positions, attention.unsqueeze(1), read, self.cache, **reads_kw)
+
+    def _kernel_width(self, plan: StepPlan) -> int | None:
+        """Where a row must match AR bit for bit (threshold 1.0, or verifying), the step's width against the fast
+        path's kernel is its new real tokens alone, as in AR's step for the same rows: drafts and masks ride along
+        in the kernel, whose columns do not change each other (fastpath.step_width).  None: by all columns."""
+        host = self.rows.host
+        if not (host.exact | host.verify).any():
+            return None
+        return int(plan.uncached.sum())
 
     def _input_ids(self, plan: StepPlan, positions: torch.Tensor, uncached: torch.Tensor) -> torch.Tensor:
         """Each row's real tokens, then its drafts, then masks (or Jacobi guesses)."""

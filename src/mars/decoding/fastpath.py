@@ -5,9 +5,9 @@ by reading the weights (SmolLM2-135M: 540 MB of fp32), and MKL's sgemm, tuned fo
 compute-bound from about four columns (a 4-column step cost 1.97x a 1-column step on a 2-core EPYC).
 :func:`fast_linear` routes every fp32 CPU ``nn.Linear`` of a model through the streaming kernel of
 :mod:`mars.kernels` while a decode step (or ``transformers`` ``generate`` for the AR baseline) runs, and
-restores the modules afterwards; inputs with more than :data:`MAX_COLUMNS` columns besides the step's
-mask tokens (prefill of long prompts, big batches; see :func:`step_masks`), gradients, other dtypes and other
-devices take ``F.linear`` as before.
+restores the modules afterwards; inputs with more than :data:`MAX_COLUMNS` columns (prefill of long prompts,
+big batches; a decode step's drafts and masks do not count where its rows must match AR's, see
+:func:`step_width`), gradients, other dtypes and other devices take ``F.linear`` as before.
 
 The kernel's summation order does not depend on the number of columns, so a row's output is the same
 whether it rides alone or with masks and other rows (batch invariance); it differs from MKL's by float
@@ -53,8 +53,9 @@ def _max_columns() -> int:
 
 
 MAX_COLUMNS = _max_columns()
-# Mask columns one pass of the kernel applies a gated LoRA at (small_gemm.cpp's kMaxColumns)
-MAX_MASKS = 64
+# Rows one pass of the kernel takes at most whatever the step's width (small_gemm.cpp's kMaxColumns: the columns
+# a gated LoRA acts at), beyond which F.linear runs
+MAX_KERNEL_ROWS = 1024
 _warned: set[str] = set()
 # Inside a `fast_linear` block that patched the model: its attention takes mars::decode_attention too (see
 # `attention`), so the model's own forward and the lean forward agree bit for bit.
@@ -63,8 +64,8 @@ _attention_on: contextvars.ContextVar[bool] = contextvars.ContextVar("mars_fast_
 _live: contextvars.ContextVar[tuple[tuple[int, ...], torch.Tensor] | None] = contextvars.ContextVar(
     "mars_live_columns", default=None
 )
-# Mask tokens among the current step's input columns (see `step_masks`): not counted against MAX_COLUMNS.
-_masks: contextvars.ContextVar[int] = contextvars.ContextVar("mars_step_masks", default=0)
+# The current step's width against MAX_COLUMNS, where its caller decides it (see `step_width`); None: the rows.
+_width: contextvars.ContextVar[int | None] = contextvars.ContextVar("mars_step_width", default=None)
 
 
 def enabled_by_env(name: str = ENV) -> bool:
@@ -247,25 +248,25 @@ def _at_live_rows(
 
 
 def beyond_kernel(rows: int) -> bool:
-    """Whether an input of ``rows`` flattened rows goes to ``F.linear`` rather than the kernel: more than
-    :data:`MAX_COLUMNS`, not counting the step's mask tokens (:func:`step_masks`), or more masks than one pass of
-    the kernel adapts (:data:`MAX_MASKS`)."""
-    masks = _masks.get()
-    return rows - masks > MAX_COLUMNS or masks > MAX_MASKS
+    """Whether an input of ``rows`` flattened rows goes to ``F.linear`` rather than the kernel: the step's width
+    (:func:`step_width`; else ``rows``) above :data:`MAX_COLUMNS`, or ``rows`` above :data:`MAX_KERNEL_ROWS`."""
+    width = _width.get()
+    return (rows if width is None else width) > MAX_COLUMNS or rows > MAX_KERNEL_ROWS
 
 
 @contextmanager
-def step_masks(count: int):
-    """Inside this block the step's input holds ``count`` mask tokens, which do not count against
-    :data:`MAX_COLUMNS`.  A prompt prefilled alone (AR) and the same prompt with masks after it (lossless verify,
-    MARS at threshold 1.0) then take the same path, kernel or ``F.linear``, so the prompt's columns get the same
-    bits in both: counted in full, a prompt of ``MAX_COLUMNS - 1`` tokens took the kernel and the same prompt with
-    two masks MKL (tested)."""
-    token = _masks.set(count)
+def step_width(width: int | None):
+    """Inside this block a step's projections leave the kernel for ``F.linear`` by ``width`` (None: by their rows):
+    the decode engine passes the real tokens a step feeds for the first time where a row must match AR bit for bit
+    (lossless verify, threshold 1.0), so that its drafts and masks never push a step past the kernel's width that
+    AR's step for the same rows stays within.  Counted by rows, a prompt one or two tokens under the width took the
+    kernel in AR's prefill and MKL with verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an
+    AVX2 build (16 columns) where 8 AR steps of one took the kernel: different bits (tested)."""
+    token = _width.set(width)
     try:
         yield
     finally:
-        _masks.reset(token)
+        _width.reset(token)
 
 
 def computed_rows(shape: tuple[int, ...]) -> torch.Tensor | None:

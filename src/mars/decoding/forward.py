@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .fastpath import MAX_COLUMNS, enabled_by_env, fast_linear, linear, only_columns, step_masks, usable
+from .fastpath import enabled_by_env, fast_linear, linear, only_columns, step_width, usable
 from .huge_pages import place_weights
 from .kv import RaggedKVCache
 from .lean import lean_decoder
@@ -46,16 +46,6 @@ class ModelRunner:
         self._kernel_usable: bool | None = None  # fastpath.usable(model), asked once (it walks every module)
         # SDPA models take the step's mask additive (same result; see logits_at)
         self.additive_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
-        # the mask token (a gated adapter's; the decode engine sets it for any model): masks fed in a step do not
-        # count towards the width at which the fast path hands projections to F.linear (fastpath.step_masks)
-        gate = getattr(model, "mars_gate", None)
-        self.mask_token_id: int | None = getattr(gate, "mask_token_id", None)
-
-    def _masks_in(self, input_ids: torch.Tensor) -> int:
-        """Mask tokens among a step's inputs, counted only where they could matter (a step wider than the kernel)."""
-        if self.mask_token_id is None or input_ids.numel() <= MAX_COLUMNS:
-            return 0
-        return int((input_ids == self.mask_token_id).sum())
 
     def _lean_forward(self):
         if self._lean is None:
@@ -79,12 +69,15 @@ class ModelRunner:
         cache: Cache | None = None,
         live: torch.Tensor | None = None,
         live_columns: torch.Tensor | None = None,
+        width: int | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``).
 
         ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
         columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
-        under the fast path the others are not computed (their logits are zeros)."""
+        under the fast path the others are not computed (their logits are zeros).  ``width``, optional: the step's
+        width against the fast path's kernel (:func:`~mars.decoding.fastpath.step_width`; None: its columns); the
+        head's is then one column per row, AR's."""
         if attention_mask.dtype == torch.bool and self.additive_mask:
             # SDPA turns a boolean mask into an additive one in every layer (4 ops each); once per step here
             dtype = self.model.dtype
@@ -98,25 +91,25 @@ class ModelRunner:
             use_cache=cache is not None,
         )
         fast = self.fast_path()
+        head_width = None if width is None else input_ids.shape[0]
         lean = None
         if fast and self.base is not None and (cache is None or isinstance(cache, RaggedKVCache)):
             lean = self._lean_forward()
-        masks = self._masks_in(input_ids) if fast else 0
         if lean is not None:  # calls the kernel itself: no module patching per step
-            with only_columns(live), step_masks(masks):
+            with only_columns(live), step_width(width):
                 hidden = lean(input_ids, position_ids, attention_mask, cache)
             picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            with only_columns(live_columns):
+            with only_columns(live_columns), step_width(head_width):
                 return linear(picked, self.head.weight, self.head.bias)
         with fast_linear(self.model, fast) as fast:
             if not fast:
                 live = live_columns = None
             if self.base is not None:
-                with only_columns(live), step_masks(masks):
+                with only_columns(live), step_width(width):
                     hidden = self.base(**kwargs).last_hidden_state
                 picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-                with only_columns(live_columns):
+                with only_columns(live_columns), step_width(head_width):
                     return self.head(picked)
-            with only_columns(live), step_masks(masks):
+            with only_columns(live), step_width(width):
                 logits = self.model(**kwargs).logits
         return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))

@@ -78,9 +78,9 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 
 namespace {
 
-// Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 64 rows
-// (mars.decoding.fastpath.MAX_COLUMNS).
-constexpr int64_t kMaxColumns = 64;
+// Adapted (LoRA) columns one fused_linear call takes: the decode fast path sends at most 1024 rows
+// (mars.decoding.fastpath.MAX_KERNEL_ROWS).
+constexpr int64_t kMaxColumns = 1024;
 
 // R weight rows x MB columns; R * MB accumulators + MB column vectors + 1 weight vector: at most 17 ymm values
 // with AVX2 (16 registers; gcc keeps the 3 x 4 inner loop spill-free by folding one load into the FMA), 29 zmm.
