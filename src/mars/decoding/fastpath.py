@@ -14,8 +14,8 @@ whether it rides alone or with masks and other rows (batch invariance); it diffe
 rounding only (greedy outputs are unchanged on the equivalence tests).
 
 Its attention (:func:`attention`) goes through ``mars::decode_attention``, a kernel for a decode step's few
-query columns and for prefills with the same column invariance; :mod:`mars.decoding.attention` routes the model's own attention
-to it inside a :func:`fast_linear` block, and the lean forward calls it directly.
+query columns and for prefills with the same column invariance; :mod:`mars.decoding.attention` routes the
+model's own attention to it inside a :func:`fast_linear` block, and the lean forward calls it directly.
 
 Off switch: ``MARS_FAST_PATH=0`` in the environment (or ``fast_linear(model, enabled=False)``).  Where the
 kernel cannot run (no compiler, no AVX2, not x86-64, a model without fp32 CPU linears) decoding warns
@@ -175,8 +175,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)`` (not causal; grouped KV
     heads read in place), through ``mars::decode_attention`` for fp32 CPU inputs without autograd: its kernel takes
     a decode step's few query columns (0.6-0.9 ms less than SDPA's flash kernel per 30-layer step with 2-4
-    columns on the 2-vCPU EPYC) and prefills of up to 1024 (no slower than SDPA there), and hands anything else to
-    SDPA.  A column's output does not depend on the other columns of the step (see ``decode_attention.cpp``)."""
+    columns on the 2-vCPU EPYC) and prefills of up to 1024 (as fast as SDPA up to about 200, up to a third slower at
+    400-800), and hands anything else to SDPA.  A column's output does not depend on the other columns of the step
+    (see ``decode_attention.cpp``), which SDPA's does not guarantee."""
     if query.device.type == "cpu" and kernel_takes(query, key):
         from mars.kernels import decode_attention_op
 

@@ -5,9 +5,10 @@
 // Query columns per row the kernel takes: decode steps and prefills up to this width (a prefill's queries then give
 // the same bits whatever rides along, so lossless verify's prefill, the prompt and two masks, agrees with AR's bit
 // for bit; SDPA's flash kernel does not: 2 more queries changed the first ones' outputs at 64, 100, 400 and 800).
-// Past about 800 queries the kernel costs more than SDPA (a query's loops, not a blocked GEMM), so wider prefills go
-// to SDPA.  Measured on a 2-vCPU Xeon, 9/3 heads of 64, causal mask, one layer: 63 / 274 / 1160 / 3712 / 14850 us
-// at 40 / 100 / 207 / 400 / 800 queries, SDPA 109 / 397 / 1426 / 3698 / 14657 us.
+// The kernel runs a query's loops, not a blocked GEMM: on a 2-vCPU Xeon (9/3 heads of 64, causal mask, one layer)
+// it took 50 / 216 / 950 / 2748 / 10283 us at 40 / 100 / 207 / 400 / 800 queries where SDPA took 70 / 234 / 954 /
+// 2154 / 7719 (benchmarks/decode_step_cpu/emerald_rapids/exact_prefill/), so past a few hundred columns exactness
+// costs a prefill some time (at 800 tokens about 2.6 ms a layer); past this width prefills go to SDPA.
 constexpr int64_t kDecodeAttentionMaxQueries = 1024;
 
 // softmax(scale q k^T + mask) v for query [batch, heads, queries, dim], key/value [batch, kv heads, length, dim]
