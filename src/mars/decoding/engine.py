@@ -499,7 +499,7 @@ class DecodeEngine:
         row_reads = plan.on_device.predictions.unsqueeze(1)
         live = columns.unsqueeze(0) < uncached.unsqueeze(1) + row_reads - 1
         live_reads = torch.arange(reads, device=dev).unsqueeze(0) < row_reads
-        reads_kw = dict(live=live, live_columns=live_reads, width=self._kernel_width(plan))
+        reads_kw = dict(live=live, live_columns=live_reads, widths=self._kernel_widths(plan))
         if self.cache is None:
             attention = (columns.unsqueeze(0) <= columns.unsqueeze(1)).expand(len(self.rows), 1, width, width)
             return self.runner.logits_at(ids, positions, attention, read, **reads_kw)
@@ -508,14 +508,18 @@ class DecodeEngine:
         self.cache.prepare_step(positions, kv_length)
         return self.runner.logits_at(ids, positions, attention.unsqueeze(1), read, self.cache, **reads_kw)
 
-    def _kernel_width(self, plan: StepPlan) -> int | None:
-        """Where a row must match AR bit for bit (threshold 1.0, or verifying), the step's width against the fast
-        path's kernel is its new real tokens alone, as in AR's step for the same rows: drafts and masks ride along
-        in the kernel, whose columns do not change each other (fastpath.step_width).  None: by all columns."""
+    def _kernel_widths(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The step's widths against the fast path's kernel, of its forward and of its LM head (ModelRunner.logits_at):
+        a row that must match AR bit for bit (threshold 1.0, or verifying) counts as AR's step for it would, its new
+        real tokens and one prediction, so that its drafts and masks never move the step from the kernel to MKL
+        (whose columns change each other); the other rows count every column they feed and read.  None (every
+        row lossy): by the columns computed."""
         host = self.rows.host
-        if not (host.exact | host.verify).any():
+        exact = host.exact | host.verify
+        if not exact.any():
             return None
-        return int(plan.uncached.sum())
+        extra = plan.predictions - 1  # drafts and masks (or guesses) after each row's real tokens
+        return int(plan.uncached.sum() + extra[~exact].sum()), int(exact.sum() + plan.predictions[~exact].sum())
 
     def _input_ids(self, plan: StepPlan, positions: torch.Tensor, uncached: torch.Tensor) -> torch.Tensor:
         """Each row's real tokens, then its drafts, then masks (or Jacobi guesses)."""

@@ -257,12 +257,13 @@ def beyond_kernel(rows: int) -> bool:
 
 @contextmanager
 def step_width(width: int | None):
-    """Inside this block a step's projections leave the kernel for ``F.linear`` by ``width`` (None: by their rows):
-    the decode engine passes the real tokens a step feeds for the first time where a row must match AR bit for bit
-    (lossless verify, threshold 1.0), so that its drafts and masks never push a step past the kernel's width that
-    AR's step for the same rows stays within.  Counted by rows, a prompt one or two tokens under the width took the
-    kernel in AR's prefill and MKL with verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an
-    AVX2 build (16 columns) where 8 AR steps of one took the kernel: different bits (tested)."""
+    """Inside this block a step's projections leave the kernel for ``F.linear`` by ``width`` (None: by their rows).
+    Where rows must match AR bit for bit (lossless verify, threshold 1.0) the decode engine counts them as AR's step
+    for them would, by their new real tokens, so that their drafts and masks never push a step past the kernel's
+    width that AR's step for the same rows stays within (lossy rows beside them count every column, as before).
+    Counted by rows, a prompt one or two tokens under the width took the kernel in AR's prefill and MKL with
+    verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an AVX2 build (16 columns) where 8 AR
+    steps of one took the kernel: different bits (tested)."""
     token = _width.set(width)
     try:
         yield

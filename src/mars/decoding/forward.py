@@ -69,15 +69,15 @@ class ModelRunner:
         cache: Cache | None = None,
         live: torch.Tensor | None = None,
         live_columns: torch.Tensor | None = None,
-        width: int | None = None,
+        widths: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``).
 
         ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
         columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
-        under the fast path the others are not computed (their logits are zeros).  ``width``, optional: the step's
-        width against the fast path's kernel (:func:`~mars.decoding.fastpath.step_width`; None: its columns); the
-        head's is then one column per row, AR's."""
+        under the fast path the others are not computed (their logits are zeros).  ``widths``, optional: the widths
+        of the step's forward and of its LM head against the fast path's kernel
+        (:func:`~mars.decoding.fastpath.step_width`; None: the columns each computes)."""
         if attention_mask.dtype == torch.bool and self.additive_mask:
             # SDPA turns a boolean mask into an additive one in every layer (4 ops each); once per step here
             dtype = self.model.dtype
@@ -91,7 +91,7 @@ class ModelRunner:
             use_cache=cache is not None,
         )
         fast = self.fast_path()
-        head_width = None if width is None else input_ids.shape[0]
+        width, head_width = widths if widths is not None else (None, None)
         lean = None
         if fast and self.base is not None and (cache is None or isinstance(cache, RaggedKVCache)):
             lean = self._lean_forward()
