@@ -254,7 +254,7 @@ def test_cpp_decoder_step_is_bit_identical_to_the_python_loop(kind):
 
 
 NARROW = ((6, (5, 6)), (3, (3, 1)), (3, (3, 1)))  # (input width, real or read columns of each row) per step
-_W = fastpath.MAX_COLUMNS + 4  # 20 where the kernel takes 16 columns, 68 where it takes 64 (masks not counted)
+_W = fastpath.MAX_COLUMNS // 2 + 4  # 12 where the kernel takes 16 columns, 36 where it takes 64
 WIDE = ((_W, (_W - 1, _W)), (_W - 3, (_W - 3, _W - 3)), (_W - 3, (_W - 3, 1)))  # wider than the kernel takes
 
 
