@@ -116,6 +116,27 @@ def test_a_prefills_prompt_columns_do_not_depend_on_the_masks_after_them():
         assert torch.equal(OP(q, k, v, causal, 0.125), verify_prefill)  # a boolean mask: the same bits
 
 
+def test_the_callers_width_decides_kernel_or_sdpa():
+    """At the kernel's 1024 queries, a prompt of 1023 or 1024 tokens prefills alone through the kernel, and with
+    verify's two masks (1025-1026 queries) would go to SDPA: the caller's width (AR's, the prompt's length) keeps
+    both on the kernel, so the prompt's columns keep their bits; a width over the cap sends even a short step to
+    SDPA."""
+    length = 1024
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, h, length + 2, 64, generator=g) for h in (4, 2, 2))
+    causal = torch.ones(length + 2, length + 2, dtype=torch.bool).tril().view(1, 1, length + 2, length + 2)
+    prompt = (slice(None), slice(None), slice(0, length))
+    alone = OP(q[prompt], k[prompt], v[prompt], causal[..., :length, :length], 0.125)
+    assert torch.equal(OP(q, k, v, causal, 0.125, length)[prompt], alone)
+    assert not torch.equal(OP(q, k, v, causal, 0.125)[prompt], alone)  # by its own 1026 queries: SDPA
+    few = (slice(None), slice(None), slice(length - 3, length))
+    mask = causal[..., length - 3 : length, :length]
+    expected = F.scaled_dot_product_attention(
+        q[few], k[prompt], v[prompt], attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    assert torch.equal(OP(q[few], k[prompt], v[prompt], mask, 0.125, 1025), expected)
+
+
 @pytest.mark.parametrize("case", ["wide prefill", "float64", "causal without a mask", "head dim 512"])
 def test_what_the_kernel_does_not_take_is_sdpa_exactly(case):
     q, k, v, visible = step_inputs(queries=1025 if case == "wide prefill" else 3, length=1100)

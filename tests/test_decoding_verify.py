@@ -36,16 +36,18 @@ def test_verify_is_hf_greedy_with_ragged_batch(model, tokenizer, ragged, cache, 
     assert out.stats.generated_tokens <= out.stats.forwards * len(ragged) + sum(stats["drafts_accepted"])
 
 
-@pytest.mark.parametrize("length", sorted({30, 46, 62, fastpath.MAX_COLUMNS - 1, fastpath.MAX_COLUMNS}))
+@pytest.mark.parametrize("length", sorted({30, 46, 62, fastpath.MAX_COLUMNS - 1, fastpath.MAX_COLUMNS, 1023, 1024}))
 @pytest.mark.parametrize("exact", [{"verify": True}, {"full_window": True}])
 def test_a_prefill_with_masks_gives_the_prompt_the_bits_of_ar_prefill(model, tokenizer, monkeypatch, length, exact):
     """Lossless verify prefills the prompt with its first two masks, MARS at threshold 1.0 with its whole window of
     masks, AR the prompt alone; the prompt's last column must come out bit for bit the same (SDPA's blocked kernel
     rounded it differently at 30 and 46 columns, and the prompts one or two columns under the kernel's width went
-    through the kernel alone but through MKL with the masks)."""
+    through the kernel alone but through MKL with the masks; a prompt of 1023 or 1024 tokens, at the attention kernel's
+    width, went through it alone but through SDPA with the masks)."""
     from mars.decoding.forward import ModelRunner
 
     kernel_or_skip()
+    monkeypatch.setattr(model.config, "max_position_embeddings", 2048)  # room for the longest prompt
     first = []
     logits_at = ModelRunner.logits_at
 

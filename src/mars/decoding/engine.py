@@ -508,18 +508,19 @@ class DecodeEngine:
         self.cache.prepare_step(positions, kv_length)
         return self.runner.logits_at(ids, positions, attention.unsqueeze(1), read, self.cache, **reads_kw)
 
-    def _kernel_widths(self, plan: StepPlan) -> tuple[int, int] | None:
-        """The step's widths against the fast path's kernel, of its forward and of its LM head (ModelRunner.logits_at):
-        a row that must match AR bit for bit (threshold 1.0, or verifying) counts as AR's step for it would, its new
-        real tokens and one prediction, so that its drafts and masks never move the step from the kernel to MKL
-        (whose columns change each other); the other rows count every column they feed and read.  None (every
-        row lossy): by the columns computed."""
+    def _kernel_widths(self, plan: StepPlan) -> tuple[int, int, int] | None:
+        """The step's widths against the fast path's kernels (ModelRunner.logits_at): of its forward and of its LM
+        head, and its queries per row against the attention kernel.  A row that must match AR bit for bit (threshold
+        1.0, or verifying) counts as AR's step for it would, its new real tokens and one prediction, so that its
+        drafts and masks never move the step from a kernel to MKL or SDPA (whose columns change each other); the
+        other rows count every column they feed and read.  None (every row lossy): by the columns computed."""
         host = self.rows.host
         exact = host.exact | host.verify
         if not exact.any():
             return None
         extra = plan.predictions - 1  # drafts and masks (or guesses) after each row's real tokens
-        return int(plan.uncached.sum() + extra[~exact].sum()), int(exact.sum() + plan.predictions[~exact].sum())
+        fed = plan.uncached + np.where(exact, 0, extra)  # each row's columns as counted
+        return int(fed.sum()), int(exact.sum() + plan.predictions[~exact].sum()), int(fed.max())
 
     def _input_ids(self, plan: StepPlan, positions: torch.Tensor, uncached: torch.Tensor) -> torch.Tensor:
         """Each row's real tokens, then its drafts, then masks (or Jacobi guesses)."""

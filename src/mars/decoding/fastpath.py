@@ -66,6 +66,8 @@ _live: contextvars.ContextVar[tuple[tuple[int, ...], torch.Tensor] | None] = con
 )
 # The current step's width against MAX_COLUMNS, where its caller decides it (see `step_width`); None: the rows.
 _width: contextvars.ContextVar[int | None] = contextvars.ContextVar("mars_step_width", default=None)
+# The current step's queries per row against the attention kernel's width (see `step_width`); None: its columns.
+_queries: contextvars.ContextVar[int | None] = contextvars.ContextVar("mars_step_queries", default=None)
 
 
 def enabled_by_env(name: str = ENV) -> bool:
@@ -175,13 +177,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)`` (not causal; grouped KV
     heads read in place), through ``mars::decode_attention`` for fp32 CPU inputs without autograd: its kernel takes
     a decode step's few query columns (0.6-0.9 ms less than SDPA's flash kernel per 30-layer step with 2-4
-    columns on the 2-vCPU EPYC) and prefills of up to 1024 (as fast as SDPA up to about 200, up to a third slower at
-    400-800), and hands anything else to SDPA.  A column's output does not depend on the other columns of the step
+    columns on the 2-vCPU EPYC) and prefills of up to 1024 queries per row, counted as :func:`step_width` says (as
+    fast as SDPA up to about 200, up to a third slower at 400-800), and hands anything else to SDPA.  A column's output does not depend on the other columns of the step
     (see ``decode_attention.cpp``), which SDPA's does not guarantee."""
     if query.device.type == "cpu" and kernel_takes(query, key):
         from mars.kernels import decode_attention_op
 
-        return decode_attention_op()(query, key, value, mask, scale)
+        return decode_attention_op()(query, key, value, mask, scale, _queries.get())
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )
@@ -256,19 +258,27 @@ def beyond_kernel(rows: int) -> bool:
 
 
 @contextmanager
-def step_width(width: int | None):
-    """Inside this block a step's projections leave the kernel for ``F.linear`` by ``width`` (None: by their rows).
+def step_width(width: int | None, queries: int | None = None):
+    """Inside this block a step's projections leave the kernel for ``F.linear`` by ``width`` (None: by their rows),
+    and its attention leaves ``mars::decode_attention``'s kernel for SDPA by ``queries`` per row (None: by its
+    columns; :func:`attention_width`).
     Where rows must match AR bit for bit (lossless verify, threshold 1.0) the decode engine counts them as AR's step
     for them would, by their new real tokens, so that their drafts and masks never push a step past the kernel's
     width that AR's step for the same rows stays within (lossy rows beside them count every column, as before).
     Counted by rows, a prompt one or two tokens under the width took the kernel in AR's prefill and MKL with
     verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an AVX2 build (16 columns) where 8 AR
     steps of one took the kernel: different bits (tested)."""
-    token = _width.set(width)
+    token, queries_token = _width.set(width), _queries.set(queries)
     try:
         yield
     finally:
         _width.reset(token)
+        _queries.reset(queries_token)
+
+
+def attention_width() -> int | None:
+    """The queries per row that send the current step's attention from the kernel to SDPA (:func:`step_width`)."""
+    return _queries.get()
 
 
 def computed_rows(shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -69,15 +69,15 @@ class ModelRunner:
         cache: Cache | None = None,
         live: torch.Tensor | None = None,
         live_columns: torch.Tensor | None = None,
-        widths: tuple[int, int] | None = None,
+        widths: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """Logits ``[batch, len(columns[b]), vocab]`` at the input ``columns`` (``[batch, P]``).
 
         ``live`` (``[batch, input columns]``) and ``live_columns`` (``[batch, P]``), optional: which input
         columns and which of ``columns`` the caller reads (padding of a batch of unequal rows is not);
         under the fast path the others are not computed (their logits are zeros).  ``widths``, optional: the widths
-        of the step's forward and of its LM head against the fast path's kernel
-        (:func:`~mars.decoding.fastpath.step_width`; None: the columns each computes)."""
+        of the step's forward and of its LM head against the fast path's kernel, and the queries per row against its
+        attention kernel (:func:`~mars.decoding.fastpath.step_width`; None: the columns each computes)."""
         if attention_mask.dtype == torch.bool and self.additive_mask:
             # SDPA turns a boolean mask into an additive one in every layer (4 ops each); once per step here
             dtype = self.model.dtype
@@ -91,12 +91,12 @@ class ModelRunner:
             use_cache=cache is not None,
         )
         fast = self.fast_path()
-        width, head_width = widths if widths is not None else (None, None)
+        width, head_width, queries = widths if widths is not None else (None, None, None)
         lean = None
         if fast and self.base is not None and (cache is None or isinstance(cache, RaggedKVCache)):
             lean = self._lean_forward()
         if lean is not None:  # calls the kernel itself: no module patching per step
-            with only_columns(live), step_width(width):
+            with only_columns(live), step_width(width, queries):
                 hidden = lean(input_ids, position_ids, attention_mask, cache)
             picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
             with only_columns(live_columns), step_width(head_width):
@@ -105,11 +105,11 @@ class ModelRunner:
             if not fast:
                 live = live_columns = None
             if self.base is not None:
-                with only_columns(live), step_width(width):
+                with only_columns(live), step_width(width, queries):
                     hidden = self.base(**kwargs).last_hidden_state
                 picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
                 with only_columns(live_columns), step_width(head_width):
                     return self.head(picked)
-            with only_columns(live), step_width(width):
+            with only_columns(live), step_width(width, queries):
                 logits = self.model(**kwargs).logits
         return logits.gather(1, columns.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))

@@ -36,6 +36,7 @@ from mars.kernels import KernelUnavailable
 
 from .fastpath import (
     attention,
+    attention_width,
     beyond_kernel,
     computed_rows,
     down_linear,
@@ -302,7 +303,9 @@ class LeanDecoder:
             rows = computed_rows(tuple(x.shape[:2]))
             dense = rows is None and beyond_kernel(x.shape[0] * x.shape[1])  # wider than the kernel: F.linear
             cached = (keys, values, start or 0, length)
-            return native.step(x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, dense)
+            return native.step(
+                x, cos, sin, attention_mask, *cached, mask_rows, positions, rows, dense, attention_width()
+            )
         batch, columns = input_ids.shape
         shape = (batch, columns, -1, self.head_dim)
         rotate = self._rotate_half

@@ -311,7 +311,7 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0] if rows is None else rows))
 
     @torch.library.register_fake("mars::decode_attention")
-    def _(query, key, value, mask, scale):
+    def _(query, key, value, mask, scale, width=None):
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("mars::top_tokens")

@@ -157,12 +157,13 @@ Attend pick(int64_t n, int64_t D) {
 
 }  // namespace
 
-bool decode_attention_takes(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& mask) {
+bool decode_attention_takes(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& mask,
+                            c10::optional<int64_t> width) {
   if (query.dim() != 4 || key.dim() != 4 || query.scalar_type() != at::kFloat || key.scalar_type() != at::kFloat ||
       !query.device().is_cpu())
     return false;
   const int64_t heads = query.size(1), queries = query.size(2), dim = query.size(3);
-  if (queries > kDecodeAttentionMaxQueries || dim == 0 || dim > kMaxHeadDim || key.size(3) != dim ||
+  if (width.value_or(queries) > kDecodeAttentionMaxQueries || dim == 0 || dim > kMaxHeadDim || key.size(3) != dim ||
       key.size(1) == 0 || heads % key.size(1) != 0 || key.stride(3) != 1)
     return false;
   if (!mask.has_value() || !mask->defined()) return queries == 1;  // several queries need their causal mask
@@ -232,13 +233,15 @@ at::Tensor decode_attention_kernel(const at::Tensor& query, const at::Tensor& ke
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const c10::optional<at::Tensor>& mask, double scale) {
-  if (decode_attention_takes(query, key, mask)) return decode_attention_kernel(query, key, value, mask, scale);
+                            const c10::optional<at::Tensor>& mask, double scale, c10::optional<int64_t> width) {
+  if (decode_attention_takes(query, key, mask, width)) return decode_attention_kernel(query, key, value, mask, scale);
   return at::scaled_dot_product_attention(query, key, value, mask, 0.0, false, scale, query.size(1) != key.size(1));
 }
 
 TORCH_LIBRARY_FRAGMENT(MARS_NAMESPACE, m) {
-  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.def(
+      "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, int? width=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(MARS_NAMESPACE, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -8,17 +8,22 @@
 // The kernel runs a query's loops, not a blocked GEMM: on a 2-vCPU Xeon (9/3 heads of 64, causal mask, one layer)
 // it took 50 / 216 / 950 / 2748 / 10283 us at 40 / 100 / 207 / 400 / 800 queries where SDPA took 70 / 234 / 954 /
 // 2154 / 7719 (benchmarks/decode_step_cpu/emerald_rapids/exact_prefill/), so past a few hundred columns exactness
-// costs a prefill some time (at 800 tokens about 2.6 ms a layer); past this width prefills go to SDPA.
+// costs a prefill some time (at 800 tokens about 2.6 ms a layer); past this width prefills go to SDPA.  The width
+// that decides is the caller's where it gives one (`width`: lossless verify's prefill of a 1023-token prompt and
+// its two masks counts as AR's of the prompt alone, so that both take the kernel), else the queries per row.
 constexpr int64_t kDecodeAttentionMaxQueries = 1024;
 
 // softmax(scale q k^T + mask) v for query [batch, heads, queries, dim], key/value [batch, kv heads, length, dim]
 // (heads grouped over kv heads), mask None or [batch or 1, 1 or heads, queries, length] (additive fp32 or bool,
 // true = visible): the kernel for a decode step's fp32 attention (decode_attention_takes), otherwise
 // at::scaled_dot_product_attention(query, key, value, mask, scale, enable_gqa when grouped), not causal.
+// `width`: the step's queries per row against kDecodeAttentionMaxQueries (None: query.size(2)).
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const c10::optional<at::Tensor>& mask, double scale);
+                            const c10::optional<at::Tensor>& mask, double scale,
+                            c10::optional<int64_t> width = c10::nullopt);
 
-// Whether decode_attention runs its kernel on these inputs: fp32 on the CPU, at most kDecodeAttentionMaxQueries
-// queries per row, a head dimension of at most 256, keys with a contiguous last dimension, and a mask of the
+// Whether decode_attention runs its kernel on these inputs: fp32 on the CPU, a width (`width`, else the queries per
+// row) of at most kDecodeAttentionMaxQueries, a head dimension of at most 256, keys with a contiguous last dimension, and a mask of the
 // step's shape (or none for a single query).
-bool decode_attention_takes(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& mask);
+bool decode_attention_takes(const at::Tensor& query, const at::Tensor& key, const c10::optional<at::Tensor>& mask,
+                            c10::optional<int64_t> width = c10::nullopt);

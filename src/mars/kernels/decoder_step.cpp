@@ -232,12 +232,13 @@ struct DecoderStep : torch::CustomClassHolder {
   // None (one row), at start .. start + columns - 1 (a copy); attention reads the first kv_length positions;
   // mask_rows: the mask columns a gated adapter acts at, among the computed ones (None: no adapter in this
   // step); rows: the flattened columns computed (None: all); dense: the step is wider than fused_linear takes
-  // (see project).  Returns the final normed hidden states [batch, columns, hidden].
+  // (see project); attention_width: the step's queries per row against the attention kernel's width (None: its
+  // columns; see decode_attention.h).  Returns the final normed hidden states [batch, columns, hidden].
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
                   int64_t kv_length, const c10::optional<at::Tensor>& mask_rows,
-                  const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows,
-                  bool dense) const {
+                  const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& rows, bool dense,
+                  c10::optional<int64_t> attention_width) const {
     const size_t layers = scales.size();
     TORCH_CHECK(keys.size() == layers && values.size() == layers, "mars::DecoderStep: one cache buffer per layer");
     TORCH_CHECK(x.dim() == 3 && (positions.has_value() || x.size(0) == 1), "mars::DecoderStep: ", x.sizes(),
@@ -270,7 +271,7 @@ struct DecoderStep : torch::CustomClassHolder {
       }
       k = keys[l].slice(2, 0, kv_length);
       v = values[l].slice(2, 0, kv_length);
-      at::Tensor a = decode_attention(q, k, v, mask, scales[l]);  // SDPA where its kernel does not apply
+      at::Tensor a = decode_attention(q, k, v, mask, scales[l], attention_width);  // SDPA beyond its kernel
       a = a.transpose(1, 2).contiguous().reshape({batch, columns, -1}).contiguous();
       x = x + project(a, g[1], mask_rows, rows, dense)[0];
       h = rms_norm(norm_post[l], eps_post[l], x);
