@@ -73,6 +73,8 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
         assert r["ar_baseline"] in ars
         if r["decoder"] == r["ar_baseline"]:
             assert float(r["speedup"]) == 1.0
+        assert float(r["speedup_per_tpf"]) == pytest.approx(float(r["speedup"]) / float(r["tokens_per_forward"]))
+        assert float(r["speedup_per_tpf_min"]) <= float(r["speedup_per_tpf"]) <= float(r["speedup_per_tpf_max"])
         # AR decoders and verified decoding are exact at any sweep threshold
         if r["decoder"].startswith("ar") or r["decoder"] == "mars-verify":
             assert r["same_as_ar"] == "2/2" and float(r["threshold"]) == 1.0
