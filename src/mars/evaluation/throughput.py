@@ -8,8 +8,8 @@ through all of them back to back, in a rotating order, so that load drift on a s
 of them alike.  For each (threshold, batch size, decoder) it
 reports the median tokens/s with its min-max spread, the speedup over AR (median of the per-repeat
 ratios), tokens per forward (generated tokens of the batch / batched forwards, and the per-request
-mean), the speed-up over tokens per forward (how much of the forwards saved reaches the wall clock), and how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be
-all of them).  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under ``--out``.
+mean), the speed-up over tokens per forward (how much of the forwards saved reaches the wall clock), and
+how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be all of them).  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under ``--out``.
 
 Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), ``--checkpoint DIR``
 (a MARS checkpoint; its block size is read from ``mars_config.json``), or ``--arch-preset
