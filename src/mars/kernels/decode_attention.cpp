@@ -7,8 +7,9 @@
 // 30-layer step with drafts or masks, the largest part of what extra columns cost once the matmuls stream each
 // weight once (benchmarks/decode_step_cpu/column_cost_profile/).  Here each query (row, head, column) is its
 // scores as FMA chains over the head dimension against each visible key, the softmax with a vectorized exp, and
-// the weighted sum of the values in key order; one task runs the query heads of one KV head at one column together
-// (benchmarks/decode_step_cpu/intel_stream/attention_groups/).
+// the weighted sum of the values in key order; one task runs the query heads of one KV head together
+// (benchmarks/decode_step_cpu/intel_stream/attention_groups/), at up to kColumnsPerTask query columns, so that each
+// key and value is read once for all of them (attend_block; benchmarks/decode_step_cpu/emerald_rapids/attention_sums/).
 //
 // Column invariance: a query's operations depend only on itself, its mask row and the cached keys and
 // values -- not on how many other columns, heads or rows ride along, nor on how tasks are split over threads -- so a
@@ -34,22 +35,19 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
-// One task: for each of N queries n (heads of one KV head, one query column), out_n[0:D] = softmax(scale * q_n .
-// k_j + mask_nj over visible j) . v_j.  The queries share each key and value vector as it is loaded, and their
-// independent FMA chains fill each other's latency; each query's operations are the same as alone (and as
-// with any other N): its scores as FMA chains over the head dimension, its softmax, its weighted sum of the
-// values in key order.  `scores` holds N x (L + kLanes) floats.  The head dimension in whole vectors, then a
-// scalar FMA tail (head dimensions below one vector: all tail).  NV > 0: the head dimension is NV whole vectors,
-// known to the compiler, so the queries and the accumulators stay in registers (with a count known only at run
-// time gcc kept the accumulators on the stack: a load, an FMA and a store per vector and key).
-template <int N, int NV = 0>
+// For each of N queries n (heads of one KV head, one query column), out_n[0:D] = softmax(scale * q_n . k_j + mask_nj
+// over visible j) . v_j, at a head dimension that is not 4 or 8 whole vectors (attend_block takes those).  The queries
+// share each key and value vector as it is loaded, and their independent FMA chains fill each other's latency; each
+// query's operations are the same as alone (and as with any other N): its scores as FMA chains over the head
+// dimension, its softmax, its weighted sum of the values in key order.  `scores` holds N x (L + kLanes) floats.  The
+// head dimension in whole vectors, then a scalar FMA tail (head dimensions below one vector: all tail).
+template <int N>
 void attend(const float* const* q, const float* k, int64_t k_pos_stride, const float* v, int64_t v_pos_stride,
             const float* const* mask_add, const bool* const* mask_keep, int64_t mask_pos_stride, int64_t L, int64_t D,
             float scale, float* scores, float* const* out) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  if (NV > 0) D = NV * kLanes;  // (the caller picked NV for this D) a constant: no tail loops below
-  const int64_t nvec = NV > 0 ? NV : D / kLanes, whole = nvec * kLanes, stride = L + kLanes;
-  Vec qv[N][NV > 0 ? NV : kMaxHeadDim / kLanes];
+  const int64_t nvec = D / kLanes, whole = nvec * kLanes, stride = L + kLanes;
+  Vec qv[N][kMaxHeadDim / kLanes];
   for (int n = 0; n < N; ++n)
     for (int64_t d = 0; d < nvec; ++d) qv[n][d] = vload(q[n] + d * kLanes);
   // A hidden key (false, or -inf added) scores -inf without its dot product and adds exactly nothing after it, so
@@ -104,7 +102,7 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
       total[n] = vadd(total[n], e);
     }
   }
-  Vec acc[N][NV > 0 ? NV : kMaxHeadDim / kLanes];
+  Vec acc[N][kMaxHeadDim / kLanes];
   float tail[N][kLanes] = {};
   for (int n = 0; n < N; ++n)
     for (int64_t d = 0; d < nvec; ++d) acc[n][d] = vzero();
@@ -138,21 +136,142 @@ constexpr int64_t kHeadsPerTask = 4;
 using Attend = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
                         const bool* const*, int64_t, int64_t, int64_t, float, float*, float* const*);
 
-// attend for n queries, with the head dimension fixed where it is 64 or 128 (whole vectors)
-template <int NV>
-Attend pick_queries(int64_t n) {
+// attend for n queries (at most kHeadsPerTask)
+Attend pick(int64_t n) {
   switch (n) {
-    case 4: return &attend<4, NV>;
-    case 3: return &attend<3, NV>;
-    case 2: return &attend<2, NV>;
-    default: return &attend<1, NV>;
+    case 4: return &attend<4>;
+    case 3: return &attend<3>;
+    case 2: return &attend<2>;
+    default: return &attend<1>;
   }
 }
 
-Attend pick(int64_t n, int64_t D) {
-  if (D == 4 * kLanes) return pick_queries<4>(n);
-  if (D == 8 * kLanes) return pick_queries<8>(n);
-  return pick_queries<0>(n);
+// Query columns one task takes together (with their heads of one KV head) at a head dimension of 4 or 8 vectors.
+constexpr int64_t kColumnsPerTask = 8;
+// Keys per block of attend_block's values loop (their 64-dim values: 4 KB, read from L1 by every query).
+constexpr int64_t kValueBlock = 16;
+
+// attend for any number N of query vectors of one KV head (the heads of up to kColumnsPerTask query columns) at a
+// head dimension of NV whole vectors, each key and value read from memory once for all of them: kLanes keys at a
+// time (then kValueBlock), every query in turn, so that the block is in L1 for all but the first.  Before, each
+// query column was a task of its own that read the cache again: a step's attention over 1500 keys cost 2.3x at
+// 3 columns what it cost at 1.  Each query's operations are attend's, in its order: its scores (a key's FMA chain
+// over the head dimension, the horizontal sums of a block of keys done together, vsum_each, with vsum's additions),
+// its softmax, its weighted sum of the values in key order (the accumulators kept in `acc` between blocks), so a
+// query gets the same bits alone, beside others, or through attend.  `scores`: N x (L + kLanes) floats, `acc`: N x
+// D, `top`: N x kLanes.  The mask's rows are contiguous along the keys, or there is none.
+template <int NV>
+void attend_block(int64_t N, const float* const* q, const float* k, int64_t k_pos_stride, const float* v,
+                  int64_t v_pos_stride, const float* const* mask_add, const bool* const* mask_keep, int64_t L,
+                  float scale, float* scores, float* acc, float* top, float* best, float* const* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t D = NV * kLanes;
+  const int64_t stride = L + kLanes;
+  auto hidden = [&](int64_t n, int64_t j) {
+    return mask_keep != nullptr ? !mask_keep[n][j] : mask_add != nullptr && mask_add[n][j] == kNegInf;
+  };
+  int64_t seen = L;  // keys [0, seen) hold every visible one (see attend)
+  if (mask_keep != nullptr || mask_add != nullptr) {
+    seen = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = L - 1; j >= seen; --j)
+        if (!hidden(n, j)) {
+          seen = j + 1;
+          break;
+        }
+  }
+  const int64_t blocked = seen / kLanes * kLanes;  // keys scored kLanes at a time; the rest one by one
+  const Vec vscale = vset1(scale);
+  for (int64_t n = 0; n < N; ++n) vstore(top + n * kLanes, vset1(kNegInf));
+  for (int64_t j = 0; j < blocked; j += kLanes) {
+    for (int64_t n = 0; n < N; ++n) {
+      Vec qn[NV];
+      for (int d = 0; d < NV; ++d) qn[d] = vload(q[n] + d * kLanes);
+      Vec dots[kLanes];
+      for (int t = 0; t < kLanes; ++t) {
+        const float* kj = k + (j + t) * k_pos_stride;
+        Vec a = vmul(qn[0], vload(kj));
+        for (int d = 1; d < NV; ++d) a = vfma(qn[d], vload(kj + d * kLanes), a);
+        dots[t] = a;
+      }
+      Vec s = vmul(vsum_each(dots), vscale);  // a hidden key: -inf, whatever its product (as attend)
+      if (mask_add != nullptr) {
+        const Vec add = vload(mask_add[n] + j);
+        s = vhide_neg_inf(vadd(s, add), add);
+      } else if (mask_keep != nullptr) {
+        s = vhide_bools(s, mask_keep[n] + j);
+      }
+      vstore(scores + n * stride + j, s);
+      vstore(top + n * kLanes, vmax(s, vload(top + n * kLanes)));  // a NaN score keeps the top, as std::max below
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    best[n] = blocked > 0 ? vmax_lanes(vload(top + n * kLanes)) : kNegInf;
+    for (int64_t j = blocked; j < seen; ++j) {
+      float s = kNegInf;
+      if (!hidden(n, j)) {
+        const float* kj = k + j * k_pos_stride;
+        Vec a = vmul(vload(q[n]), vload(kj));
+        for (int d = 1; d < NV; ++d) a = vfma(vload(q[n] + d * kLanes), vload(kj + d * kLanes), a);
+        s = vsum(a) * scale;
+        if (mask_add != nullptr) s += mask_add[n][j];
+      }
+      scores[n * stride + j] = s;
+      best[n] = std::max(best[n], s);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    float* sn = scores + n * stride;
+    Vec total = vzero();
+    if (best[n] != kNegInf) {
+      std::fill(sn + seen, sn + seen + kLanes, kNegInf);  // the last vector's tail: exp gives 0
+      const Vec t = vset1(best[n]);
+      for (int64_t j = 0; j < seen; j += kLanes) {
+        const Vec e = vexp_nonpositive(vsub(vload(sn + j), t));
+        vstore(sn + j, e);
+        total = vadd(total, e);
+      }
+    }
+    top[n * kLanes] = best[n] == kNegInf ? 0.0f : 1.0f / vsum(total);  // (top's lanes are free again)
+    for (int d = 0; d < NV; ++d) vstore(acc + n * D + d * kLanes, vzero());
+  }
+  for (int64_t j0 = 0; j0 < seen; j0 += kValueBlock) {
+    const int64_t j1 = std::min(seen, j0 + kValueBlock);
+    for (int64_t n = 0; n < N; ++n) {
+      if (best[n] == kNegInf) continue;
+      const float* sn = scores + n * stride;
+      Vec a[NV];
+      for (int d = 0; d < NV; ++d) a[d] = vload(acc + n * D + d * kLanes);
+      for (int64_t j = j0; j < j1; ++j) {
+        const float p = sn[j];
+        if (p != 0.0f) {  // masked: adds nothing
+          const Vec pv = vset1(p);
+          const float* vj = v + j * v_pos_stride;
+          for (int d = 0; d < NV; ++d) a[d] = vfma(pv, vload(vj + d * kLanes), a[d]);
+        }
+      }
+      for (int d = 0; d < NV; ++d) vstore(acc + n * D + d * kLanes, a[d]);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    if (best[n] == kNegInf) {
+      std::fill(out[n], out[n] + D, 0.0f);
+      continue;
+    }
+    const Vec inv = vset1(top[n * kLanes]);
+    for (int d = 0; d < NV; ++d) vstore(out[n] + d * kLanes, vmul(vload(acc + n * D + d * kLanes), inv));
+  }
+}
+
+using AttendBlock = void (*)(int64_t, const float* const*, const float*, int64_t, const float*, int64_t,
+                             const float* const*, const bool* const*, int64_t, float, float*, float*, float*, float*,
+                             float* const*);
+
+// attend_block for this head dimension, or null (attend then)
+AttendBlock pick_block(int64_t D) {
+  if (D == 4 * kLanes) return &attend_block<4>;
+  if (D == 8 * kLanes) return &attend_block<8>;
+  return nullptr;
 }
 
 }  // namespace
@@ -196,35 +315,49 @@ at::Tensor decode_attention_kernel(const at::Tensor& query, const at::Tensor& ke
   const float* mask_add = m.defined() && !keep ? m.data_ptr<float>() : nullptr;
   const bool* mask_keep = keep ? m.data_ptr<bool>() : nullptr;
   const float fscale = static_cast<float>(scale);
-  // Tasks: (row, KV head, query column, a group of at most kHeadsPerTask of the KV head's query heads).  Threads only
-  // pay for long caches: a query at 150 keys takes about a microsecond, a wake-up about as much.
+  // Tasks: (row, KV head, a group of at most kHeadsPerTask of the KV head's query heads, a group of query columns:
+  // up to kColumnsPerTask where attend_block takes the head dimension, else one).  Threads only pay for long
+  // caches: a query at 150 keys takes about a microsecond, a wake-up about as much.
+  const AttendBlock block = (msl == 1 || !m.defined()) ? pick_block(D) : nullptr;
+  const int64_t columns = block != nullptr ? kColumnsPerTask : 1, chunks = (Q + columns - 1) / columns;
   const int64_t kv_heads = H / group, parts = (group + kHeadsPerTask - 1) / kHeadsPerTask;
-  const int64_t tasks = B * kv_heads * Q * parts;
-  const int64_t per_task = std::min<int64_t>(group, kHeadsPerTask);
+  const int64_t tasks = B * kv_heads * parts * chunks;
+  const int64_t per_task = std::min<int64_t>(group, kHeadsPerTask) * std::min(columns, Q);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, L * D * per_task));
+  constexpr int64_t kMaxVectors = kHeadsPerTask * kColumnsPerTask;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kHeadsPerTask * (L + kLanes));
-    const float* qs[kHeadsPerTask];
-    const float* adds[kHeadsPerTask];
-    const bool* keeps[kHeadsPerTask];
-    float* outs[kHeadsPerTask];
+    const int64_t most = block != nullptr ? kMaxVectors : kHeadsPerTask;
+    std::vector<float> scores(most * (L + kLanes));
+    std::vector<float> scratch(block != nullptr ? most * (D + kLanes + 1) : 0);  // attend_block's acc, top, best
+    const float* qs[kMaxVectors];
+    const float* adds[kMaxVectors];
+    const bool* keeps[kMaxVectors];
+    float* outs[kMaxVectors];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t part = t % parts, i = (t / parts) % Q, kvh = (t / (parts * Q)) % kv_heads;
-      const int64_t b = t / (parts * Q * kv_heads);
+      const int64_t chunk = t % chunks, part = (t / chunks) % parts, kvh = (t / (chunks * parts)) % kv_heads;
+      const int64_t b = t / (chunks * parts * kv_heads);
       const int64_t h0 = kvh * group + part * kHeadsPerTask, n = std::min(kHeadsPerTask, (kvh + 1) * group - h0);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t h = h0 + j, moff = b * msb + h * msh + i * msq;
-        qs[j] = qp + ((b * H + h) * Q + i) * D;
-        adds[j] = mask_add ? mask_add + moff : nullptr;
-        keeps[j] = mask_keep ? mask_keep + moff : nullptr;
-        outs[j] = op + ((b * Q + i) * H + h) * D;
-      }
+      const int64_t i0 = chunk * columns, i1 = std::min(Q, i0 + columns);
+      int64_t N = 0;
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = 0; j < n; ++j, ++N) {
+          const int64_t h = h0 + j, moff = b * msb + h * msh + i * msq;
+          qs[N] = qp + ((b * H + h) * Q + i) * D;
+          adds[N] = mask_add ? mask_add + moff : nullptr;
+          keeps[N] = mask_keep ? mask_keep + moff : nullptr;
+          outs[N] = op + ((b * Q + i) * H + h) * D;
+        }
       const float* kb = kp + b * key.stride(0) + kvh * key.stride(1);
       const float* vb = vp + b * value.stride(0) + kvh * value.stride(1);
       const float* const* add = mask_add ? adds : nullptr;
       const bool* const* keep_rows = mask_keep ? keeps : nullptr;
-      const Attend run = pick(n, D);
-      run(qs, kb, key.stride(2), vb, value.stride(2), add, keep_rows, msl, L, D, fscale, scores.data(), outs);
+      if (block != nullptr) {
+        float* acc = scratch.data();
+        block(N, qs, kb, key.stride(2), vb, value.stride(2), add, keep_rows, L, fscale, scores.data(), acc,
+              acc + most * D, acc + most * (D + kLanes), outs);
+      } else {
+        pick(N)(qs, kb, key.stride(2), vb, value.stride(2), add, keep_rows, msl, L, D, fscale, scores.data(), outs);
+      }
     }
   });
   return out.transpose(1, 2);

@@ -5,10 +5,10 @@
 // Query columns per row the kernel takes: decode steps and prefills up to this width (a prefill's queries then give
 // the same bits whatever rides along, so lossless verify's prefill, the prompt and two masks, agrees with AR's bit
 // for bit; SDPA's flash kernel does not: 2 more queries changed the first ones' outputs at 64, 100, 400 and 800).
-// The kernel runs a query's loops, not a blocked GEMM: on a 2-vCPU Xeon (9/3 heads of 64, causal mask, one layer)
-// it took 50 / 216 / 950 / 2748 / 10283 us at 40 / 100 / 207 / 400 / 800 queries where SDPA took 70 / 234 / 954 /
-// 2154 / 7719 (benchmarks/decode_step_cpu/emerald_rapids/exact_prefill/), so past a few hundred columns exactness
-// costs a prefill some time (at 800 tokens about 2.6 ms a layer); past this width prefills go to SDPA.  The width
+// The kernel runs each query's loops over the keys, 8 query columns a task, not a blocked GEMM: on a 2-vCPU Xeon
+// (9/3 heads of 64, causal mask, one layer) it took 78 / 174 / 569 / 1924 / 7484 us at 40 / 100 / 207 / 400 / 800
+// queries where SDPA took 118 / 257 / 854 / 2268 / 8675 (benchmarks/decode_step_cpu/emerald_rapids/attention_sums/;
+// a task per column, before, was up to a third slower than SDPA at 400-800); past this width prefills go to SDPA.  The width
 // that decides is the caller's where it gives one (`width`: lossless verify's prefill of a 1023-token prompt and
 // its two masks counts as AR's of the prompt alone, so that both take the kernel), else the queries per row.
 constexpr int64_t kDecodeAttentionMaxQueries = 1024;
