@@ -35,6 +35,38 @@ using namespace mars_simd;  // NOLINT: the vector helpers
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+
+// The end of the keys any of N queries sees, `hidden(n, j)` telling a hidden key (all L without a mask): the keys
+// after it are never visited.  A hidden key (false, or -inf added) scores -inf without its dot product and adds
+// exactly nothing after it, so a prefill's causal mask skips half of them, with the same bits as visiting them
+// (their exp is 0, and x + 0 is x).
+template <class Hidden>
+int64_t visible_end(int64_t N, int64_t L, bool masked, Hidden hidden) {
+  if (!masked) return L;
+  int64_t seen = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = L - 1; j >= seen; --j)
+      if (!hidden(n, j)) {
+        seen = j + 1;
+        break;
+      }
+  return seen;
+}
+
+// One query's scores sn[0, seen), whose largest is `best` (not -inf), made exp(s - best) in place, a vector of
+// keys at a time (the tail of the last one set to -inf first: exp gives 0); returns 1 / their sum, the factor of
+// its output.
+inline float exp_scores(float* sn, int64_t seen, float best) {
+  std::fill(sn + seen, sn + seen + kLanes, -std::numeric_limits<float>::infinity());
+  const Vec top = vset1(best);
+  Vec total = vzero();
+  for (int64_t j = 0; j < seen; j += kLanes) {
+    const Vec e = vexp_nonpositive(vsub(vload(sn + j), top));
+    vstore(sn + j, e);
+    total = vadd(total, e);
+  }
+  return 1.0f / vsum(total);
+}
 // For each of N queries n (heads of one KV head, one query column), out_n[0:D] = softmax(scale * q_n . k_j + mask_nj
 // over visible j) . v_j, at a head dimension that is not 4 or 8 whole vectors (attend_block takes those).  The queries
 // share each key and value vector as it is loaded, and their independent FMA chains fill each other's latency; each
@@ -50,23 +82,11 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
   Vec qv[N][kMaxHeadDim / kLanes];
   for (int n = 0; n < N; ++n)
     for (int64_t d = 0; d < nvec; ++d) qv[n][d] = vload(q[n] + d * kLanes);
-  // A hidden key (false, or -inf added) scores -inf without its dot product and adds exactly nothing after it, so
-  // the keys after the last one any of these queries sees are not visited at all: a prefill's causal mask hides
-  // half of them.  The same bits as visiting them (their exp is 0, and x + 0 is x).
-  auto hidden = [&](int n, int64_t j) {
+  auto hidden = [&](int64_t n, int64_t j) {
     return mask_keep != nullptr ? !mask_keep[n][j * mask_pos_stride]
                                 : mask_add != nullptr && mask_add[n][j * mask_pos_stride] == kNegInf;
   };
-  int64_t seen = L;  // keys [0, seen) hold every visible one
-  if (mask_keep != nullptr || mask_add != nullptr) {
-    seen = 0;
-    for (int n = 0; n < N; ++n)
-      for (int64_t j = L - 1; j >= seen; --j)
-        if (!hidden(n, j)) {
-          seen = j + 1;
-          break;
-        }
-  }
+  const int64_t seen = visible_end(N, L, mask_keep != nullptr || mask_add != nullptr, hidden);
   float best[N];
   for (int n = 0; n < N; ++n) best[n] = kNegInf;
   for (int64_t j = 0; j < seen; ++j) {
@@ -89,19 +109,8 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
       best[n] = std::max(best[n], s);
     }
   }
-  Vec total[N];
-  for (int n = 0; n < N; ++n) {
-    total[n] = vzero();
-    if (best[n] == kNegInf) continue;  // nothing visible: zeros (the row is padding; nobody reads it)
-    float* sn = scores + n * stride;
-    std::fill(sn + seen, sn + seen + kLanes, kNegInf);  // the last vector's tail: exp gives 0
-    const Vec top = vset1(best[n]);
-    for (int64_t j = 0; j < seen; j += kLanes) {
-      const Vec e = vexp_nonpositive(vsub(vload(sn + j), top));
-      vstore(sn + j, e);
-      total[n] = vadd(total[n], e);
-    }
-  }
+  float inv[N];  // nothing visible (best -inf): zeros (the row is padding; nobody reads it)
+  for (int n = 0; n < N; ++n) inv[n] = best[n] == kNegInf ? 0.0f : exp_scores(scores + n * stride, seen, best[n]);
   Vec acc[N][kMaxHeadDim / kLanes];
   float tail[N][kLanes] = {};
   for (int n = 0; n < N; ++n)
@@ -123,9 +132,8 @@ void attend(const float* const* q, const float* k, int64_t k_pos_stride, const f
       std::fill(out[n], out[n] + D, 0.0f);
       continue;
     }
-    const float inv = 1.0f / vsum(total[n]);
-    for (int64_t d = 0; d < nvec; ++d) vstore(out[n] + d * kLanes, vmul(acc[n][d], vset1(inv)));
-    for (int64_t d = whole; d < D; ++d) out[n][d] = tail[n][d - whole] * inv;
+    for (int64_t d = 0; d < nvec; ++d) vstore(out[n] + d * kLanes, vmul(acc[n][d], vset1(inv[n])));
+    for (int64_t d = whole; d < D; ++d) out[n][d] = tail[n][d - whole] * inv[n];
   }
 }
 
@@ -170,16 +178,7 @@ void attend_block(int64_t N, const float* const* q, const float* k, int64_t k_po
   auto hidden = [&](int64_t n, int64_t j) {
     return mask_keep != nullptr ? !mask_keep[n][j] : mask_add != nullptr && mask_add[n][j] == kNegInf;
   };
-  int64_t seen = L;  // keys [0, seen) hold every visible one (see attend)
-  if (mask_keep != nullptr || mask_add != nullptr) {
-    seen = 0;
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t j = L - 1; j >= seen; --j)
-        if (!hidden(n, j)) {
-          seen = j + 1;
-          break;
-        }
-  }
+  const int64_t seen = visible_end(N, L, mask_keep != nullptr || mask_add != nullptr, hidden);
   const int64_t blocked = seen / kLanes * kLanes;  // keys scored kLanes at a time; the rest one by one
   const Vec vscale = vset1(scale);
   for (int64_t n = 0; n < N; ++n) vstore(top + n * kLanes, vset1(kNegInf));
@@ -220,19 +219,8 @@ void attend_block(int64_t N, const float* const* q, const float* k, int64_t k_po
       best[n] = std::max(best[n], s);
     }
   }
-  for (int64_t n = 0; n < N; ++n) {
-    float* sn = scores + n * stride;
-    Vec total = vzero();
-    if (best[n] != kNegInf) {
-      std::fill(sn + seen, sn + seen + kLanes, kNegInf);  // the last vector's tail: exp gives 0
-      const Vec t = vset1(best[n]);
-      for (int64_t j = 0; j < seen; j += kLanes) {
-        const Vec e = vexp_nonpositive(vsub(vload(sn + j), t));
-        vstore(sn + j, e);
-        total = vadd(total, e);
-      }
-    }
-    top[n * kLanes] = best[n] == kNegInf ? 0.0f : 1.0f / vsum(total);  // (top's lanes are free again)
+  for (int64_t n = 0; n < N; ++n) {  // the output's factor in top's first lane (its lanes are free again)
+    top[n * kLanes] = best[n] == kNegInf ? 0.0f : exp_scores(scores + n * stride, seen, best[n]);
     for (int d = 0; d < NV; ++d) vstore(acc + n * D + d * kLanes, vzero());
   }
   for (int64_t j0 = 0; j0 < seen; j0 += kValueBlock) {
