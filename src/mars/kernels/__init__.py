@@ -268,6 +268,31 @@ def has_compiler() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+def load_revision(rev: str, namespace: str = "ab_old") -> None:
+    """Build and load the kernels' sources as they were at git revision ``rev`` of this checkout, under the operator
+    namespace ``namespace`` (``torch.ops.<namespace>``, ``torch.classes.<namespace>``) beside this build's: for
+    A/B benchmarks of a kernel change in one process.  Needs the git checkout and a compiler."""
+    import subprocess
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    root = HERE.parents[2]
+    directory = Path(tempfile.gettempdir()) / f"mars_kernels_{namespace}_{rev.replace('/', '_').replace('~', '-')}"
+    directory.mkdir(exist_ok=True)
+    for path in (*SOURCES, *HEADERS):
+        show = ["git", "show", f"{rev}:{path.relative_to(root)}"]
+        (directory / path.name).write_bytes(subprocess.run(show, cwd=root, check=True, capture_output=True).stdout)
+    cpp_extension.load(
+        name=f"{namespace}_kernels",
+        sources=[str(directory / p.name) for p in SOURCES],
+        extra_cflags=[*cflags(), f"-DMARS_NAMESPACE={namespace}", "-Wno-builtin-macro-redefined"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 def can_run_here() -> bool:
     """Whether the kernels can run here: the CPU takes them, and a finished build is cached or a compiler can
     make one.  Builds and loads nothing."""

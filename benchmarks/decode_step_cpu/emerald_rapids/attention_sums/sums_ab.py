@@ -9,40 +9,21 @@ alternating calls: 1 and 3 query columns at 150, 500 and 1500 cached keys, and p
 """
 
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from mars.threads import apply_process_defaults
 
 apply_process_defaults()
 
 import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
 
 import mars.kernels as kernels  # noqa: E402
 from mars.threads import configure_threads  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[4]
-
 
 def old_op(rev: str):
-    directory = Path(tempfile.gettempdir()) / f"mars_sums_ab_{rev.replace('/', '_').replace('~', '-')}"
-    directory.mkdir(exist_ok=True)
-    for path in (*kernels.SOURCES, *kernels.HEADERS):
-        source = subprocess.run(
-            ["git", "show", f"{rev}:{path.relative_to(ROOT)}"], cwd=ROOT, check=True, capture_output=True
-        ).stdout
-        (directory / path.name).write_bytes(source)
-    cpp_extension.load(
-        name="ab_old_kernels",
-        sources=[str(directory / p.name) for p in kernels.SOURCES],
-        extra_cflags=[*kernels.cflags(), "-DMARS_NAMESPACE=ab_old", "-Wno-builtin-macro-redefined"],
-        build_directory=str(directory),
-        is_python_module=False,
-    )
+    kernels.load_revision(rev)
     return torch.ops.ab_old.decode_attention.default
 
 

@@ -14,8 +14,6 @@ same constructor arguments as the working tree's step.  Both must return the sam
 import argparse
 import json
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +22,6 @@ from mars.threads import apply_process_defaults
 apply_process_defaults()
 
 import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
 
 import mars.kernels as kernels  # noqa: E402
 from mars.decoding import generate  # noqa: E402
@@ -39,21 +36,7 @@ MASK_ROWS = 7  # DecoderStep.step's arguments after x: cos, sin, mask, keys, val
 
 def old_step_class(rev: str):
     """`DecoderStep` as the kernels' sources were at `rev`, built under the namespace ab_old."""
-    directory = Path(tempfile.gettempdir()) / f"mars_prepared_ab_{rev.replace('/', '_').replace('~', '-')}"
-    directory.mkdir(exist_ok=True)
-    for path in (*kernels.SOURCES, *kernels.HEADERS):
-        source = subprocess.run(
-            ["git", "show", f"{rev}:{path.relative_to(ROOT)}"], cwd=ROOT, check=True, capture_output=True
-        ).stdout
-        (directory / path.name).write_bytes(source)
-    cpp_extension.load(
-        name="ab_old_kernels",
-        sources=[str(directory / p.name) for p in kernels.SOURCES],
-        extra_cflags=[*kernels.cflags(), "-DMARS_NAMESPACE=ab_old", "-Wno-builtin-macro-redefined"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    kernels.load_revision(rev)
     return torch.classes.ab_old.DecoderStep
 
 
