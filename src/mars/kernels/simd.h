@@ -57,20 +57,32 @@ inline float vsum(Vec v) {
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
   return hsum8(_mm256_add_ps(lo, hi));
 }
-// Lane t: vsum(a[t]) for the 16 vectors a[0..15] together: the same additions in the same order (lo + hi halves,
-// then hsum8's three steps), each level one shuffle pair and one add for two vectors instead of per vector, then
-// the lanes put in key order.  46 instructions for 16 sums where 16 vsums take about 150.
-inline Vec vsum_each(const Vec* a) {
+// Lane t: vsum(a[t]) for the N <= 16 vectors a[0..N-1] together (lanes from N on: 0): the same additions in the
+// same order (lo + hi halves, then hsum8's three steps), each level one shuffle pair and one add for two vectors
+// instead of per vector, then the lanes put in key order.  46 instructions for 16 sums where 16 vsums take about
+// 150; pairs past N are skipped (zero), and a lane's value never depends on another vector's.
+template <int N = 16>
+__attribute__((always_inline)) inline Vec vsum_each(const Vec* a) {
+  static_assert(N >= 1 && N <= 16);
   Vec s1[8], s2[4], s3[2];
+#pragma GCC unroll 8
   for (int p = 0; p < 8; ++p)  // lanes 0-7: a[2p]'s halves added, 8-15: a[2p + 1]'s
-    s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                          _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    if (2 * p < N) {
+      const Vec b = 2 * p + 1 < N ? a[2 * p + 1] : vzero();
+      s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], b, 0x44), _mm512_shuffle_f32x4(a[2 * p], b, 0xEE));
+    } else {
+      s1[p] = vzero();
+    }
+#pragma GCC unroll 4
   for (int p = 0; p < 4; ++p)  // 128-bit block b: vector 4p + b's quarters added
-    s2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0x88),
-                          _mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0xDD));
+    s2[p] = 4 * p < N ? _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0x88),
+                                      _mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0xDD))
+                      : vzero();
+#pragma GCC unroll 2
   for (int p = 0; p < 2; ++p)  // as hsum8's movehl step, two vectors per block
-    s3[p] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], 0x44),
-                          _mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], 0xEE));
+    s3[p] = 8 * p < N ? _mm512_add_ps(_mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], 0x44),
+                                      _mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], 0xEE))
+                      : vzero();
   // as hsum8's last step: lane 4b + c holds vector 4c + b's sum
   const Vec s4 = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s4);
@@ -116,15 +128,24 @@ inline Vec vkeep_at_least(Vec x, Vec y, float limit) {
   return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ), y);
 }
 inline float vsum(Vec v) { return hsum8(v); }
-// Lane t: vsum(a[t]) for the 8 vectors a[0..7] together, hsum8's additions in its order (see the AVX-512 one).
-inline Vec vsum_each(const Vec* a) {
+// Lane t: vsum(a[t]) for the N <= 8 vectors a[0..N-1] together, hsum8's additions in its order (see the AVX-512 one).
+template <int N = 8>
+__attribute__((always_inline)) inline Vec vsum_each(const Vec* a) {
+  static_assert(N >= 1 && N <= 8);
   Vec s1[4], s2[2];
+#pragma GCC unroll 4
   for (int p = 0; p < 4; ++p)  // block 0: a[2p]'s halves added, block 1: a[2p + 1]'s
-    s1[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
-                          _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    if (2 * p < N) {
+      const Vec b = 2 * p + 1 < N ? a[2 * p + 1] : vzero();
+      s1[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], b, 0x20), _mm256_permute2f128_ps(a[2 * p], b, 0x31));
+    } else {
+      s1[p] = vzero();
+    }
+#pragma GCC unroll 2
   for (int p = 0; p < 2; ++p)
-    s2[p] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * p], s1[2 * p + 1], 0x44),
-                          _mm256_shuffle_ps(s1[2 * p], s1[2 * p + 1], 0xEE));
+    s2[p] = 4 * p < N ? _mm256_add_ps(_mm256_shuffle_ps(s1[2 * p], s1[2 * p + 1], 0x44),
+                                      _mm256_shuffle_ps(s1[2 * p], s1[2 * p + 1], 0xEE))
+                      : vzero();
   // lane 4b + c holds vector 2c + b's sum
   const Vec s3 = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
   return _mm256_permutevar8x32_ps(s3, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
