@@ -182,6 +182,7 @@ def test_statistics_count_generated_tokens_only(model, tokenizer, ragged, cache)
     assert min(s.per_row_forwards) < s.forwards or cache == "block"
     assert max(s.per_row_forwards) == s.forwards
     assert 0 < s.seconds <= wall  # the decoder's own time, in seconds, inside the call
+    assert 0 < s.first_token_seconds < s.seconds  # the prefill step, before the decode phase
     # The EOS ends a row and is counted; no row goes past max_new_tokens.
     eos = set(model.generation_config.eos_token_id)
     for ids, reason in zip(out.token_ids, out.finish_reasons):
@@ -190,6 +191,13 @@ def test_statistics_count_generated_tokens_only(model, tokenizer, ragged, cache)
         assert reason in ("eos", "length")
         if reason == "length":
             assert len(ids) == 24
+
+
+def test_hf_baseline_times_its_first_token(model, tokenizer, ragged):
+    start = time.perf_counter()
+    out = generate(model, tokenizer, ragged, decoder="ar", max_new_tokens=12)
+    wall = time.perf_counter() - start
+    assert 0 < out.stats.first_token_seconds < out.stats.seconds <= wall
 
 
 def test_max_new_tokens_is_never_exceeded(model, tokenizer):

@@ -75,12 +75,22 @@ def test_throughput_benchmark_end_to_end(tmp_path, monkeypatch):
             assert float(r["speedup"]) == 1.0
         assert float(r["speedup_per_tpf"]) == pytest.approx(float(r["speedup"]) / float(r["tokens_per_forward"]))
         assert float(r["speedup_per_tpf_min"]) <= float(r["speedup_per_tpf"]) <= float(r["speedup_per_tpf_max"])
+        # the decode phase (after each batch's prefill): every decoder's time to first token is measured
+        assert float(r["first_token_ms"]) > 0
+        decode = float(r["decode_speedup_per_tpf"])
+        assert decode == pytest.approx(float(r["decode_speedup"]) / float(r["decode_tokens_per_forward"]))
+        assert float(r["decode_speedup_per_tpf_min"]) <= decode <= float(r["decode_speedup_per_tpf_max"])
+        if r["decoder"] == r["ar_baseline"]:
+            assert float(r["decode_speedup"]) == 1.0
+        if r["decoder"].startswith("ar") and r["batch"] == "1":  # one forward per token after the prefill's
+            assert float(r["decode_tokens_per_forward"]) == 1.0
         # AR decoders and verified decoding are exact at any sweep threshold
         if r["decoder"].startswith("ar") or r["decoder"] == "mars-verify":
             assert r["same_as_ar"] == "2/2" and float(r["threshold"]) == 1.0
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] in ("float32", "bfloat16") and "cpu_native_bf16" in config["hardware"]
     assert "fastest AR decoder measured in the same run" in (out / "throughput.md").read_text()
+    assert "after the first token: speedup / tok/fwd" in (out / "throughput.md").read_text()
     # 2 batch sizes x 1 repeat over 2 prompts (2 batches of 1, then 1 of 2): the threshold-free decoders once
     # per batch, MARS once per batch and threshold (2)
     assert timed == {**{name: 3 for name in ars}, "mars-verify": 3, "mars-cursor": 6}

@@ -231,12 +231,14 @@ def _run_engine(model, tokenizer, ids, row_settings, s: DecodingSettings, mask_t
     requests = [engine.make_request(p, stop=stops, settings=r) for p, r in zip(ids, row_settings)]
     engine.admit(requests)
     finished = {}
+    first_token = None  # every row is prefilled, and gets its first token, in the first step
     bar = tqdm(total=len(requests), desc=f"{s.decoder}[{s.cache}]", leave=False, disable=not progress)
     while engine.live:
         for event in engine.step():
             if event.finished is not None:
                 finished[event.request.id] = event.finished
                 bar.update(1)
+        first_token = first_token or time.perf_counter() - start
     bar.close()
     seconds = time.perf_counter() - start
     rows = [finished[r.id] for r in requests]
@@ -247,6 +249,7 @@ def _run_engine(model, tokenizer, ids, row_settings, s: DecodingSettings, mask_t
         per_row_tokens=[],
         per_row_forwards=[f.forwards for f in rows],
         decoder=s.decoder,
+        first_token_seconds=first_token,
     )
     if any(r.verify for r in requests):
         stats.extra.update(draft_statistics(rows))

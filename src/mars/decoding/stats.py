@@ -16,6 +16,8 @@ class DecodeStats:
     batch size), so ``tokens_per_forward = generated_tokens / forwards`` is the batch's throughput per
     pass; ``mean_row_tokens_per_forward`` averages each row's own tokens / forwards it took part in,
     which is the paper's "tokens accepted per forward pass" for a single request.
+    ``first_token_seconds``: from the call's start to the forward that gave every row its first token (the
+    prefill: time to first token), so ``seconds - first_token_seconds`` is the decode phase.
     """
 
     forwards: int
@@ -25,6 +27,7 @@ class DecodeStats:
     per_row_forwards: list[int]
     decoder: str = "mars"
     extra: dict[str, Any] = field(default_factory=dict)
+    first_token_seconds: float | None = None
 
     @property
     def tokens_per_forward(self) -> float:
@@ -48,6 +51,7 @@ class DecodeStats:
             "mean_row_tokens_per_forward": self.mean_row_tokens_per_forward,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
+            "first_token_seconds": self.first_token_seconds,
             "per_row_tokens": list(self.per_row_tokens),
             "per_row_forwards": list(self.per_row_forwards),
             **self.extra,

@@ -256,6 +256,7 @@ def run_one(model, tokenizer, prompts, common: dict, variant: Variant, threshold
         tokens=res.stats.generated_tokens,
         forwards=res.stats.forwards,
         seconds=res.stats.seconds,
+        first_token_seconds=res.stats.first_token_seconds,
         ids=list(res.token_ids),
         row_rates=[t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f],
         drafts=(sum(extra.get("drafts_proposed") or ()), sum(extra.get("drafts_accepted") or ())),
@@ -265,10 +266,13 @@ def run_one(model, tokenizer, prompts, common: dict, variant: Variant, threshold
 def combine(parts: list[dict]) -> dict:
     """One decoder's totals over the batches of a repeat."""
     proposed = sum(p["drafts"][0] for p in parts)
+    firsts = [p["first_token_seconds"] for p in parts]
     return dict(
         tokens=sum(p["tokens"] for p in parts),
         forwards=sum(p["forwards"] for p in parts),
         seconds=sum(p["seconds"] for p in parts),
+        first_token_seconds=None if None in firsts else sum(firsts),
+        batches=len(parts),
         ids=[ids for p in parts for ids in p["ids"]],
         row_tpf=statistics.mean(rate for p in parts for rate in p["row_rates"]),
         draft_acceptance=sum(p["drafts"][1] for p in parts) / proposed if proposed else None,
@@ -580,6 +584,14 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
     def tps(name):
         return [r["tokens"] / r["seconds"] for r in runs[name]]
 
+    def decode_tps(name):  # after each row's first token (None where the time to it was not measured)
+        return [
+            None
+            if r["first_token_seconds"] is None
+            else after_first(r, "tokens") / (r["seconds"] - r["first_token_seconds"])
+            for r in runs[name]
+        ]
+
     ar_names = [v.name for v in vs if v.is_ar]
     best_ar = max(ar_names, key=lambda name: statistics.median(tps(name)))
     reference_ids = runs["ar-hf"][0]["ids"]
@@ -589,6 +601,9 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
         last = runs[v.name][-1]
         same = sum(a == b for a, b in zip(last["ids"], reference_ids))
         per_forward = last["tokens"] / last["forwards"]
+        decode_ratios = [t / a for t, a in zip(decode_tps(v.name), decode_tps(best_ar)) if t is not None and a]
+        decode_per_forward = after_first(last, "tokens") / max(after_first(last, "forwards"), 1)
+        firsts = [r["first_token_seconds"] / r["batches"] for r in runs[v.name] if r["first_token_seconds"] is not None]
         rows.append(
             dict(
                 threshold=v.fixed_threshold if v.fixed_threshold is not None else threshold,
@@ -608,6 +623,14 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
                 speedup_per_tpf_min=min(ratios) / per_forward,
                 speedup_per_tpf_max=max(ratios) / per_forward,
                 tokens_per_forward=per_forward,
+                # the decode phase: after each batch's prefill forward (its first token), the time per output token
+                # that the saved forwards act on; the prefill costs every decoder alike
+                first_token_ms=1e3 * statistics.median(firsts) if firsts else None,
+                decode_speedup=statistics.median(decode_ratios) if decode_ratios else None,
+                decode_tokens_per_forward=decode_per_forward,
+                decode_speedup_per_tpf=statistics.median(decode_ratios) / decode_per_forward if decode_ratios else None,
+                decode_speedup_per_tpf_min=min(decode_ratios) / decode_per_forward if decode_ratios else None,
+                decode_speedup_per_tpf_max=max(decode_ratios) / decode_per_forward if decode_ratios else None,
                 row_tokens_per_forward=last["row_tpf"],
                 same_as_ar=f"{same}/{len(reference_ids)}",
                 draft_acceptance=last["draft_acceptance"],
@@ -616,6 +639,12 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
             )
         )
     return rows
+
+
+def after_first(run: dict, key: str) -> int:
+    """A repeat's tokens or forwards after each row's first token: less one token per row, one forward (the
+    prefill) per batch."""
+    return run[key] - (len(run["ids"]) if key == "tokens" else run["batches"])
 
 
 def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
@@ -652,9 +681,13 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
         "*speedup / tok/fwd*: the speed-up over tokens per forward (batch), the share of the forwards saved that "
         "reaches the wall clock (1.00 when a step of several columns, prefill and engine included, costs what an AR "
         "step does).\n",
+        "*TTFT*: the time to the first token (the prefill forward), ms per batch; *after the first token*: the same "
+        "ratio over the decode phase alone (tokens, forwards and seconds after each batch's prefill), where the "
+        "forwards saved act; the prefill, which every decoder pays alike, pulls the whole-run ratio towards "
+        "1 / tok/fwd.\n",
         "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | speedup / tok/fwd "
-        "| tok/fwd (per request) | draft acc. | same as AR |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT ms | after the first token: speedup / tok/fwd | tok/fwd (per request) | draft acc. | same as AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     listed = set()
     for r in rows:
@@ -663,11 +696,18 @@ def write_tables(rows: list[dict], out_dir: Path, config: dict) -> None:
             continue
         listed.add(key)
         acc = "–" if r.get("draft_acceptance") is None else f"{100 * r['draft_acceptance']:.0f}%"
+        decode = (
+            "–"
+            if r["decode_speedup_per_tpf"] is None
+            else f"{fmt(r['decode_speedup_per_tpf'], 3)} [{fmt(r['decode_speedup_per_tpf_min'], 3)}-"
+            f"{fmt(r['decode_speedup_per_tpf_max'], 3)}] at {fmt(r['decode_tokens_per_forward'])}"
+        )
         lines.append(
             f"| {r['threshold']} | {r['batch']} | {r['decoder']} | {fmt(r['tokens_per_s'], 1)} "
             f"[{fmt(r['tokens_per_s_min'], 1)}-{fmt(r['tokens_per_s_max'], 1)}] | {fmt(r['speedup'])}x "
             f"[{fmt(r['speedup_min'])}-{fmt(r['speedup_max'])}] vs {r['ar_baseline']} | {fmt(r['tokens_per_forward'])} | "
             f"{fmt(r['speedup_per_tpf'], 3)} [{fmt(r['speedup_per_tpf_min'], 3)}-{fmt(r['speedup_per_tpf_max'], 3)}] | "
+            f"{'–' if r['first_token_ms'] is None else fmt(r['first_token_ms'], 0)} | {decode} | "
             f"{fmt(r['row_tokens_per_forward'])} | {acc} | {r['same_as_ar']} |"
         )
     (out_dir / "throughput.md").write_text("\n".join(lines) + "\n")
