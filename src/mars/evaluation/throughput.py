@@ -8,7 +8,8 @@ through all of them back to back, in a rotating order, so that load drift on a s
 of them alike.  For each (threshold, batch size, decoder) it
 reports the median tokens/s with its min-max spread, the speedup over AR (median of the per-repeat
 ratios), tokens per forward (generated tokens of the batch / batched forwards, and the per-request
-mean), the speed-up over tokens per forward (how much of the forwards saved reaches the wall clock), and
+mean), the speed-up over tokens per forward (how much of the forwards saved reaches the wall clock), the
+time to first token and that ratio over the decode phase alone (after each batch's prefill), and
 how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be all of them).  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under ``--out``.
 
 Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), ``--checkpoint DIR``
@@ -584,13 +585,11 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
     def tps(name):
         return [r["tokens"] / r["seconds"] for r in runs[name]]
 
-    def decode_tps(name):  # after each row's first token (None where the time to it was not measured)
-        return [
-            None
-            if r["first_token_seconds"] is None
-            else after_first(r, "tokens") / (r["seconds"] - r["first_token_seconds"])
-            for r in runs[name]
+    def decode_tps(name):  # after each row's first token (None where the time to it was not measured, or no time)
+        spans = [
+            None if r["first_token_seconds"] is None else r["seconds"] - r["first_token_seconds"] for r in runs[name]
         ]
+        return [after_first(r, "tokens") / span if span else None for r, span in zip(runs[name], spans)]
 
     ar_names = [v.name for v in vs if v.is_ar]
     best_ar = max(ar_names, key=lambda name: statistics.median(tps(name)))
