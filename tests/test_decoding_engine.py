@@ -200,6 +200,25 @@ def test_hf_baseline_times_its_first_token(model, tokenizer, ragged):
     assert 0 < out.stats.first_token_seconds < out.stats.seconds <= wall
 
 
+def test_every_decoder_makes_the_first_cos_of_the_process_before_its_own(model, tokenizer, monkeypatch):
+    """A process's first cos may round differently (mars.decoding.forward.warm_vector_math): the engine and the
+    transformers baseline both make it before their first forward."""
+    from mars.decoding import baselines, forward
+
+    order = []
+    rotary = type(model.model.rotary_emb)
+    rotary_forward = rotary.forward
+    monkeypatch.setattr(
+        rotary, "forward", lambda self, *a, **k: order.append("rotary") or rotary_forward(self, *a, **k)
+    )
+    for module in (forward, baselines):
+        monkeypatch.setattr(module, "warm_vector_math", lambda: order.append("warm"))
+    for decoder in ("mars", "ar"):
+        order.clear()
+        generate(model, tokenizer, [[5, 6, 7]], decoder=decoder, max_new_tokens=2)
+        assert order[0] == "warm" and "rotary" in order, decoder
+
+
 def test_max_new_tokens_is_never_exceeded(model, tokenizer):
     prompts = random_prompts((5, 17))
     for budget in (1, 2, 5):

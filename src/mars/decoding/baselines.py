@@ -10,6 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .attention import mars_attention
 from .fastpath import fast_linear
+from .forward import warm_vector_math
 from .huge_pages import place_weights
 from .stats import DecodeStats
 from .stopping import StopStrings
@@ -33,6 +34,7 @@ def generate_ar(
     the MARS engine does, so the baseline and MARS at threshold 1.0 stay token-for-token equal."""
     device = next(model.parameters()).device
     place_weights(model)  # the weights in huge pages, as the MARS engine streams them
+    warm_vector_math()  # as the MARS engine does: a process's first cos can round differently
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     input_ids, attention = _left_padded(prompts, pad_id)
     width = input_ids.shape[1]

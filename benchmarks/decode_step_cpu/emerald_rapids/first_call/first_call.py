@@ -4,6 +4,9 @@ then the same call twice more in the same process.  Run it in many fresh process
 differs (see README.md):
 
     for i in $(seq 30); do python benchmarks/decode_step_cpu/emerald_rapids/first_call/first_call.py ref.pt; done
+
+WARM=1: the process computes a cos and a sin on a 49 x 64 tensor before loading the model (the twenty-ninth
+session's A/B, run at d133d00, before the decoders made that call themselves).
 """
 
 import json
@@ -22,6 +25,9 @@ from mars.models import load_model  # noqa: E402
 from mars.threads import configure_threads  # noqa: E402
 
 configure_threads("auto")
+if os.environ.get("WARM") == "1":  # a cos and a sin first (as mars.decoding.forward.warm_vector_math now does)
+    torch.cos(torch.arange(3136, dtype=torch.float32).view(49, 64) * 0.01)
+    torch.sin(torch.arange(3136, dtype=torch.float32).view(49, 64) * 0.01)
 lm = load_model("benchmarks/reproduce_smollm2-135m-amx/adapter_rank8", dtype=torch.float32)
 prompt = json.loads(open("data/prompts/heldout.jsonl").readline())["prompt"]
 first: list[torch.Tensor] = []
