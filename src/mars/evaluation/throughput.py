@@ -602,6 +602,7 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
         per_forward = last["tokens"] / last["forwards"]
         decode_ratios = [t / a for t, a in zip(decode_tps(v.name), decode_tps(best_ar)) if t is not None and a]
         decode_per_forward = after_first(last, "tokens") / max(after_first(last, "forwards"), 1)
+        decode = statistics.median(decode_ratios) if decode_ratios else None
         firsts = [r["first_token_seconds"] / r["batches"] for r in runs[v.name] if r["first_token_seconds"] is not None]
         rows.append(
             dict(
@@ -625,9 +626,9 @@ def summarise_runs(vs: list[Variant], runs: dict[str, list[dict]], threshold: fl
                 # the decode phase: after each batch's prefill forward (its first token), the time per output token
                 # that the saved forwards act on; the prefill costs every decoder alike
                 first_token_ms=1e3 * statistics.median(firsts) if firsts else None,
-                decode_speedup=statistics.median(decode_ratios) if decode_ratios else None,
+                decode_speedup=decode,
                 decode_tokens_per_forward=decode_per_forward,
-                decode_speedup_per_tpf=statistics.median(decode_ratios) / decode_per_forward if decode_ratios else None,
+                decode_speedup_per_tpf=None if decode is None else decode / decode_per_forward,
                 decode_speedup_per_tpf_min=min(decode_ratios) / decode_per_forward if decode_ratios else None,
                 decode_speedup_per_tpf_max=max(decode_ratios) / decode_per_forward if decode_ratios else None,
                 row_tokens_per_forward=last["row_tpf"],
