@@ -2,9 +2,9 @@
 extra columns were gone.  The default policy (2 masks, draft threshold 0.15) is replayed on `collect.py`'s record
 and priced as `simulate.py` prices it, then again with the adapter's cost on mask steps removed (a mask step priced
 as a draft step of its width), the engine's extra time per verify step removed, and the prefills made equal, then
-zero.  What remains is the forward's cost of the extra columns themselves.  Two sets of step costs, each measured
-by `step_costs.py` on this host: the nineteenth session's (`simulate.py`'s) and the twentieth's, after the kernel
-changes of `../weight_register_ab/` and `../attention_groups/`:
+zero.  What remains is the forward's cost of the extra columns themselves.  The step costs were each measured by
+`step_costs.py` on this host: the nineteenth session's (`simulate.py`'s), the twentieth's, after the kernel changes
+of `../weight_register_ab/` and `../attention_groups/`, and the three rounds of the thirty-first's:
 
     python benchmarks/decode_step_cpu/intel_stream/verify_policy_sim/bound.py masks.pkl
 """
@@ -33,6 +33,18 @@ COSTS = {
         prefill=(2442.0, 2504.0),
     ),
 }
+# thirty-first session: each round of `step_costs_s31.txt` (../../emerald_rapids/), the mean forwards (their sum is
+# the wall clock): the extra columns' cost swung from 1.5% of an AR step (rounds 0 and 2) to 7.7% (round 1)
+for r, (ar, d2, d3, m3, rest, prefill) in enumerate(
+    [
+        (28.12, 27.56, 28.53, 29.26, (1.62, 1.70), (2791.0, 2724.0)),
+        (26.97, 28.16, 29.06, 29.90, (1.57, 1.81), (2585.0, 2831.0)),
+        (26.67, 26.29, 27.01, 27.84, (1.54, 1.67), (2571.0, 2527.0)),
+    ]
+):
+    COSTS[f"thirty-first session, round {r}"] = dict(
+        ar=ar, draft={2: d2, 3: d3, 4: None}, mask={2: None, 3: m3, 4: None}, rest=rest, prefill=prefill
+    )
 
 
 def price(costs: dict, records: list, adapter: bool, engine: bool, prefill: str) -> tuple[float, float, float]:
