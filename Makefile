@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# The replication (self-distilled data, AR SFT and MARS at equal steps, quality sweep, wall clock):
-# resumable, writes benchmarks/reproduce_<name>/. REPRODUCE_ARGS="--name x model=..." for another model.
+# The replication (self-distilled data, the recipe at its compute budget, learning curve, quality sweep,
+# verify mode, wall clock): resumable, writes results/replication/.
+# REPRODUCE_ARGS="--name x model=..." for another model (writes results/replication_x/).
 reproduce: $(STAMP)
 	$(PY) scripts/reproduce.py $(REPRODUCE_ARGS)
 

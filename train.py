@@ -1,15 +1,6 @@
-"""MARS / AR-SFT training entry point: `python train.py model=qwen2.5-7b block=4` (see conf/train.yaml)."""
+"""MARS / AR-SFT training: `python train.py model=qwen2.5-7b block=4` (see conf/train.yaml, mars.cli.train)."""
 
-import hydra
-from omegaconf import DictConfig
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    from mars.train import run
-
-    run(cfg)
-
+from mars.cli.train import main
 
 if __name__ == "__main__":
     main()

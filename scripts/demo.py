@@ -6,7 +6,7 @@
 2. evaluate thresholds 1.0 / 0.95 / 0.9 on the quality suite (held-out agreement, short-answer tasks),
    every figure with its interval                        (python evaluate.py checkpoint=... benchmarks=quality)
 3. time the same checkpoint against the fastest AR decoder at batch 1, lossy (tau 0.95) and lossless
-   (verified) MARS                                       (python -m mars.evaluation.throughput ...)
+   (verified) MARS                                       (python -m mars.bench.throughput ...)
 4. print the table, the wall-clock speed-ups and each stage's time.
 
 Environment knobs: DEMO_LIMIT (samples per quality task, default 24), DEMO_MINUTES (training minutes of
@@ -75,7 +75,7 @@ def main() -> None:
         "wall clock",
         [
             "-m",
-            "mars.evaluation.throughput",
+            "mars.bench.throughput",
             "--checkpoint",
             str(ckpt),
             "--thresholds",

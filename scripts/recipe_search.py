@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The equal-compute recipe search (issue 16): which way of teaching the masks pays off within a CPU budget.
+"""The equal-compute recipe search: which way of teaching the masks pays off within a CPU budget.
 
 Every variant of ``conf/recipe_search.yaml`` trains from the same base on the same self-distilled answers for
 the same compute (``budget.minutes`` on the CPU clock, so a busy machine slows a variant but does not rob it),
@@ -10,7 +10,7 @@ then is scored on the quality suite in fp32 against the untouched base model:
 3. <v>/eval    the quality suite at the thresholds (tokens per forward, 5-task average vs its own tau 1.0 and
                vs the base at tau 1.0 with paired intervals, identical-to-tau-1.0 share, per-token fidelity)
 4. <v>/verify  lossless verify mode: tokens per forward, outputs vs the base's greedy outputs
-5. report      benchmarks/recipe_search/: table.md, table.csv, pareto.png, configs, loss curves, commands
+5. report      results/recipe_search/: table.md, table.csv, pareto.png, configs, loss curves, commands
 
 Each stage is skipped when its result exists and resumes from its own partial state (train from
 ``last.ckpt`` with the budget it had used, evaluation from its per-sample files), so a killed search is
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
+from mars.hardware import WAIT_POLICY, wait_policy_chosen
 from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
-from mars.threads import WAIT_POLICY, wait_policy_chosen
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "conf" / "recipe_search.yaml"
@@ -99,7 +99,7 @@ def check_variants(spec: dict, work: Path) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from mars.train_config import validate
+    from mars.training.config import validate
 
     problems = []
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, help="minutes of compute per variant (default: the config's)")
     p.add_argument("--limit", type=int, help="samples per quality task (default: the config's)")
     p.add_argument("--work", default=str(REPO / "outputs" / "recipe_search"))
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "recipe_search"))
+    p.add_argument("--out", default=str(REPO / "results" / "recipe_search"))
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)

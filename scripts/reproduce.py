@@ -4,9 +4,9 @@
 Stages (each a command you could type, logged to <out>/commands.md; each skipped when its result exists,
 so a killed run is resumed by running this again):
 
-1. data        self-distil the committed prompt set with the base model  (python -m mars.self_distill)
+1. data        self-distil the committed prompt set with the base model  (python -m mars.training.self_distill)
 2. train       the recipe of conf/experiment/reproduce.yaml (chosen by the equal-compute recipe search,
-               benchmarks/recipe_search) for its compute budget, exporting snapshots along the way
+               results/recipe_search) for its compute budget, exporting snapshots along the way
                                                                          (python train.py experiment=reproduce)
 3. eval-base   the untouched base model on the quality suite at tau 1.0 (the paired reference of everything)
 4. curve-<m>   every snapshot and the final model on the quality suite (--curve-limit samples per task) at
@@ -15,8 +15,9 @@ so a killed run is resumed by running this again):
 6. verify      the final model in lossless verify mode, against the base's greedy outputs
 7. train-ar / eval-ar  (--ar-sft) the paper's stage-1 AR SFT at the same compute, as a comparison curve
 8. throughput  wall clock vs the fastest AR decoder, batch 1 and 8, lossy and verified MARS
-9. report      benchmarks/reproduce_<name>/: README.md, tables, points, learning curve, Pareto plots, loss
-               curves, resolved configs, train summary, throughput, the adapter (when small), commands.md
+9. report      results/replication/ (results/replication_<name>/ for another --name): README.md, tables,
+               points, learning curve, Pareto plots, loss curves, resolved configs, train summary, throughput,
+               the adapter (when small), commands.md
 
     python scripts/reproduce.py                          # the embedded SmolLM2-135M, CPU or GPU (auto)
     python scripts/reproduce.py --name qwen0.5b model=qwen2.5-0.5b budget.minutes=600   # any Hydra overrides
@@ -42,6 +43,7 @@ from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_NAME = "smollm2-135m"
 THRESHOLDS = "[1.0,0.9,0.8]"
 CURVE_THRESHOLDS = [1.0, 0.9]
 SHIP_ADAPTER_BYTES = 10 * 2**20  # larger adapters (rank 32 on every layer: 39 MB) stay out of git
@@ -49,7 +51,7 @@ SHIP_ADAPTER_BYTES = 10 * 2**20  # larger adapters (rank 32 on every layer: 39 M
 
 @dataclass
 class Layout:
-    """Where every stage writes (work: outputs/, bench: benchmarks/)."""
+    """Where every stage writes (work: outputs/, bench: results/replication*/)."""
 
     name: str
     work: Path
@@ -69,7 +71,11 @@ class Layout:
 
 def parse(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--name", default="smollm2-135m", help="benchmarks/reproduce_<name>/ and the run names")
+    p.add_argument(
+        "--name",
+        default=DEFAULT_NAME,
+        help="run names; report in results/replication/ (default name) or results/replication_<name>/",
+    )
     p.add_argument("--thresholds", default=THRESHOLDS)
     p.add_argument("--eval-limit", type=int, default=None, help="samples per task (default: the suite's own)")
     p.add_argument("--curve-limit", type=int, default=50, help="samples per task for the learning-curve points")
@@ -124,7 +130,7 @@ def run_training(stages: Stages, lay: Layout, args) -> None:
     common = ["train.py", "experiment=reproduce", f"output_dir={lay.train}", *args.overrides]
     stages.run(
         "data",
-        ["-m", "mars.self_distill", "--train", "experiment=reproduce", *args.overrides],
+        ["-m", "mars.training.self_distill", "--train", "experiment=reproduce", *args.overrides],
         complete_checkpoint(lay.hf),
     )
     stages.run("train", [*common, f"run_name=repro-{args.name}"], done=complete_checkpoint(lay.hf))
@@ -202,7 +208,7 @@ def run_throughput(stages: Stages, lay: Layout, args) -> Path:
     tput = lay.work / "throughput"
     if args.skip_throughput:
         return tput
-    cmd = ["-m", "mars.evaluation.throughput", "--checkpoint", str(lay.hf), "--thresholds", "1.0,0.9"]
+    cmd = ["-m", "mars.bench.throughput", "--checkpoint", str(lay.hf), "--thresholds", "1.0,0.9"]
     cmd += ["--batch-sizes", "1,8", "--repeats", "3", "--max-new-tokens", str(args.throughput_tokens)]
     cmd += ["--caches", "cursor", "--verify", "--prompts-file", "data/prompts/heldout.jsonl"]
     cmd += ["--num-prompts", str(args.throughput_prompts), "--out", str(tput)]
@@ -210,10 +216,15 @@ def run_throughput(stages: Stages, lay: Layout, args) -> Path:
     return tput
 
 
+def report_folder(name: str) -> Path:
+    """results/replication/ for the default model, results/replication_<name>/ for any other run name."""
+    return REPO / "results" / ("replication" if name == DEFAULT_NAME else f"replication_{name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for the report
-    lay = Layout(args.name, REPO / "outputs" / "reproduce" / args.name, REPO / "benchmarks" / f"reproduce_{args.name}")
+    lay = Layout(args.name, REPO / "outputs" / "reproduce" / args.name, report_folder(args.name))
     stages = Stages(lay.bench, args.dry_run, REPO)
     run_training(stages, lay, args)
     run_evaluations(stages, lay, args)
@@ -347,7 +358,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def report(lay: Layout, args, tput: Path, stages: Stages) -> None:
-    """Copy every result a reader needs into benchmarks/reproduce_<name>/ and write its README."""
+    """Copy every result a reader needs into the report folder and write its README."""
     copy_results(lay, tput)
     rows = learning_curve(lay, args)
     atomic_write_text(lay.bench / "learning_curve.json", json.dumps(rows, indent=2) + "\n")
@@ -358,7 +369,7 @@ def report(lay: Layout, args, tput: Path, stages: Stages) -> None:
         "",
         f"Machine: {platform.node()} ({_cpu()}), {time.strftime('%Y-%m-%d')}. Produced by "
         f"`python scripts/reproduce.py {shlex.join(args.argv)}`; stage times in stages.json, how the recipe "
-        "was chosen in benchmarks/recipe_search/FINDINGS.md.",
+        "was chosen in results/recipe_search/README.md.",
         "",
     ]
     summary = lay.bench / "train_train_summary.json"
@@ -381,7 +392,7 @@ def report(lay: Layout, args, tput: Path, stages: Stages) -> None:
             "## Re-check without training",
             "",
             "The adapter in `adapter/` is the trained artifact (the base is the embedded model): ",
-            f"`python evaluate.py checkpoint=benchmarks/reproduce_{args.name}/adapter benchmarks=quality "
+            f"`python evaluate.py checkpoint={lay.bench.relative_to(REPO)}/adapter benchmarks=quality "
             "thresholds=[1.0,0.9,0.8] dtype=float32` reproduces the tables above.",
             "",
         ]

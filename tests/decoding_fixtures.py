@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mars import kernels
-from mars.decoding import generate
+from mars.decoding import generate, kernels
 from mars.models import embedded_tokenizer
 
 VOCAB = 1024

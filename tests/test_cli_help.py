@@ -1,20 +1,21 @@
 """Every `python -m mars...` command answers --help: argparse %-formats help texts, so one literal '%' in a
-field's help (the decoding settings' texts are shared by several commands) made --help crash."""
+field's help (the decoding settings' texts are shared by several commands) would make --help crash."""
 
 import importlib
 
 import pytest
 
 COMMANDS = [
-    "mars.evaluation.throughput",
-    "mars.evaluation.step_cost",
-    "mars.evaluation.reliability",
-    "mars.evaluation.probe",
-    "mars.adapter_rank",
-    "mars.export",
-    "mars.self_distill",
-    "mars.train_bench",
-    "mars.serving.loadtest",
+    "mars.bench.throughput",
+    "mars.bench.step_cost",
+    "mars.bench.reliability",
+    "mars.bench.probe",
+    "mars.training.adapter_rank",
+    "mars.training.export",
+    "mars.training.self_distill",
+    "mars.bench.train_step",
+    "mars.bench.loadtest",
+    "mars.bench.step_breakdown",
 ]
 
 

@@ -11,14 +11,14 @@ import yaml
 from conftest import TINY_SFT
 from lightning.pytorch.callbacks import Callback
 
-from mars.checkpoint_meta import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
 from mars.config_schema import ConfigError
 from mars.decoding.settings import DecodingSettings
 from mars.evaluation.config import EvaluateConfig, check_config
+from mars.metadata import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
 from mars.pipeline import complete_checkpoint
 from mars.serving.config import ServeConfig
-from mars.train import run
-from mars.train_config import TrainConfig
+from mars.training.config import TrainConfig
+from mars.training.run import run
 
 TINY_TRAIN = ["model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}", "logger=none"]
 
@@ -136,7 +136,7 @@ def test_loggers_and_callbacks_come_from_configuration_alone(compose_cfg, tmp_pa
 def test_a_run_without_a_logger_leaves_out_the_callbacks_that_need_one(compose_cfg, tmp_path):
     from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
 
-    from mars.loggers import build_callbacks
+    from mars.training.loggers import build_callbacks
 
     section = compose_cfg("train", TINY_TRAIN).callbacks
     assert {type(c) for c in build_callbacks(section, with_logger=True)} == {TQDMProgressBar, LearningRateMonitor}

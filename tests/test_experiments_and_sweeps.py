@@ -12,8 +12,8 @@ from conftest import CONF, REPO
 from omegaconf import DictConfig, OmegaConf
 
 from mars.evaluation.config import prepare
-from mars.train import run
-from mars.train_config import validate
+from mars.training.config import validate
+from mars.training.run import run
 
 EXPERIMENTS = sorted(
     str(p.relative_to(CONF / "experiment").with_suffix(""))

@@ -2,8 +2,8 @@
 lightning-hydra-template's tests/test_sweeps.py launches ``-m`` runs).
 
 A multirun calls the Hydra task function once per job in one process, so anything that only breaks on
-a second call (``evaluate.py -m`` once failed from its second job: the ``mars.evaluation.run`` function
-was replaced by a submodule of the same name on first import) shows up only here.  The evaluation
+a second call (a package attribute shadowed by a submodule of the same name once the submodule is first
+imported, so the second job calls a module) shows up only here.  The evaluation
 multirun is the README's ``python evaluate.py -m +sweep=eval_grid`` with the tiny model and the
 checkpoints that the training multirun wrote.
 """
@@ -113,8 +113,8 @@ def trained(workdir) -> Path:
 
 
 def test_train_console_shows_each_lightning_line_once_and_no_advert(trained):
-    """Lightning's own console handler and Hydra's root handler both printed every Lightning line; and
-    every fit advertised LitLogger."""
+    """Each Lightning line appears once (Lightning's own console handler and Hydra's root handler would
+    both print it), and no fit advertises LitLogger."""
     console = (trained / "train_console.txt").read_text()
     assert console.count("Seed set to 0") == 2  # one per job
     assert console.count("`Trainer.fit` stopped: `max_steps=2` reached.") == 2

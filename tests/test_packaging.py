@@ -78,8 +78,7 @@ def _suite_over(folder: Path, task: str):
 
 def test_a_copy_of_eval_runs_its_code_in_the_mars_sandbox(tmp_path):
     """A second clone using the first clone's environment: its eval/ tasks load their own copy of the
-    sandbox, so they count as sandboxed (before: refused as "outside the mars sandbox"); a task outside any
-    mars eval/ folder that runs code still does not."""
+    sandbox, so they count as sandboxed; a task outside any mars eval/ folder that runs code does not."""
     from mars.evaluation.tasks import code_tasks
 
     clone_eval = tmp_path / "clone" / "eval"
@@ -141,11 +140,10 @@ def _fresh_venv(where: Path, wheel: Path) -> tuple[Path, Path]:
     return where / "bin", Path(purelib)
 
 
-@pytest.mark.slow
-def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
-    # the sources as a user gets them (no outputs, caches or build folders), built with pip
+def _build_wheel(tmp_path: Path) -> Path:
+    """The sources as a user gets them (no outputs, caches or build folders), built with pip."""
     src = tmp_path / "src"
-    skip_top = {".venv", ".git", "outputs", "multirun", "build", "benchmarks", "tests"}
+    skip_top = {".venv", ".git", "outputs", "multirun", "build", "results", "tests"}
 
     def ignore(folder: str, names: list[str]) -> set[str]:
         top = skip_top if Path(folder) == REPO else set()
@@ -168,21 +166,11 @@ def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
         check=True,
     )
     (wheel,) = tmp_path.glob("mars-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    bundled = {n.removeprefix("mars/bundle/") for n in names if n.startswith("mars/bundle/")}
-    assert bundled == _files_under(REPO, BUNDLED)
+    return wheel
 
-    bin_dir, site_packages = _fresh_venv(tmp_path / "venv", wheel)
-    for script in ("mars-train", "mars-eval", "mars-serve", "mars-lm-eval"):
-        assert (bin_dir / script).is_file(), script
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    where = _run([str(bin_dir / "python"), "-c", "import mars.paths as p; print(p.project_root())"], work, env)
-    assert where.stdout.strip() == str(site_packages / "mars" / "bundle")  # package data, not this checkout
 
-    # train: the shipped offline data (data/offline_sft) and configs
+def _train_elsewhere(bin_dir: Path, work: Path, env: dict) -> Path:
+    """mars-train on the shipped offline data (data/offline_sft) and configs; the exported folder."""
     _run(
         [
             str(bin_dir / "mars-train"),
@@ -198,8 +186,11 @@ def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
     )
     hf = work / "outputs" / "train" / "tiny-random-mars-b4-full" / "hf"
     assert (hf / "mars_config.json").is_file()
+    return hf
 
-    # evaluate: the shipped quality suite (its held-out task reads ../../../data/prompts beside eval/)
+
+def _evaluate_elsewhere(bin_dir: Path, hf: Path, work: Path, env: dict) -> None:
+    """mars-eval on the shipped quality suite (its held-out task reads ../../../data/prompts beside eval/)."""
     _run(
         [
             str(bin_dir / "mars-eval"),
@@ -216,7 +207,23 @@ def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
     points = json.loads((work / "eval" / "points.json").read_text())
     assert {p["task"] for p in points} >= {"Held-out (chrF vs AR)", "Capitals"}
 
-    # serve: health, then one completion
+
+def _wait_healthy(server: subprocess.Popen, url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert server.poll() is None, server.stderr.read()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if json.load(r).get("status") == "ok":
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "mars-serve did not come up"
+        time.sleep(0.5)
+
+
+def _serve_one_completion(bin_dir: Path, hf: Path, work: Path, env: dict) -> None:
+    """mars-serve: health, then one completion."""
     port = _free_port()
     server = subprocess.Popen(
         [str(bin_dir / "mars-serve"), f"checkpoint={hf}", f"port={port}", "warmup=false"],
@@ -228,17 +235,7 @@ def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stderr.read()[-3000:]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if json.load(r).get("status") == "ok":
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mars-serve did not come up"
-            time.sleep(0.5)
+        _wait_healthy(server, url, 180)
         body = json.dumps({"prompt": "Hello", "max_tokens": 4}).encode()
         request = urllib.request.Request(
             url + "/v1/completions", data=body, headers={"content-type": "application/json"}
@@ -253,3 +250,25 @@ def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.mark.slow
+def test_wheel_installed_elsewhere_trains_evaluates_and_serves(tmp_path):
+    wheel = _build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    bundled = {n.removeprefix("mars/bundle/") for n in names if n.startswith("mars/bundle/")}
+    assert bundled == _files_under(REPO, BUNDLED)
+
+    bin_dir, site_packages = _fresh_venv(tmp_path / "venv", wheel)
+    for script in ("mars-train", "mars-eval", "mars-serve", "mars-lm-eval"):
+        assert (bin_dir / script).is_file(), script
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    where = _run([str(bin_dir / "python"), "-c", "import mars.paths as p; print(p.project_root())"], work, env)
+    assert where.stdout.strip() == str(site_packages / "mars" / "bundle")  # package data, not this checkout
+
+    hf = _train_elsewhere(bin_dir, work, env)
+    _evaluate_elsewhere(bin_dir, hf, work, env)
+    _serve_one_completion(bin_dir, hf, work, env)

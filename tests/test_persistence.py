@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from mars.loss_history import LOSS_COLUMNS, LossesLogger, read_losses
 from mars.persistence import (
     append_jsonl,
     atomic_dir,
@@ -15,6 +14,7 @@ from mars.persistence import (
     read_appended_jsonl,
     read_jsonl,
 )
+from mars.training.loss_history import LOSS_COLUMNS, LossesLogger, read_losses
 
 
 def test_a_torn_line_is_skipped_and_the_next_append_starts_on_a_fresh_line(tmp_path):

@@ -33,7 +33,7 @@ def write_points(folder, thresholds, tpf=1.3):
 
 
 def finished_training(folder):
-    from mars.checkpoint_meta import MarsMetadata, write_metadata
+    from mars.metadata import MarsMetadata, write_metadata
 
     (folder / "hf").mkdir(parents=True)  # the metadata train.py writes beside a finished export
     write_metadata(

@@ -1,4 +1,4 @@
-"""One decoding-settings type from every door (issue 19, item 2): ``generate`` takes either ``settings=`` or
+"""One decoding-settings type from every door: ``generate`` takes either ``settings=`` or
 its fields as keywords, never both; the benchmark CLIs' decoding flags and the server's per-request options
 are derived from DecodingSettings' fields, so a field declared there (the prompt-lookup n-gram size; a new
 one added in a subclass here) is a flag and a request option with no further code."""
@@ -12,10 +12,9 @@ import pytest
 from pydantic import ValidationError
 from serving_fixtures import loaded, one_thread, server  # noqa: F401  (fixtures)
 
-from mars import bench_cli
+from mars.bench import cli_options, probe, throughput
 from mars.decoding import DecodingSettings, generate
 from mars.decoding.settings import _help
-from mars.evaluation import probe, throughput
 from mars.serving.schemas import CompletionRequest, RequestOptions, request_options_model
 
 
@@ -57,12 +56,12 @@ def test_every_field_reaches_generate_and_the_throughput_flags():
 
 
 def test_a_new_field_is_a_cli_flag_and_a_request_option_without_further_code(monkeypatch):
-    monkeypatch.setattr(bench_cli, "DecodingSettings", WithTopK)
+    monkeypatch.setattr(cli_options, "DecodingSettings", WithTopK)
     args, _, _ = throughput.parse_args(["--top-k", "5", "--threads", "1"])
     settings = throughput.base_settings(args, block_size=4)
     assert isinstance(settings, WithTopK) and settings.top_k == 5
     p = argparse.ArgumentParser()
-    bench_cli.add_decoding(p, include=["top_k"])
+    cli_options.add_decoding(p, include=["top_k"])
     assert p.parse_args([]).top_k == 0  # the dataclass's default
 
     options = request_options_model(WithTopK)
@@ -114,7 +113,7 @@ def test_lookup_ngram_from_the_yaml_and_the_lm_eval_model_args(compose_cfg):
 def test_a_checkpoint_is_named_after_its_run_everywhere(tmp_path):
     """Results folders and the server's ``model`` field share one label: the run for train.py's exports,
     the pipeline's name for a pipeline's train stage, the folder itself otherwise."""
-    from mars.labels import checkpoint_label, model_label
+    from mars.metadata import checkpoint_label, model_label
 
     assert checkpoint_label(tmp_path / "outputs" / "train" / "my-run" / "hf") == "my-run"
     assert (

@@ -2,7 +2,7 @@
 
 The copies keep the built-in tasks' prompts, filters and metrics but read a few hand-written rows
 from ``data/`` (``dataset_path: json`` semantics, paths relative to this folder so any working
-directory works), so the adapter and scoring path of every paper task runs without the hub.
+directory works), so the lm-eval model and scoring path of every paper task runs without the hub.
 The only metric replaced is HumanEval's: lm-eval's ``humaneval`` loads ``evaluate.load("code_eval")``
 from the hub and runs the model's code in a fork of the process holding the model, uncontained; here
 the same pass@1 (program = prediction + tests + ``check(entry_point)``) runs each program in the

@@ -360,7 +360,7 @@ def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
     and verify mode are unchanged; the masks' predictions move (slightly, where the product is nearly low-rank).
     Returns the smallest share of a product's energy (squared singular values) that any layer keeps.  The
     model's adapter settings follow (``rank``, and ``alpha`` so that peft's scaling alpha / rank is unchanged),
-    so it saves as a rank-``rank`` adapter (``python -m mars.adapter_rank``)."""
+    so it saves as a rank-``rank`` adapter (``python -m mars.training.adapter_rank``)."""
     settings: AdapterSettings | None = getattr(model, "mars_adapter", None)
     if settings is None:
         raise AdapterError("truncate_adapter_rank: the model carries no MARS adapter")

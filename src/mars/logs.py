@@ -9,14 +9,20 @@
   with its own loader, i.e. all of ours) and a "Building contexts for <task> on rank 0..." line followed by
   a progress bar.  :func:`folded_lm_eval_task_logs` folds these into one line per task:
   ``<task>: contexts built for <n> documents (rank 0)``.
+- W&B runs (training's logger, evaluation's tables) are offline unless credentials exist, so W&B never
+  prompts for a key (:func:`wandb_mode`), and an offline run names its ``wandb sync`` command
+  (:func:`wandb_sync_hint`).
 """
 
 from __future__ import annotations
 
 import logging
+import netrc
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -111,3 +117,26 @@ def _len(iterable: Any) -> int | None:
         return len(iterable)
     except TypeError:
         return None
+
+
+def wandb_mode(requested: str = "auto") -> str:
+    """``online`` only with credentials; ``offline`` otherwise, so W&B never prompts for a key."""
+    if requested in ("online", "offline", "disabled"):
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def wandb_sync_hint(run) -> str | None:
+    """For a W&B run kept offline, the line that says how to upload it (W&B itself is silenced)."""
+    if run is None or not getattr(run, "offline", False):
+        return None
+    return f"W&B run saved offline; upload it with: wandb sync {Path(run.dir).parent}"

@@ -19,7 +19,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mars.adapters import ADAPTER_META
-from mars.checkpoint_meta import METADATA_FILE
 from mars.persistence import atomic_dir, cache_root, check_weight_files
 
 log = logging.getLogger(__name__)
@@ -159,7 +158,7 @@ def ensure_mask_token(
     mask_token: str | None = None,
     allow_new_row: bool = False,
 ) -> MaskToken:
-    """Give ``tokenizer`` a mask token without adding parameters, following MARS_METHOD.md:
+    """Give ``tokenizer`` a mask token without adding parameters, following docs/method.md:
 
     1. the token named by ``mask_token`` if it exists in the vocabulary, else the tokenizer's own mask token;
     2. a new special token in a spare row of the embedding matrix (Qwen2.5 has ~270 spare rows);
@@ -244,20 +243,14 @@ def load_with_adapter(
 
 
 # --------------------------------------------------------------------------------------------
-# Metadata written next to an exported checkpoint (mars.checkpoint_meta owns the format)
+# Metadata written next to an exported checkpoint (mars.metadata owns the format)
 # --------------------------------------------------------------------------------------------
 def read_mars_metadata(path: str | os.PathLike) -> dict[str, Any] | None:
     """``mars_config.json`` of a checkpoint folder as a dict (validated), or None without one."""
-    from mars.checkpoint_meta import read_metadata
+    from mars.metadata import read_metadata
 
     meta = read_metadata(path)
     return meta.to_dict() if meta is not None else None
-
-
-def write_mars_metadata(path: str | os.PathLike, **fields: Any) -> None:
-    from mars.checkpoint_meta import MarsMetadata, write_metadata
-
-    write_metadata(path, MarsMetadata.from_dict(fields, where=str(Path(path) / METADATA_FILE)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ content digests (cached), checksum sidecars, fingerprint differences and a lock 
 No torch, no Lightning, nothing of mars: every layer may import it.
 
 - **Atomic writes** (:func:`atomic_write`, :func:`atomic_dir`): the data goes to a temporary sibling in
-  the same folder (a rename is atomic only within one filesystem: a temporary file in ``/tmp`` renamed or
-  *copied* onto a run folder on another disk is how a disk-full save truncated a good checkpoint), is
+  the same folder (a rename is atomic only within one filesystem: a temporary file in ``/tmp`` is *copied*
+  onto a run folder on another disk, and a disk that fills mid-copy truncates a good checkpoint), is
   flushed and fsynced, then renamed over the target.  A reader sees the old file or the whole new one; a
   failure leaves the old one untouched and no temporary behind.  Files and folders get the permissions
   the umask gives any new file (``mkstemp`` / ``mkdtemp`` would leave 0600 / 0700).
@@ -15,9 +15,9 @@ No torch, no Lightning, nothing of mars: every layer may import it.
   batch in one flushed ``write`` and is read up to its last whole line: a line torn by a kill is skipped,
   the next append starts on a fresh line, and ``repair`` rewrites the file without it.
 - **Digests** (:func:`file_sha256`): sha256 of every byte, never a sample (a digest of size + first and
-  last MiB kept 10,000 edited embedding rows invisible).  Large files are read once: the digest is cached
-  under the file's path, size, mtime, ctime and inode, and only for files not modified in the last
-  seconds (a same-size edit within one timestamp tick would otherwise reuse a stale digest).
+  last MiB misses an edit in the middle, such as changed embedding rows).  Large files are read once: the
+  digest is cached under the file's path, size, mtime, ctime and inode, and only for files not modified in
+  the last seconds (a same-size edit within one timestamp tick would otherwise reuse a stale digest).
 - **Checksum sidecars** (:func:`write_checksum`, :func:`verify_checksum`): ``<file>.sha256`` in
   ``sha256sum`` format beside a file that is replaced in place (a checkpoint), so a bit flip is found
   before the file is trusted.
@@ -121,7 +121,7 @@ def atomic_dir(target: str | os.PathLike, *, replace: bool = True) -> Iterator[P
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: nobody else could read the export
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: nobody else can read the export
         yield tmp
         if target.exists() and not replace:
             return

@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from mars.checkpoint_meta import is_complete
+from mars.metadata import is_complete
 from mars.persistence import atomic_write_text
 
 
 class Stages:
     """Runs each stage's command once (from ``cwd``); remembers wall times in ``<out>/stages.json``.  A decoding
-    stage picks its own OpenMP wait when it starts (:func:`mars.threads.apply_process_defaults`, from the tasks
+    stage picks its own OpenMP wait when it starts (:func:`mars.hardware.apply_process_defaults`, from the tasks
     running then: the job's finished stages do not count)."""
 
     def __init__(self, out: Path, dry_run: bool, cwd: Path):
@@ -66,8 +66,8 @@ def has_points(folder: Path, thresholds: list[float]) -> bool:
 
 def reuse_base_reference(base_eval: Path, out: Path) -> None:
     """A gated adapter's tau = 1.0 output is the base model's, token for token (its real columns run the
-    frozen base weights, and a tau = 1.0 row accepts only the real column's prediction: tests/test_adapters.py,
-    tests/test_budget.py), so the base's tau = 1.0 samples serve as the adapter's reference point instead of
+    frozen base weights, and a tau = 1.0 row accepts only the real column's prediction: tests/training/test_adapters.py,
+    tests/training/test_budget.py), so the base's tau = 1.0 samples serve as the adapter's reference point instead of
     decoding the same outputs again.  Used for the recipe search's variants and the learning curve's points;
     the reference run's final evaluation decodes its tau = 1.0 point for real."""
     from mars.evaluation.store import threshold_key

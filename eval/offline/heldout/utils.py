@@ -1,6 +1,6 @@
 """mars_heldout: the held-out prompts of data/prompts/heldout.jsonl, answered freely, for agreement.
 
-The prompts are read in place (never copied under eval/**/data/: mars.overlap scans those files, and
+The prompts are read in place (never copied under eval/**/data/: mars.training.prompt_overlap scans those files, and
 training prompts that share a template with a held-out one would then be refused).  lm-eval's metric
 here is only ``nonempty`` (share of non-empty outputs, a sanity figure); the real measures compare each
 output with the same checkpoint's threshold-1.0 output of the same prompt and are computed by

@@ -148,7 +148,7 @@ class ExecutionResult(NamedTuple):  # (a NamedTuple: lm-eval loads task files wi
 
 
 class SandboxUnavailable(RuntimeError):
-    """No sandbox can be made here, and running model-written code without one was not allowed."""
+    """No sandbox can be made here, and running model-written code without one is not allowed."""
 
 
 class Mode(NamedTuple):
@@ -177,12 +177,20 @@ def _python_dirs() -> list[str]:
 def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int, seccomp_fd: int | None = None) -> list[str]:
     """bwrap's arguments up to the command (the program, the guard and the seccomp filter come in as file
     descriptors)."""
-    bwrap = shutil.which("bwrap")
-    argv = [bwrap]
+    argv = [shutil.which("bwrap")]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
+    argv += _namespace_args(mode)
+    argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    argv += _system_binds()
+    argv += _sandbox_files(guard_fd, program_fd)
+    return argv
+
+
+def _namespace_args(mode: Mode) -> list[str]:
+    """The namespaces bwrap makes for ``mode``."""
     if mode.name == "bwrap":  # running as root: privileged bwrap, no user namespace, uid drop in the guard
-        argv += [
+        return [
             "--unshare-ipc",
             "--unshare-pid",
             "--unshare-net",
@@ -193,9 +201,12 @@ def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int, seccomp_fd: int | Non
             "--cap-add",
             "CAP_SETGID",
         ]
-    else:
-        argv += ["--unshare-all", "--unshare-user"] + (["--disable-userns"] if _supports("--disable-userns") else [])
-    argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    return ["--unshare-all", "--unshare-user"] + (["--disable-userns"] if _supports("--disable-userns") else [])
+
+
+def _system_binds() -> list[str]:
+    """Read-only binds of the system folders and of the interpreter's own (parents made world-traversable)."""
+    argv = []
     for system in ("/usr", "/lib", "/lib64", "/bin"):
         if os.path.exists(system):
             argv += ["--ro-bind", system, system]
@@ -208,8 +219,13 @@ def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int, seccomp_fd: int | Non
                 argv += ["--perms", "0755", "--dir", str(parent)]
                 made.add(str(parent))
         argv += ["--ro-bind", folder, folder]
+    return argv
+
+
+def _sandbox_files(guard_fd: int, program_fd: int) -> list[str]:
+    """A fresh /proc and /dev, the private /tmp (the working directory), the guard and the program."""
     size = ["--size", str(TMPFS_BYTES)] if _supports("--size") else []
-    argv += [
+    return [
         "--proc",
         "/proc",
         "--dev",
@@ -237,7 +253,6 @@ def bwrap_argv(mode: Mode, guard_fd: int, program_fd: int, seccomp_fd: int | Non
         "/tmp",
         "--",
     ]
-    return argv
 
 
 # ------------------------------------------------------------------------------------------------

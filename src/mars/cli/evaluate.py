@@ -1,13 +1,16 @@
-"""``mars-eval``: ``evaluate.py`` for an installed package (the same Hydra overrides; see
-conf/evaluate.yaml).  The configs and the benchmark tasks are the ones shipped with the package
-(:mod:`mars.paths`); ``--config-dir <folder>`` adds configs under new names, ``--config-path <folder>``
+"""``python evaluate.py`` / ``mars-eval``: benchmark tables at one or several thresholds (Hydra overrides; see
+conf/evaluate.yaml).  ``--config-dir <folder>`` adds configs under new names, ``--config-path <folder>``
 replaces them all."""
 
-import hydra
-from omegaconf import DictConfig
+from mars.hardware import apply_process_defaults
 
-import mars.evaluation  # noqa: F401  (registers the run-name resolver used by evaluate.yaml)
-from mars.paths import conf_dir
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import mars.evaluation  # noqa: F401, E402  (registers the run-name resolver used by evaluate.yaml)
+from mars.paths import conf_dir  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="evaluate")

@@ -1,10 +1,14 @@
-"""``mars-serve``: ``serve.py`` for an installed package, the OpenAI-compatible server (the same Hydra
-overrides; see conf/serve.yaml and docs/serving.md), with the configs shipped in the package."""
+"""``python serve.py`` / ``mars-serve``: the OpenAI-compatible MARS server (Hydra overrides; see conf/serve.yaml
+and docs/serving.md)."""
 
-import hydra
-from omegaconf import DictConfig
+from mars.hardware import apply_process_defaults
 
-from mars.paths import conf_dir
+apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from mars.paths import conf_dir  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="serve")

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mars.kernels import op_or_none, top_tokens_op
+from mars.decoding.kernels import op_or_none, top_tokens_op
 
 from .settings import METRICS, validate_metric, validate_threshold  # noqa: F401  (re-exported)
 
@@ -96,8 +96,8 @@ def top_tokens(
     place, as :func:`suppress`), each column's argmax (the first maximum, as ``max(-1)``) and, from column
     ``top_from`` on (None: no column), the argmax's probability (NaN at the columns before; see
     :func:`top_probability`).  ``fused``: fp32 CPU logits in one pass of ``mars::top_tokens`` where it is built
-    (after a decode step the engine's code runs from memory, so each op it saves saves about 0.1 ms on a
-    2-vCPU Xeon), the ATen ops otherwise: the same indices, probabilities within rounding."""
+    (after a decode step the engine's code runs from memory, so every op it saves shortens the step), the ATen
+    ops otherwise: the same indices, probabilities within rounding."""
     op = op_or_none(top_tokens_op) if fused and logits.device.type == "cpu" else None
     if op is not None and logits.dtype == torch.float32 and logits.dim() >= 2 and logits.is_contiguous():
         indices, top = op(logits, list(token_ids), logits.shape[-2] if top_from is None else top_from)

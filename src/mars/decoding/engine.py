@@ -36,7 +36,7 @@ prefix before it — greedy AR output, fewer forwards when guesses converge.
 Verification (a request with ``verify=True``): a row feeds ``[real | drafts | masks]`` (``W-1`` masks, or
 ``verify_masks``; none after the drafts unless the row chains, ``chain_drafts``); drafts are
 checked against the AR predictions of the same forward (:mod:`mars.decoding.verify`), so its output is
-exactly greedy AR (or exact AR sampling at temperature > 0).  Verified drafts were computed with the
+exactly greedy AR (or exact AR sampling at temperature > 0).  Verified drafts are computed with the
 right prefix, so their keys/values are committed too.  When every draft passed, the masks' predictions
 (conditioned on them) are the next drafts; after a rejection the ``fallback`` decides (no drafts, or
 the unverified AR predictions as Jacobi guesses).  With ``typical_epsilon > 0`` a greedy row's draft also
@@ -60,7 +60,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from mars.kernels import greedy_verify_op, op_or_none
+from mars.decoding.kernels import greedy_verify_op, op_or_none
 
 from .acceptance import (
     accept_counts,
@@ -84,7 +84,7 @@ from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, v
 from .stopping import StopStrings
 from .verify import leading_matches, speculative_accept, typical_drafts
 
-# Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens; A/B runs): the same tokens.
+# Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens): the same tokens either way.
 # MARS_FAST_PATH=0 turns it off too.
 TOP_TOKENS_ENV = "MARS_TOP_TOKENS"
 

@@ -2,12 +2,12 @@
 
 At batch 1 a decode step multiplies 1-8 columns by every weight matrix once; on a CPU that step is bound
 by reading the weights (SmolLM2-135M: 540 MB of fp32), and MKL's sgemm, tuned for large M, turns
-compute-bound from about four columns (a 4-column step cost 1.97x a 1-column step on a 2-core EPYC).
+compute-bound from about four columns.
 :func:`fast_linear` routes every fp32 CPU ``nn.Linear`` of a model through the streaming kernel of
-:mod:`mars.kernels` while a decode step (or ``transformers`` ``generate`` for the AR baseline) runs, and
+:mod:`mars.decoding.kernels` while a decode step (or ``transformers`` ``generate`` for the AR baseline) runs, and
 restores the modules afterwards; inputs with more than :data:`MAX_COLUMNS` columns (prefill of long prompts,
 big batches; a decode step's drafts and masks do not count where its rows must match AR's, see
-:func:`step_width`), gradients, other dtypes and other devices take ``F.linear`` as before.
+:func:`step_width`), gradients, other dtypes and other devices take ``F.linear``.
 
 The kernel's summation order does not depend on the number of columns, so a row's output is the same
 whether it rides alone or with masks and other rows (batch invariance); it differs from MKL's by float
@@ -41,10 +41,9 @@ ENV = "MARS_FAST_PATH"
 
 def _max_columns() -> int:
     """Largest number of columns (rows of the flattened input) the kernel takes; above it F.linear (MKL). The
-    AVX2 build's crossover was between 16 and 32 columns (a 2-core Zen 3 EPYC). The AVX-512 build's larger tiles
-    stay ahead of MKL up to 64 at least: a batch of 8 rows of 3, 4, 6 and 8 columns stepped in 58 / 72 / 105 /
-    142 ms against MKL's 87 / 102 / 139 / 166 (a 2-core Zen 4 EPYC, benchmarks/decode_step_cpu/bf16_factors/)."""
-    from mars.kernels import KernelUnavailable, kernel_isa
+    AVX2 build falls behind MKL between 16 and 32 columns; the AVX-512 build's larger tiles stay ahead of MKL up
+    to 64 columns at least."""
+    from mars.decoding.kernels import KernelUnavailable, kernel_isa
 
     try:
         return 64 if kernel_isa() == "avx512" else 16
@@ -94,7 +93,7 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
         return None if next(model.parameters()).device.type != "cpu" else "the model has no nn.Linear layers"
     if first.weight.dtype != torch.float32 and not any(m.weight.dtype == torch.float32 for m in linears):
         return f"its linear weights are {first.weight.dtype}; the small-M kernel is float32-only"
-    from mars.kernels import KernelUnavailable, small_linear_op
+    from mars.decoding.kernels import KernelUnavailable, small_linear_op
 
     try:
         small_linear_op()
@@ -106,10 +105,9 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
 def decode_dtype_name(name: str | None, device: object = "cpu") -> str:
     """The dtype a model loaded for decoding gets: as :func:`mars.hardware.resolve_dtype_name`, except that
     ``auto`` on a CPU whose fast path can run (on, x86-64 with AVX2+FMA, a compiler or a finished build) is
-    float32 even where bf16 is native: at batch 1 the fp32 fast path beats eager bf16 (29.5 vs 21.5 tokens
-    per second of AR on an AVX-512/bf16 EPYC: benchmarks/decode_step_cpu/native_bf16_host_ar), and fp32 is
-    what the quality figures are measured in.  Training keeps bf16 there (``mars.precision``)."""
-    from mars import kernels
+    float32 even where bf16 is native: at batch 1 the fp32 fast path decodes faster than eager bf16, and fp32
+    is what the quality figures are measured in.  Training keeps bf16 there (``mars.training.precision``)."""
+    from mars.decoding import kernels
     from mars.hardware import device_type, resolve_dtype_name, validate_dtype
 
     auto_on_cpu = validate_dtype(name) == "auto" and device_type(device) == "cpu"
@@ -140,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     or only the live columns of an :func:`only_columns` block); ``F.linear`` otherwise."""
     if not kernel_takes(x, weight):
         return F.linear(x, weight, bias)
-    from mars.kernels import small_linear_op
+    from mars.decoding.kernels import small_linear_op
 
     return _at_live_rows(small_linear_op(), x, weight, bias)
 
@@ -151,7 +149,7 @@ def down_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the fused pass's bits at mask columns; ``F.linear`` where the kernel does not take it (autograd, dtypes)."""
     if not kernel_takes(x, weight):
         return F.linear(x, weight)
-    from mars.kernels import small_linear_op
+    from mars.decoding.kernels import small_linear_op
 
     return _at_live_rows(small_linear_op(), x, weight, None, any_width=True)
 
@@ -161,7 +159,7 @@ def lowrank_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (:func:`fused_linears`) adds the low-rank term, so that the two agree bit for bit."""
     if not kernel_takes(x, weight):
         return F.linear(x, weight)
-    from mars.kernels import lowrank_linear_op
+    from mars.decoding.kernels import lowrank_linear_op
 
     op, packed = lowrank_linear_op(), packed_lowrank(weight)
     return _at_live_rows(lambda x, w, _: op(x, packed, w.shape[0]), x, weight, None, any_width=True)
@@ -176,12 +174,11 @@ def attention_on() -> bool:
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float):
     """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)`` (not causal; grouped KV
     heads read in place), through ``mars::decode_attention`` for fp32 CPU inputs without autograd: its kernel takes
-    a decode step's few query columns (0.6-0.9 ms less than SDPA's flash kernel per 30-layer step with 2-4
-    columns on the 2-vCPU EPYC) and prefills of up to 1024 queries per row, counted as :func:`step_width` says
-    (faster than SDPA up to 800 on a 2-vCPU Xeon), and hands anything else to SDPA.  A column's output does not
+    a decode step's few query columns (where it is faster than SDPA's flash kernel) and prefills of up to 1024
+    queries per row, counted as :func:`step_width` says, and hands anything else to SDPA.  A column's output does not
     depend on the other columns of the step (see ``decode_attention.cpp``), which SDPA's does not guarantee."""
     if query.device.type == "cpu" and kernel_takes(query, key):
-        from mars.kernels import decode_attention_op
+        from mars.decoding.kernels import decode_attention_op
 
         return decode_attention_op()(query, key, value, mask, scale, _queries.get())
     return F.scaled_dot_product_attention(
@@ -193,7 +190,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # LoRA factors as the kernel streams them (see `streamed_factor`), by factor
 _streamed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Off switch for streaming bf16-valued LoRA factors as bf16 (A/B runs); the results are the same either way.
+# Off switch for streaming bf16-valued LoRA factors as bf16; the results are the same either way.
 BF16_FACTORS_ENV = "MARS_BF16_FACTORS"
 
 
@@ -225,7 +222,7 @@ def streamed_factor(weight: torch.Tensor) -> torch.Tensor:
 def packed_lowrank(weight: torch.Tensor) -> torch.Tensor:
     """A LoRA up factor [N, r] in the layout the kernel reads (``mars::pack_lowrank``), in the dtype it streams
     (:func:`streamed_factor`), packed once and kept while the factor lives unchanged."""
-    from mars.kernels import pack_lowrank_op
+    from mars.decoding.kernels import pack_lowrank_op
 
     return _kept(_packed, weight, lambda _: pack_lowrank_op()(streamed_factor(weight)))
 
@@ -264,10 +261,10 @@ def step_width(width: int | None, queries: int | None = None):
     columns; :func:`attention_width`).
     Where rows must match AR bit for bit (lossless verify, threshold 1.0) the decode engine counts them as AR's step
     for them would, by their new real tokens, so that their drafts and masks never push a step past the kernel's
-    width that AR's step for the same rows stays within (lossy rows beside them count every column, as before).
-    Counted by rows, a prompt one or two tokens under the width took the kernel in AR's prefill and MKL with
-    verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an AVX2 build (16 columns) where 8 AR
-    steps of one took the kernel: different bits (tested)."""
+    width that AR's step for the same rows stays within (lossy rows beside them count every column).
+    Counted by rows, a prompt one or two tokens under the width would take the kernel in AR's prefill and MKL
+    with verify's two masks, and a batch of 8 verify steps of 3 columns MKL on an AVX2 build (16 columns) where
+    8 AR steps of one take the kernel: different bits (tested)."""
     token, queries_token = _width.set(width), _queries.set(queries)
     try:
         yield
@@ -307,7 +304,7 @@ def fused_linears(
     the caller then runs the linears one by one."""
     if x.dtype != torch.float32 or torch.is_grad_enabled() or any(w.dtype != torch.float32 for w in weights):
         return None
-    from mars.kernels import fused_linear_op
+    from mars.decoding.kernels import fused_linear_op
 
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     rows = computed_rows(lead)

@@ -24,10 +24,9 @@ from .lean import lean_decoder
 @functools.cache
 def warm_vector_math() -> None:
     """The process's first ``torch.cos`` and ``sin``, once, before any decoding, on as many elements as a short
-    prompt's rotary embedding (split over the threads as it is).  The first call of a decoding process sometimes
-    rounded differently from every later one, which moved the first prompt's prefill logits by 1.5e-3 through the
-    rotary embedding: in 6 of 115 fresh processes on a 2-vCPU Xeon, and in 0 of 114 with this call made first
-    (benchmarks/decode_step_cpu/emerald_rapids/first_call/).  Its own results are thrown away."""
+    prompt's rotary embedding (split over the threads as it is).  A process's first call can round differently
+    from every later one, which would move the first prompt's prefill logits through the rotary embedding; made
+    here first, it leaves every prompt's prefill with the same bits.  Its own results are thrown away."""
     angles = torch.linspace(0.0, 64.0, 4096)
     torch.cos(angles)
     torch.sin(angles)

@@ -1,17 +1,16 @@
 """A CPU model's weights moved into one buffer of 2 MB pages (Linux transparent huge pages) for decoding.
 
 A batch-1 decode step streams every weight from memory.  With 4 KB pages each step's 540 MB (SmolLM2-135M,
-fp32) cross about 135,000 pages, and on a KVM guest every TLB miss walks two page tables.  In 2 MB pages an AR
-step took 25.1 ms instead of 26.2 and a 3-column verify step 27.2 instead of 28.5 on a 2-vCPU AMX Xeon, with the
-same tokens (benchmarks/decode_step_cpu/intel_stream/huge_pages_ab/).  Most of a small model's tensors are under
-2 MB, so pages of their own would not do: they share one buffer here, each tensor keeping its own storage (so
-nothing looks shared to safetensors or to ``save_pretrained``).
+fp32) cross about 135,000 pages, and on a KVM guest every TLB miss walks two page tables.  In 2 MB pages a step
+takes a few percent less time, with the same tokens.  Most of a small model's tensors are under 2 MB, so pages of
+their own would not do: they share one buffer here, each tensor keeping its own storage (so nothing looks shared
+to safetensors or to ``save_pretrained``).
 
 Values, dtypes, devices and parameter objects stay the same (``param.data`` is swapped), so outputs are the same
 bits and optimisers and tied weights are unaffected.  It costs, once per model, what the kernel takes to zero (and
-compact for) the 2 MB pages at first touch: 1.2 s for SmolLM2-135M's 549 MB there, against 2.6 s to load the
-model.  ``MARS_HUGE_PAGES=0`` turns it off; it is a no-op where transparent huge pages are off or absent (other
-systems, ``never``) and for models not on a CPU.
+compact for) the 2 MB pages at first touch, less than loading the model takes.  ``MARS_HUGE_PAGES=0`` turns it
+off; it is a no-op where transparent huge pages are off or absent (other systems, ``never``) and for models not on
+a CPU.
 """
 
 from __future__ import annotations

@@ -8,21 +8,18 @@ order and dtypes (RMSNorm in fp32, RoPE with the model's own rotary module, SwiG
 and the attention through the decode fast path (``fastpath.attention``: ``mars::decode_attention`` for a decode
 step's few query columns and prefills of up to 1024, SDPA with grouped KV heads otherwise; the model's own
 attention takes the same under the fast path, :mod:`mars.decoding.attention`).  Its logits are bit-identical to
-the model's own forward under the fast path (tested), so everything proven about that forward holds for it; measured
-on the 2-vCPU EPYC at batch 1 under load, one thread: 115 vs 154 ms per 1-column step, 146 vs 170 ms for
-4 columns.
+the model's own forward under the fast path (tested), so everything proven about that forward holds for it.
 
 :func:`lean_decoder` also mirrors a gated adapter (:mod:`mars.adapters`): its gate from the input ids, the
 mask-embedding delta and each LoRA layer's ``B(A(h) * gate) * scaling``, op for op.  It returns None (and the
-caller runs the model's own forward) for anything it does not mirror exactly: other architectures, attention other than SDPA, q/k norms, hooks (accelerate offload),
-activations other than SiLU, tensor-parallel pretraining splits.
+caller runs the model's own forward) for anything it does not mirror exactly: other architectures, attention other
+than SDPA, q/k norms, hooks (accelerate offload), activations other than SiLU, tensor-parallel pretraining splits.
 
 A step on the per-row cache (every step of the engine's cursor cache, at any batch size; the projections of
 steps wider than the kernel takes, ``fastpath.beyond_kernel``, through ``F.linear``, as in the Python loop) runs
-the same loop in C++ (``mars.kernels``' ``DecoderStep``: the same ATen ops in the same order, bit-identical,
-tested) instead of Python: on the 2-vCPU EPYC a 1-column SmolLM2-135M step takes 30.2 ms that way against 39.5 ms for the Python
-loop, 8 rows of one column 36.2 vs 48.0 ms (2 threads, measured side by side;
-``benchmarks/decode_step_cpu/step_cost_native*/``).  ``MARS_DECODER_STEP=0`` turns it off.
+the same loop in C++ (``mars.decoding.kernels``' ``DecoderStep``: the same ATen ops in the same order,
+bit-identical, tested) instead of Python, which saves the interpreter's share of every step.
+``MARS_DECODER_STEP=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mars.kernels import KernelUnavailable
+from mars.decoding.kernels import KernelUnavailable
 
 from .fastpath import (
     attention,
@@ -51,7 +48,7 @@ from .fastpath import (
 
 log = logging.getLogger(__name__)
 
-# Off switch for the C++ decoder pass (mars.kernels' DecoderStep); the Python loop below then runs every step.
+# Off switch for the C++ decoder pass (mars.decoding.kernels' DecoderStep); the Python loop below then runs every step.
 NATIVE_ENV = "MARS_DECODER_STEP"
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -194,7 +191,7 @@ class LeanDecoder:
         return None if self._native is False else self._native
 
     def _build_native(self):
-        from mars.kernels import decoder_step_class
+        from mars.decoding.kernels import decoder_step_class
 
         norms, eps, scales, weights, biases, lora_a, lora_b, scalings = [], [], [], [], [], [], [], []
         adapted = any(g.lora is not None for *_, groups in self.layers for g in groups)

@@ -125,11 +125,7 @@ class DecodingSettings:
             "drafts verified per step with verify=True (default: window - 1 with draft_source=masks, else block_size)"
         ),
     )
-    # 0.15 by measurement (benchmarks/decode_step_cpu/intel_stream/throughput_b*_amx_rank8_draft_threshold/): on
-    # the AMX reference lossless verify ran 1.20x AR at 0.15 against 1.18x at 0.3 at batch 1 (and faster at batch
-    # 4), and an offline replay of the policies (intel_stream/verify_policy_sim/) ranks 0.15 at or above 0.3 on
-    # both reference adapters. 0.3 came from benchmarks/decode_step_cpu/verify_masks/, 0.5 from the days when
-    # every draft also carried the masks after it
+    # 0.15: drafts down to this confidence still pass often enough to pay for the column each one costs
     draft_threshold: float = field(
         default=0.15,
         metadata=_help(
@@ -145,9 +141,8 @@ class DecodingSettings:
             FALLBACKS,
         ),
     )
-    # auto by measurement (benchmarks/decode_step_cpu/chain_drafts/): on a 2-core CPU lossless verify on the
-    # reference checkpoint keeps its tokens per forward (within 0.02) without the masks after drafts and runs
-    # 1.02-1.12x faster at batch 1 (1.31x at batch 4)
+    # auto: on a CPU every column costs and masks after drafts pay only when all drafts pass, so lossless rows
+    # drop them there; elsewhere they ride along
     chain_drafts: str = field(
         default="auto",
         metadata=_help(
@@ -159,8 +154,8 @@ class DecodingSettings:
             CHAINING,
         ),
     )
-    # auto by measurement (benchmarks/decode_step_cpu/verify_masks/): on a 2-core CPU lossless verify on the
-    # reference checkpoint (block 4) ran 1.10x AR with 2 masks and draft threshold 0.3 against 1.05x with 3
+    # auto: on a CPU lossless rows feed at most LEAN_VERIFY_MASKS masks, since a deeper mask's draft rarely
+    # passes while its column costs as much as any other
     verify_masks: int | str = field(
         default="auto",
         metadata=_help(
@@ -214,7 +209,7 @@ class DecodingSettings:
         metadata=_help(
             "cap on the columns one batched decode step computes: masks (or Jacobi guesses) are dropped, the "
             "longest rows' first, until the step fits; every row keeps its real tokens, its AR column and its "
-            "drafts. Extra columns are nearly free only while a step stays memory-bound (on a 2-core EPYC up to "
+            "drafts. Extra columns are nearly free only while a step stays memory-bound (on a 2-core CPU up to "
             "about 8 in all), so under load this keeps masks from costing more than they yield. None: no cap. "
             "With a cap a row below threshold 1.0 can decode differently under different loads (verified and "
             "threshold-1.0 rows cannot)"

@@ -1,4 +1,4 @@
-"""Evaluation: the lm-eval model adapter (``MarsLM``, registered as ``mars``), threshold sweeps over
+"""Evaluation: the lm-eval model (``MarsLM``, registered as ``mars``), threshold sweeps over
 benchmark suites, aggregation into points, paper-style tables, Pareto plots and W&B logging.
 
 ``from mars.evaluation import run; run(cfg)`` is evaluate.py's body (implemented in
@@ -7,7 +7,7 @@ benchmark suites, aggregation into points, paper-style tables, Pareto plots and 
 
 No submodule may be called ``run``: importing a submodule sets it as an attribute of its package, so a
 ``mars.evaluation.run`` module would replace this ``run`` function on first import (``evaluate.py -m``
-then failed from its second job with "'module' object is not callable").
+would then fail from its second job with "'module' object is not callable").
 """
 
 from mars.evaluation.config import prepare, register_resolvers, run_name
@@ -25,7 +25,7 @@ def run(cfg, lm=None):
 def __getattr__(name):
     # heavy pieces on first use only
     if name == "MarsLM":
-        from mars.evaluation.adapter import MarsLM
+        from mars.evaluation.lm_eval_model import MarsLM
 
         return MarsLM
     if name == "log_to_wandb":

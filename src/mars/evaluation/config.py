@@ -18,10 +18,16 @@ from typing import Annotated, Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
-from mars.checkpoint_meta import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
 from mars.config_schema import DtypeName, OpenSection, validated
 from mars.figures import PlotSettings, plot_settings
-from mars.labels import checkpoint_label, model_label
+from mars.metadata import (
+    CheckpointError,
+    MetadataError,
+    checkpoint_label,
+    decoding_block_size,
+    model_label,
+    read_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ def _finite(value: Any) -> bool:
 
 def interval_caption(curves: dict[str, list[dict[str, Any]]]) -> str:
     """What the bars and bands are, from the points' own record of how their intervals were made
-    (``accuracy_interval``; points.json files written before it existed say nothing)."""
+    (``accuracy_interval``; a points.json without that record says nothing)."""
     found = {p.get("accuracy_interval") for pts in curves.values() for p in pts if p.get("is_reference")}
     if found == {"none"}:  # a score against the tau = 1.0 output: the reference is 100% by definition
         reference = "τ=1.0 is the reference itself (100%, no interval)"

@@ -3,7 +3,7 @@
 Nothing is written before the whole config has been checked (config.prepare: thresholds, every
 decoding setting, tasks, checkpoint, results folder, code sandbox).  Then, for every threshold (the AR
 reference point first) the leaf tasks whose samples file is not complete run through lm-eval with the
-MARS adapter; the adapter appends every decoded batch to the point's partial cache and each finished
+MARS lm-eval model (:mod:`mars.evaluation.lm_eval_model`), which appends every decoded batch to the point's partial cache and each finished
 (threshold, task) point is written at once, so an interrupted sweep resumes where it stopped, down to
 the sample.  Then the folder's points are aggregated into points.json/csv, the paper-style table and the
 Pareto plots, and optionally sent to W&B.
@@ -88,7 +88,7 @@ def load_for_plan(plan: Plan):
 
 
 def build_lm(plan: Plan, loaded):
-    from mars.evaluation.adapter import MarsLM
+    from mars.evaluation.lm_eval_model import MarsLM
 
     decoding = dict(plan.decoding)
     return MarsLM(
@@ -111,7 +111,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
-    """One lm-eval pass over ``leaves`` at the adapter's current threshold."""
+    """One lm-eval pass over ``leaves`` at the lm-eval model's current threshold."""
     from lm_eval.evaluator import evaluate
 
     from mars.logs import folded_lm_eval_task_logs
@@ -238,7 +238,7 @@ def _attach_log_file(store: ResultsDir) -> logging.Handler:
 
 
 def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
-    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an adapter (tests, notebooks)."""
+    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an lm-eval model (tests, notebooks)."""
     plan = prepare(cfg)  # every check; nothing has been written yet
     store = ResultsDir(plan.output_dir)
     rank = _rank()
@@ -282,7 +282,7 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
     computed: list[tuple[float, str]] = []
     if plan.resolved.get("threads"):
-        from mars.threads import configure_threads
+        from mars.hardware import configure_threads
 
         configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
     if any(todo.values()):

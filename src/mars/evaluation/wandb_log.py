@@ -1,7 +1,7 @@
 """Send an evaluation's points, table and plots to Weights & Biases.
 
 Offline (``WANDB_MODE=offline``, sync later with ``wandb sync``) unless credentials exist, so it never
-prompts; see ``mars.loggers.wandb_mode``.
+prompts; see ``mars.logs.wandb_mode``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def log_to_wandb(
     import wandb
 
     from mars.evaluation.plots import slug
-    from mars.loggers import wandb_mode, wandb_sync_hint
+    from mars.logs import wandb_mode, wandb_sync_hint
 
     cfg = dict(logger_cfg or {})
     os.environ.setdefault("WANDB_SILENT", "true")

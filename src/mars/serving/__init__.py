@@ -5,8 +5,7 @@ Modules, one job each: :mod:`~mars.serving.config` (serve.yaml -> checked config
 :mod:`~mars.serving.app` (FastAPI routes), :mod:`~mars.serving.scheduler` (the engine loop thread),
 :mod:`~mars.serving.policy` (fixed / adaptive threshold), :mod:`~mars.serving.metrics` (Prometheus),
 :mod:`~mars.serving.schemas` (request bodies, errors), :mod:`~mars.serving.textstream` (streamed text),
-:mod:`~mars.serving.ui` (the page at ``/``), :mod:`~mars.serving.server` (uvicorn),
-:mod:`~mars.serving.loadtest` (the bounded load generator behind benchmarks/serving/).
+:mod:`~mars.serving.ui` (the page at ``/``), :mod:`~mars.serving.server` (uvicorn).
 
 Importing this package is cheap; the pieces load on first use.
 """

@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
-from mars.checkpoint_meta import decoding_block_size, read_checkpoint
 from mars.config_schema import DtypeName, OpenSection, validated
 from mars.decoding.settings import DecodingSettings
+from mars.metadata import decoding_block_size, read_checkpoint
 
 from .policy import POLICIES, build_policy
 
@@ -127,10 +127,10 @@ def _non_blank_env(key: str) -> str:
     return key
 
 
-# The column cap of a CPU server's batched steps (decoding.max_step_columns=auto): on the 2-core EPYC a step of
-# 8 columns in all costs 1.1-1.2x a 1-column step, 16 about 1.7x and 32 about 4x
-# (benchmarks/decode_step_cpu/step_cost_native_batched*), and with this cap the mask policies kept tau 1.0's
-# requests/s under load where without it they lost 40-50% (benchmarks/serving/).
+# The column cap of a CPU server's batched steps (decoding.max_step_columns=auto): on a CPU a step of a few
+# columns in all costs little more than a 1-column step (the weights are read once either way), but past that
+# its cost grows with the columns, so a full batch's mask columns would slow every row; under this cap the
+# mask policies keep tau 1.0's requests/s under load (measured: see docs/serving.md).
 CPU_STEP_COLUMNS = 8
 
 
@@ -178,7 +178,7 @@ def _is_loopback(host: str) -> bool:
 
 def _default_name(model: dict, checkpoint: str | None) -> str:
     """The checkpoint's run name, else the model config's id (as evaluation labels them)."""
-    from mars.labels import model_label
+    from mars.metadata import model_label
 
     return model_label({"checkpoint": checkpoint, "model": model})
 

@@ -12,7 +12,7 @@ Failure isolation: work that belongs to one job runs inside a try block per job,
 fails that job only (its row is cancelled and leaves at the next step).  That includes everything a row
 needs that can fail on its own before it joins the batch: its request (threshold, budget, stop strings)
 and its sampler, whose seed ``torch.Generator`` may refuse (the engine would build it inside the
-batched admission, where one bad seed failed every row); then detokenizing and delivering to its client.
+batched admission, where one bad seed would fail every row); then detokenizing and delivering to its client.
 A failure of the batched forward itself cannot be pinned on one row: the rows of that step fail (500),
 the engine is rebuilt empty and the loop goes on with the queue.  Cancellation (a client that
 disconnected) marks the row; the engine retires it at its next step.

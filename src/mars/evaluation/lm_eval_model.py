@@ -1,0 +1,637 @@
+"""The lm-eval model (``MarsLM``, registered with lm-eval as ``mars``): generation through ``mars.decoding``,
+likelihoods through a plain AR forward.  (Not to be confused with :mod:`mars.adapters`, the gated LoRA
+adapters of a checkpoint.)
+
+lm-eval hands ``generate_until`` every request of every task at once.  The model groups them by
+task and generation settings (so timing and tokens per forward are attributable to one task), sorts
+each group by prompt length (less padding), decodes it in batches at the current threshold, and keeps
+each request's decoder statistics in ``records`` keyed by ``(task, doc_id)``: the generated token ids,
+per token whether it was accepted from a mask prediction (``from_mask``), and with ``fidelity=True``
+how many tokens equal the model's own greedy AR choice given the output's prefix
+(:mod:`mars.decoding.fidelity`; one extra forward per batch, timed apart from the decoder).  The decoder
+applies lm-eval's ``until`` stop strings itself (text cut before the first stop string) and the
+per-request ``max_gen_toks``, capped at the configured ``max_new_tokens`` (the paper's 256).
+
+Resume: given a results folder (``use_results_dir``), every decoded batch is appended to the point's
+partial cache (store.RequestCache) and a request found there is not decoded again, so a killed run
+resumes at (threshold, task, sample).
+
+Data parallel: launched by ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1) the model joins the
+process group through accelerate (as lm-eval's HFLM does) and reports its rank and world size; lm-eval
+then gives each rank every world_size-th document and gathers the per-sample metrics on rank 0 through
+``all_gather``/``gather_object``/``barrier`` below.
+
+Command line: lm-eval 0.4.13 has no plugin mechanism, so its own ``lm_eval`` only knows models that are
+imported before it parses; ``mars-lm-eval`` (:mod:`mars.cli.lm_eval` over :func:`lm_eval_main`) is lm-eval's CLI
+with this model registered, taking all of its flags.  It adds the decoder's headline figure to lm-eval's
+results (file and printed table): ``tokens_per_forward`` per task, and pooled over the tasks of each group::
+
+    mars-lm-eval --model mars --model_args pretrained=<dir>,threshold=0.9 --tasks mars_math \\
+        --include_path eval/offline --apply_chat_template
+    torchrun --nproc-per-node 8 --no-python mars-lm-eval --model mars ...      # data parallel
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+from mars.decoding.settings import DecodingSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskStats:
+    """Decoder statistics of one task at one threshold, summed over its batches."""
+
+    generated_tokens: int = 0  # generated tokens only
+    row_forwards: int = 0  # forwards each row took part in, summed over rows (the paper's steps)
+    batch_forwards: float = 0  # batched forward passes (a resumed batch contributes its rows' shares)
+    seconds: float = 0.0  # wall time inside the decoder (never the fidelity forward)
+    requests: int = 0
+    resumed: int = 0  # requests taken from the partial cache of an interrupted run
+    fidelity_seconds: float = 0.0  # the extra AR forward of fidelity=True, timed apart
+    fidelity_tokens: int = 0
+    fidelity_ar_equal: int = 0
+    fidelity_mask_tokens: int = 0
+    fidelity_mask_ar_equal: int = 0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """The paper's figure: tokens accepted per forward, over every step of every request."""
+        return self.generated_tokens / self.row_forwards if self.row_forwards else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def add_fidelity(self, counts: dict[str, int] | None) -> None:
+        if counts:
+            self.fidelity_tokens += counts["tokens"]
+            self.fidelity_ar_equal += counts["ar_equal"]
+            self.fidelity_mask_tokens += counts["mask_tokens"]
+            self.fidelity_mask_ar_equal += counts["mask_ar_equal"]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "generated_tokens": self.generated_tokens,
+            "row_forwards": self.row_forwards,
+            "batch_forwards": round(self.batch_forwards, 6),
+            "seconds": self.seconds,
+            "requests": self.requests,
+            "resumed_requests": self.resumed,
+            "tokens_per_forward": self.tokens_per_forward,
+            "batch_tokens_per_forward": self.generated_tokens / self.batch_forwards if self.batch_forwards else None,
+            "tokens_per_second": self.tokens_per_second,
+        }
+        if self.fidelity_tokens or self.fidelity_seconds:
+            out["fidelity"] = {
+                "seconds": self.fidelity_seconds,
+                "tokens": self.fidelity_tokens,
+                "ar_equal": self.fidelity_ar_equal,
+                "mask_tokens": self.fidelity_mask_tokens,
+                "mask_ar_equal": self.fidelity_mask_ar_equal,
+            }
+        return out
+
+
+@dataclass
+class RequestRecord:
+    tokens: int
+    forwards: int
+    finish_reason: str
+    text: str
+    output_ids: list[int]
+    from_mask: list[bool]
+    fidelity: dict[str, int] | None = None  # mars.decoding.fidelity.token_fidelity of this output
+    resumed: bool = False
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+def _adopt_trained_block_size(settings: dict[str, Any], trained: int | None) -> None:
+    """Decode with the block size the checkpoint was trained with unless one is asked for (then warn when
+    the two differ)."""
+    if trained and not settings.get("block_size"):
+        settings["block_size"] = int(trained)
+    elif trained:
+        from mars.evaluation.config import block_size_mismatch
+
+        warning = block_size_mismatch(trained, int(settings["block_size"]))
+        if warning:
+            log.warning(warning)
+
+
+@register_model("mars")
+class MarsLM(TemplateLM):
+    """lm-eval model backed by a MARS-capable causal LM.
+
+    Build it from a loaded model (``MarsLM(model=..., tokenizer=..., mask_token_id=...)``) or, from
+    lm-eval's CLI (``mars-lm-eval``), with ``--model mars --model_args pretrained=<dir or hub
+    id>,threshold=0.9,block_size=4,fidelity=true``; every other key is a :class:`DecodingSettings`
+    field (validated there).
+    """
+
+    def __init__(
+        self,
+        model=None,
+        tokenizer=None,
+        *,
+        pretrained: str | None = None,
+        mask_token_id: int | None = None,
+        threshold: float = 1.0,
+        decoding: dict[str, Any] | None = None,
+        batch_size: int | str | None = None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        fidelity: bool | str = False,
+        **decoding_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._init_distributed()
+        settings = dict(decoding or {})
+        settings.update({k: v for k, v in decoding_kwargs.items() if v is not None})
+        batch = batch_size or settings.pop("batch_size", None) or 8
+        self.batch_size = int(batch) if str(batch).isdigit() else 8  # lm-eval's "auto" means nothing here
+        settings.pop("batch_size", None)
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        # validated before a model is loaded: a typo costs nothing
+        DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        if model is None:
+            if pretrained is None:
+                raise ValueError("MarsLM needs a model (model=..., tokenizer=...) or pretrained=<path or hub id>")
+            model, tokenizer, mask_token_id = self._load_pretrained(str(pretrained), device, dtype, settings)
+        if tokenizer is None:
+            raise ValueError("MarsLM needs the model's tokenizer")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
+        # one validated object (mars.decoding.settings); the threshold is set per sweep point
+        self.settings = DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        self.max_new_tokens = self.settings.max_new_tokens
+        self.threshold = self.settings.threshold
+        self.fidelity = _as_bool(fidelity)
+        self._max_length = max_length
+        self.generate_calls = 0  # decoder calls made (tests use it to see that resume skips work)
+        self.results_dir = None  # store.ResultsDir: the partial cache of interrupted points
+        self.cache_salt = ""
+        self.reset_records()
+
+    def _load_pretrained(self, pretrained: str, device: str | None, dtype: str | None, settings: dict[str, Any]):
+        """Model, tokenizer and mask token id of a checkpoint folder or hub id, on this rank's device; the
+        block size it was trained with becomes the decoding default (``settings`` is updated)."""
+        from mars.decoding.fastpath import decode_dtype_name
+        from mars.hardware import resolve_device
+        from mars.models import load_model
+
+        where = resolve_device(device)
+        if where.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI asks for cuda by default; like its HF model, fall back to the CPU
+            log.warning("device %s requested but no CUDA device is available: using the CPU", where)
+            where = "cpu"
+        if self._world_size > 1 and where == "cuda":
+            where = str(self.accelerator.device)  # this rank's GPU
+        loaded = load_model(pretrained, device=where, dtype=decode_dtype_name(dtype, where) if dtype else "float32")
+        _adopt_trained_block_size(settings, (loaded.metadata or {}).get("block_size"))
+        return loaded.model, loaded.tokenizer, loaded.mask.id
+
+    # ------------------------------------------------------------------ data parallel
+    def _init_distributed(self) -> None:
+        """Join the process group that torchrun / accelerate launch set up (``WORLD_SIZE`` > 1) through
+        accelerate, as lm-eval's HFLM does.  One process builds no Accelerator and joins no group."""
+        self.accelerator = None
+        self._rank, self._world_size = 0, 1
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        from datetime import timedelta
+
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        threads = torch.get_num_threads()
+        # HFLM's timeout: the other ranks may wait at a collective while rank 0 writes a point's results.
+        # cpu=True where there is no CUDA: without it accelerate would not treat torchrun's CPU processes as
+        # data parallel (its type NO: every gather a no-op); with it they join over gloo.
+        self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(), kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))]
+        )
+        torch.set_num_threads(threads)  # accelerate picks its own on CPU when OMP_NUM_THREADS is unset
+        self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
+        log.info("data parallel: rank %d of %d", self._rank, self._world_size)
+        # a gloo group still alive at interpreter exit can abort the rank ("terminate called without an active
+        # exception", exit code -6), failing a finished evaluation
+        atexit.register(_leave_process_group)
+
+    def all_gather(self, tensor):
+        """Every rank's ``tensor`` concatenated along the first dimension (a 0-d tensor counts as one)."""
+        if self._world_size <= 1:
+            return tensor
+        return self.accelerator.gather(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        """Every rank's ``obj`` in rank order on rank ``dst``, None elsewhere."""
+        if self._world_size <= 1:
+            return [obj]
+        from accelerate.utils import gather_object
+
+        parts = gather_object([obj])  # an all-gather of one-item lists: works on gloo and nccl alike
+        return parts if self._rank == dst else None
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            self.accelerator.wait_for_everyone()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def reset_records(self) -> None:
+        self.records: dict[tuple[str, int], RequestRecord] = {}
+        self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
+
+    def set_threshold(self, threshold: float) -> None:
+        self.settings = self.settings.replace(threshold=float(threshold))
+        self.threshold = self.settings.threshold
+
+    def use_results_dir(self, results_dir, salt: str) -> None:
+        """Keep finished generations in ``results_dir``'s partial cache (keys salted with ``salt``, the
+        config fingerprint's hash) and reuse the ones an interrupted run left there."""
+        self.results_dir, self.cache_salt = results_dir, str(salt)
+
+    # ------------------------------------------------------------------ lm-eval plumbing
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        if self._max_length:
+            return int(self._max_length)
+        for attr in ("max_position_embeddings", "n_positions", "seq_length"):
+            value = getattr(self.model.config, attr, None)
+            if value:
+                return int(value)
+        return 2048
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "mars")).replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The model's own chat template (lm-eval's ``apply_chat_template=True`` path)."""
+        import jinja2
+
+        kwargs = dict(
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except jinja2.exceptions.TemplateError:
+            # some templates reject a system turn; lm-eval's HF model drops it in that case too
+            history = [m for m in chat_history if m["role"] != "system"]
+            return self.tokenizer.apply_chat_template(history, **kwargs)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        # Chat-templated prompts already carry their special tokens: never add a second BOS.
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "model_name": getattr(self.model.config, "_name_or_path", ""),
+            **self.settings.as_dict(),
+            "fidelity": self.fidelity,
+        }
+
+    # ------------------------------------------------------------------ generation
+    def _max_new(self, gen_kwargs: dict) -> int:
+        requested = gen_kwargs.get("max_gen_toks")
+        return min(int(requested), self.max_new_tokens) if requested else self.max_new_tokens
+
+    @staticmethod
+    def _until(gen_kwargs: dict) -> list[str]:
+        until = gen_kwargs.get("until") or []
+        if isinstance(until, str):
+            until = [until]
+        return [u for u in until if u]
+
+    def request_key(self, prompt_ids: list[int], until: list[str], settings: DecodingSettings) -> str:
+        """What identifies a generation: the prompt's ids, stop strings, every decoding setting (the
+        threshold and budget included), whether fidelity is measured, and the config's fingerprint."""
+        text = json.dumps(
+            {
+                "salt": self.cache_salt,
+                "prompt": list(prompt_ids),
+                "until": list(until),
+                "settings": settings.as_dict(),
+                "fidelity": self.fidelity,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def _fidelity(self, prompts: list[list[int]], outputs: list[list[int]], flags: list[list[bool]]):
+        from mars.decoding.fidelity import ar_predictions, token_fidelity
+
+        exact_checks = self.settings.temperature == 0 and self.settings.typical_epsilon == 0
+        if exact_checks and not any(any(f) for f in flags):
+            # no token came from a mask (threshold 1.0, verified or AR decoding): every token is the greedy
+            # AR choice made in the decoding forward itself, so the extra forward would only re-confirm it
+            # (not under typical acceptance, whose verified drafts need not be the argmax)
+            return [{"tokens": len(o), "ar_equal": len(o), "mask_tokens": 0, "mask_ar_equal": 0} for o in outputs]
+        never = [] if self.mask_token_id is None else [int(self.mask_token_id)]  # no decoder emits it
+        predictions = ar_predictions(self.model, prompts, outputs, batch_size=max(1, len(prompts)), suppress_ids=never)
+        return token_fidelity(outputs, predictions, flags)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        outputs: list[str | None] = [None] * len(requests)
+        groups = self._group_requests(requests)
+        bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
+        partial: dict[str, dict[str, dict]] = {}
+        for (task, _), members in groups.items():
+            self._generate_group(requests, task, members, outputs, bar, partial)
+        bar.close()
+        return [o if o is not None else "" for o in outputs]
+
+    @staticmethod
+    def _group_requests(requests) -> dict[tuple[str, str], list[int]]:
+        """Request indices grouped by task and generation settings (stop strings, token budget), so that a
+        group's time and tokens per forward belong to one task."""
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            if gen_kwargs.get("do_sample"):
+                log.warning("task %s asks for sampling; MARS evaluation decodes greedily", req.task_name)
+            key = json.dumps(
+                {k: v for k, v in sorted(gen_kwargs.items()) if k in ("until", "max_gen_toks")}, default=str
+            )
+            groups[(str(req.task_name), key)].append(i)
+        return groups
+
+    def _generate_group(self, requests, task: str, members: list[int], outputs: list, bar, partial: dict) -> None:
+        """One group: the generations the partial cache holds are read back, the rest decoded in batches
+        (longest prompts first) and appended to the cache as each batch finishes."""
+        gen_kwargs = requests[members[0]].args[1]
+        until, max_new = self._until(gen_kwargs), self._max_new(gen_kwargs)
+        settings = self.settings.replace(max_new_tokens=max_new)
+        room = max(1, self.max_length - max_new)  # keep the end of an over-long prompt, like lm-eval's HF model
+        encoded = {i: self.tok_encode(requests[i].args[0])[-room:] for i in members}
+        keys = {i: self.request_key(encoded[i], until, settings) for i in members}
+        stats = self.task_stats[task]
+        cache = None
+        if self.results_dir is not None:
+            if task not in partial:
+                partial[task] = self.results_dir.load_partial(self.threshold, task)
+            cache = self.results_dir.request_cache(self.threshold, task, self._rank)
+        done = partial.get(task, {})
+        todo = []
+        for i in members:
+            row = done.get(keys[i])
+            if row is None:
+                todo.append(i)
+                continue
+            self._take(task, requests[i], row, stats, resumed=True)
+            outputs[i] = row["text"]
+            bar.update(1)
+        ordered = sorted(todo, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
+        for start in range(0, len(ordered), self.batch_size):
+            batch = ordered[start : start + self.batch_size]
+            rows = self._decode_batch([requests[i] for i in batch], [encoded[i] for i in batch], until, settings)
+            for i, row in zip(batch, rows):
+                row["key"] = keys[i]
+                self._take(task, requests[i], row, stats, resumed=False)
+                outputs[i] = row["text"]
+            if cache is not None:
+                cache.append(rows)
+            bar.update(len(batch))
+
+    def _decode_batch(self, batch_requests, prompts: list[list[int]], until: list[str], settings) -> list[dict]:
+        """Decodes one batch (and measures fidelity when asked); one cache row per request, its time and
+        batch forwards as its share of the batch's (a resumed point sums the shares of its batches)."""
+        from mars.decoding import generate
+
+        t0 = time.perf_counter()
+        result = generate(
+            self.model,
+            self.tokenizer,
+            prompts,
+            stop=until or None,
+            mask_token_id=self.mask_token_id,
+            chat_template=False,
+            settings=settings,
+        )
+        seconds = float(result.stats.seconds or (time.perf_counter() - t0))
+        self.generate_calls += 1
+        flags = result.from_mask or [[False] * len(ids) for ids in result.token_ids]
+        n = len(prompts)
+        fidelity, fid_seconds = [None] * n, 0.0
+        if self.fidelity:
+            t1 = time.perf_counter()
+            fidelity = self._fidelity(prompts, result.token_ids, flags)
+            fid_seconds = time.perf_counter() - t1
+        return [
+            {
+                "key": None,  # set by the caller: the request's cache key
+                "doc_id": int(request.doc_id),
+                "text": _cut(result.texts[j], until),  # the decoder cuts too; cheap belt and braces
+                "output_ids": [int(t) for t in result.token_ids[j]],
+                "from_mask": [bool(f) for f in flags[j]],
+                "tokens": int(result.stats.per_row_tokens[j]),
+                "forwards": int(result.stats.per_row_forwards[j]),
+                "finish_reason": str(result.finish_reasons[j]),
+                "fidelity": fidelity[j],
+                "seconds": seconds / n,
+                "batch_forwards": int(result.stats.forwards) / n,
+                "fidelity_seconds": fid_seconds / n,
+            }
+            for j, request in enumerate(batch_requests)
+        ]
+
+    def _take(self, task: str, request, row: dict, stats: TaskStats, resumed: bool) -> None:
+        """Account one finished generation (decoded now or read back from the partial cache)."""
+        stats.generated_tokens += row["tokens"]
+        stats.row_forwards += row["forwards"]
+        stats.batch_forwards += row["batch_forwards"]
+        stats.seconds += row["seconds"]
+        stats.fidelity_seconds += row.get("fidelity_seconds") or 0.0
+        stats.requests += 1
+        stats.resumed += int(resumed)
+        stats.add_fidelity(row.get("fidelity"))
+        self.records[(task, int(request.doc_id))] = RequestRecord(
+            tokens=row["tokens"],
+            forwards=row["forwards"],
+            finish_reason=row["finish_reason"],
+            text=row["text"],
+            output_ids=row["output_ids"],
+            from_mask=row["from_mask"],
+            fidelity=row.get("fidelity"),
+            resumed=resumed,
+        )
+        self.cache_hook.add_partial("generate_until", request.args, row["text"])
+
+    # ------------------------------------------------------------------ likelihoods (plain AR forward)
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """Batched (right padding, longest first): each continuation's summed log-probability and
+        whether it is the greedy continuation."""
+        items = []
+        for _, context_enc, continuation_enc in requests:
+            ids = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1) :][:-1]
+            items.append((ids, list(continuation_enc)))
+        results: list[tuple[float, bool] | None] = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        bar = tqdm(total=len(items), desc="loglikelihood", disable=disable_tqdm)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            width = max(len(items[i][0]) for i in batch)
+            ids = torch.full((len(batch), width), int(self.eot_token_id or 0), dtype=torch.long)
+            att = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                seq = items[i][0]
+                ids[r, : len(seq)] = torch.tensor(seq)
+                att[r, : len(seq)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device)).logits
+            for r, i in enumerate(batch):
+                seq, cont = items[i]
+                n = len(cont)
+                logprobs = F.log_softmax(logits[r, len(seq) - n : len(seq)].float(), dim=-1)
+                target = torch.tensor(cont, device=logprobs.device)
+                score = logprobs.gather(1, target[:, None]).sum().item()
+                greedy = bool((logprobs.argmax(-1) == target).all().item())
+                results[i] = (score, greedy)
+            bar.update(len(batch))
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for (string,) in tqdm([r.args for r in requests], desc="loglikelihood_rolling", disable=disable_tqdm):
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            scores = self._loglikelihood_tokens([(None, a, b) for a, b in windows], disable_tqdm=True)
+            out.append(sum(s for s, _ in scores))
+        return out
+
+
+def _cut(text: str, until: list[str]) -> str:
+    cuts = [text.find(u) for u in until if u in text]
+    return text[: min(cuts)] if cuts else text
+
+
+TOKENS_PER_FORWARD = "tokens_per_forward,none"  # lm-eval's "<metric>,<filter>" key
+
+
+def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
+    children = group_subtasks.get(name)
+    if not children:
+        return [name]
+    return [leaf for child in children for leaf in _leaves(child, group_subtasks)]
+
+
+def add_decoder_stats(results: dict[str, Any], stats: dict[str, TaskStats]) -> None:
+    """Put tokens per forward beside lm-eval's metrics in its ``results`` (and ``groups``): per task, and
+    for a group the pooled figure of its tasks (their generated tokens over their forwards, the figure
+    evaluate.py reports).  Tasks without generations (log-likelihood only) get none."""
+    for section in ("results", "groups"):
+        for name, metrics in (results.get(section) or {}).items():
+            parts = [stats[leaf] for leaf in _leaves(name, results.get("group_subtasks") or {}) if leaf in stats]
+            forwards = sum(s.row_forwards for s in parts)
+            if not forwards:
+                continue
+            metrics[TOKENS_PER_FORWARD] = sum(s.generated_tokens for s in parts) / forwards
+            results.setdefault("higher_is_better", {}).setdefault(name, {})["tokens_per_forward"] = True
+
+
+def _gathered_stats(lm: MarsLM) -> dict[str, TaskStats]:
+    """Every rank's task statistics summed (data parallel); this process's alone otherwise."""
+    parts = lm.gather_object({task: s.__dict__ for task, s in lm.task_stats.items()}, dst=0)
+    total: dict[str, TaskStats] = defaultdict(TaskStats)
+    for part in parts or []:
+        for task, values in part.items():
+            for key, value in values.items():
+                setattr(total[task], key, getattr(total[task], key) + value)
+    return total
+
+
+def _with_decoder_stats(simple_evaluate):
+    """lm-eval's ``simple_evaluate``, with the model's tokens per forward added to what it returns.
+
+    For ``model="mars"`` the model is built here, as lm-eval would build it (its CLI's batch size and
+    device included), so that its statistics outlive the run (lm-eval drops its own reference)."""
+
+    from mars.logs import folded_lm_eval_task_logs
+
+    def wrapped(*args, model=None, model_args=None, **kwargs):
+        if model != "mars":
+            with folded_lm_eval_task_logs():
+                return simple_evaluate(*args, model=model, model_args=model_args, **kwargs)
+        extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
+        if isinstance(model_args, dict):
+            lm = MarsLM.create_from_arg_obj(model_args, extra)
+        else:
+            lm = MarsLM.create_from_arg_string(model_args or "", extra)
+        with folded_lm_eval_task_logs():  # one line per task, not four
+            results = simple_evaluate(*args, model=lm, model_args=model_args, **kwargs)
+        stats = _gathered_stats(lm)  # every rank takes part; only rank 0 holds results
+        if results is not None:
+            results["config"]["model"] = "mars"  # lm-eval names a pre-built model by its class
+            add_decoder_stats(results, stats)
+        return results
+
+    return wrapped
+
+
+def lm_eval_main(argv: list[str] | None = None) -> None:
+    """``mars-lm-eval``: lm-eval's own command line with the ``mars`` model registered (every lm-eval
+    flag works; ``--model mars --model_args pretrained=<dir>,threshold=0.9,...``), reporting tokens per
+    forward per task in its results."""
+    import sys
+
+    import lm_eval
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    # lm-eval's CLI looks simple_evaluate up on the package when it runs: wrap it there, for this command only
+    lm_eval.simple_evaluate = _with_decoder_stats(lm_eval.simple_evaluate)
+    cli_evaluate()
+
+
+def _leave_process_group() -> None:
+    """Destroy the default process group if this process still has one (at exit, after lm-eval is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
