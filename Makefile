@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses (torchrun, train.py, servers), so on
-# 2 vCPUs two workers take about 6.5 minutes where one took 9.3. TEST_WORKERS=0 runs it in one process.
+# 2 vCPUs two workers take about 8 minutes, one process takes longer. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

@@ -27,3 +27,52 @@ def test_help_prints_and_exits_cleanly(module, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and "--help" in out
+
+
+# ------------------------------------------------------------------------------------------
+# The Hydra entry points: each --help names its own groups and describes every top-level key
+# ------------------------------------------------------------------------------------------
+def _hydra_help(script: str) -> str:
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _section(text: str, title: str) -> list[str]:
+    body = text.split(f"== {title}", 1)[1].split("\n== ", 1)[0]
+    return [line for line in body.splitlines()[1:] if line.strip()]
+
+
+@pytest.mark.parametrize(
+    "script, config, groups",
+    [
+        ("evaluate.py", "evaluate", {"benchmarks", "decoding", "logger", "model"}),
+        ("serve.py", "serve", {"decoding", "model"}),
+    ],
+)
+def test_an_entry_points_help_lists_its_own_groups_and_describes_every_key(script, config, groups, compose_cfg):
+    text = _hydra_help(script)
+    listed = {line.split(":", 1)[0] for line in _section(text, "Config groups") if not line.startswith(" ")}
+    assert listed == groups  # not trainer, objective, mask_schedule...: train.py's groups
+    keys = _section(text, "Keys")
+    for key in compose_cfg(config, []):
+        if key in groups:
+            continue
+        at = next((i for i, line in enumerate(keys) if line.startswith(f"{key} = ")), None)
+        assert at is not None, f"{key} is not listed"
+        assert keys[at + 1].startswith("    ") and len(keys[at + 1].strip()) > 10, f"{key} has no description"
+    for group in groups:  # each group named with its options and what it is for
+        line = next(i for i, x in enumerate(_section(text, "Config groups")) if x.startswith(f"{group}:"))
+        assert _section(text, "Config groups")[line + 1].startswith("    ")
+
+
+def test_train_py_keeps_hydras_help_with_the_training_groups():
+    text = _hydra_help("train.py")
+    assert "== Configuration groups ==" in text and "trainer: " in text and "objective: " in text

@@ -50,6 +50,26 @@ def test_a_bad_training_key_is_named_with_what_it_allows(compose_cfg, overrides,
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (["budget.minutes=nan"], "budget.minutes must be a finite number > 0 or null, got nan"),
+        (["budget.minutes=inf"], "budget.minutes must be a finite number > 0 or null, got inf"),
+        (["budget.minutes=-1"], "budget.minutes must be a finite number > 0 or null, got -1"),
+        (["budget.minutes=0"], "budget.minutes must be a finite number > 0 or null, got 0"),
+        (["budget.minutes=10", "budget.snapshots=[nan]"], "budget.snapshots must be finite minutes > 0"),
+        (["optim.lr=nan"], "optim.lr must be a finite number > 0, got nan"),
+        (["optim.warmup_ratio=-inf"], "optim.warmup_ratio must be a finite number in [0, 1), got -inf"),
+        (["stop_grace_seconds=inf"], "stop_grace_seconds must be a finite number > 0, got inf"),
+    ],
+)
+def test_nan_and_infinity_are_refused_like_any_out_of_range_number(compose_cfg, overrides, message):
+    """A NaN or infinite budget never ends the run (and a NaN one sets the lr to 0): refused, naming the key."""
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.of(compose_cfg("train", TINY_TRAIN + overrides))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
         (["threads=0"], "threads must be an integer >= 1 or null, got 0"),
         (["dtype=float8"], "dtype: unknown dtype 'float8'"),
         (["fidelity=1"], "fidelity must be true or false, got 1"),

@@ -106,6 +106,7 @@ def trained(workdir) -> Path:
         "trainer.max_steps=2",
         "trainer.precision=32-true",
         "logger=none",
+        "run_name=tiny-random-mars-b${block}-full",  # eval_grid's pattern: the paper grid's runs set no length
         cwd=workdir,
     )
     (workdir / "train_console.txt").write_text(proc.stdout + proc.stderr)
@@ -145,7 +146,7 @@ def test_evaluate_multirun_of_the_eval_grid_sweep(trained):
         cwd=trained,
     )
     for block in (2, 4):
-        out = trained / "outputs" / "eval" / f"tiny-random-mars-b{block}-full-b{block}-fixture"
+        out = trained / "outputs" / "eval" / f"tiny-random-mars-b{block}-full-b{block}-fixture-maxnew6"
         points = json.loads((out / "points.json").read_text())
         assert {p["threshold"] for p in points} == {1.0, 0.9}, out
         saved = yaml.safe_load((out / "config.yaml").read_text())

@@ -52,6 +52,41 @@ def test_project_files_are_the_checkouts_own_folders():
     assert (paths.data_dir() / "offline_sft" / "train.jsonl").is_file()
 
 
+def _shipped(path: Path, globs: list[str]) -> bool:
+    """Whether a setuptools package-data pattern matches ``path`` (its "**/" also matches no folder at all)."""
+    return any(path.match(g.removeprefix(prefix)) for g in globs for prefix in ("", "**/"))
+
+
+def test_every_file_of_the_bundled_folders_is_package_data():
+    """The wheel carries only the files its package-data patterns match: a file type added to conf/, eval/ or
+    data/ (the reference adapter's safetensors and chat template) that no pattern matches would be missing from
+    an installed package, and the default checkpoint of evaluate.py and serve.py with it.  A link (conf/sweep)
+    is copied file by file."""
+    patterns = _pyproject()["tool"]["setuptools"]["package-data"]
+    for folder in BUNDLED:
+        tracked = subprocess.run(
+            ["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.split()
+        globs = patterns[f"mars.bundle.{folder}"]
+        missed = [
+            f for f in tracked if not (REPO / f).is_symlink() and not _shipped(Path(f).relative_to(folder), globs)
+        ]
+        assert missed == [], f"{folder}/ files no package-data pattern ships: {missed[:5]}"
+
+
+def test_the_default_checkpoint_of_the_embedded_model_is_shipped():
+    """evaluate.py and serve.py default to the model's ``reference_checkpoint``: for the embedded model a
+    ``bundled:`` adapter folder under data/, which must exist and be a MARS-trained checkpoint."""
+    import yaml
+
+    from mars.metadata import mars_trained, read_checkpoint
+    from mars.paths import bundled_path
+
+    ref = yaml.safe_load((REPO / "conf" / "model" / "smollm2-135m.yaml").read_text())["reference_checkpoint"]
+    assert ref.startswith("bundled:")
+    assert mars_trained(read_checkpoint(bundled_path(ref)))
+
+
 def test_python_m_mars_paths_prints_a_folder(capsys):
     """``--include_path "$(python -m mars.paths eval)/offline"``: the shipped tasks for lm-eval's own CLI."""
     from mars import paths
@@ -184,7 +219,7 @@ def _train_elsewhere(bin_dir: Path, work: Path, env: dict) -> Path:
         work,
         env,
     )
-    hf = work / "outputs" / "train" / "tiny-random-mars-b4-full" / "hf"
+    hf = work / "outputs" / "train" / "tiny-random-mars-b4-full-limit16-steps2" / "hf"
     assert (hf / "mars_config.json").is_file()
     return hf
 
@@ -242,7 +277,7 @@ def _serve_one_completion(bin_dir: Path, hf: Path, work: Path, env: dict) -> Non
         )
         with urllib.request.urlopen(request, timeout=60) as r:
             reply = json.load(r)
-        assert reply["usage"]["completion_tokens"] >= 1 and reply["model"] == "tiny-random-mars-b4-full"
+        assert reply["usage"]["completion_tokens"] >= 1 and reply["model"] == "tiny-random-mars-b4-full-limit16-steps2"
     finally:
         server.send_signal(signal.SIGTERM)
         try:

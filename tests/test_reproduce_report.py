@@ -48,3 +48,27 @@ def test_the_curve_reads_snapshots_and_the_final_evaluation_with_intervals(tmp_p
     assert "| 40 | 280 | 0.45M | 1.44 [1.42, 1.47] | -20.0 [-24.0, -19.0] | 0.0 [-4.0, 1.0] |" in table
     reproduce.plot_curve(rows, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_line_of_the_learning_curve_is_named_in_its_legend(tmp_path):
+    """The dotted lines are the replication's targets and the solid one is the base model: a reader sees
+    which is which without the README."""
+    rows = []
+    for minutes in (10, 20, 40):
+        row = {"minutes": minutes}
+        for t in (1.0, 0.9):
+            for key, value in (("tokens_per_forward", 1.0 + minutes / 100), ("compare_ar_delta", -minutes / 1000)):
+                row.update({f"{key}{suffix}@{t}": value for suffix in ("", "_lo", "_hi")})
+        rows.append(row)
+    fig = reproduce.curve_figure(rows)
+    for ax in fig.axes:
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        reference_lines = [
+            line for line in ax.get_lines() if len(set(line.get_ydata())) == 1 and len(line.get_ydata()) == 2
+        ]
+        assert reference_lines, "no reference line drawn"
+        for line in reference_lines:
+            assert line.get_label() in legend, (line.get_label(), legend)
+    tpf, quality = ([t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes)
+    assert "target: 1.5 tokens per forward at tau 0.9" in tpf
+    assert "target: within 1 point of the base" in quality and "the base model at tau 1.0" in quality

@@ -302,6 +302,40 @@ def read_adapter_meta(folder: str | os.PathLike) -> dict[str, Any] | None:
     return meta
 
 
+def check_adapter_files(folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Refuse, before any model loads, an adapter whose base cannot be checked (no ``base_digest``: it would
+    be applied to any base without a word) or whose weights file is missing or truncated (naming the file).
+    Returns the weights file."""
+    from mars.persistence import check_safetensors
+
+    digest = meta.get("base_digest")
+    if not isinstance(digest, str) or not digest.strip():
+        raise AdapterError(
+            f"{Path(folder) / ADAPTER_META} records no base_digest (got {digest!r}), so the base model it was "
+            "trained on cannot be checked and it could be applied to another base; export it again from its "
+            "training run (train.py writes the digest)"
+        )
+    weights = Path(folder) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise AdapterError(f"{folder} has no {ADAPTER_WEIGHTS}: the adapter's weights are missing")
+    try:
+        check_safetensors(weights)
+    except ValueError as err:
+        raise AdapterError(str(err)) from None
+    return weights
+
+
+def _check_complete(folder: str | os.PathLike, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every tensor the adapter's settings give the model is in the file: a missing one would stay at its
+    initial value (``lora_B`` at zero: that layer silently unadapted)."""
+    missing = sorted(set(adapter_state_dict(model)) - set(state))
+    if missing:
+        raise AdapterError(
+            f"{Path(folder) / ADAPTER_WEIGHTS} lacks {len(missing)} of the adapter's tensors, e.g. {missing[:6]}: "
+            "the file is incomplete or was written for other adapter settings (mars_adapter.json)"
+        )
+
+
 def load_adapter(
     model: nn.Module,
     folder: str | os.PathLike,
@@ -317,14 +351,15 @@ def load_adapter(
     if meta is None:
         raise AdapterError(f"{folder} holds no {ADAPTER_META}: not a MARS adapter")
     settings = AdapterSettings.from_dict(meta["settings"])
+    weights = check_adapter_files(folder, meta)
     if has_adapter(model):
         raise AdapterError(
             f"the model already carries an adapter; {folder} must be applied to its base model "
             f"({meta.get('base_model')}), not to a checkpoint that already has it"
         )
-    want = meta.get("base_digest")
+    want = meta["base_digest"]
     have = base_digest(model)
-    if want and want != have:
+    if want != have:
         raise AdapterError(
             f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); "
             f"{model_label} it is being applied to has digest {have}: another base model"
@@ -339,7 +374,8 @@ def load_adapter(
     gate = attach_adapter(model, settings, mask_token_id)
     from peft import set_peft_model_state_dict
 
-    state = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    state = load_file(str(weights))
+    _check_complete(folder, model, state)
     delta = state.pop(MASK_DELTA_KEY, None)
     result = set_peft_model_state_dict(model, state)
     if getattr(result, "unexpected_keys", None):

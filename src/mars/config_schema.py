@@ -32,7 +32,9 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """A config section whose keys are all declared: an undeclared key is refused, not ignored."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True)
+    # NaN and infinity are refused like any value out of range: no key of a run means either (a NaN lr or
+    # budget trains forever or not at all), as the server's request schemas refuse them
+    model_config = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
     # the section's key when it is checked on its own by validated() (prefixes the messages); built
     # directly (``Section(**values)``) it raises pydantic's own ValidationError, also a ValueError
     section: ClassVar[str] = ""
@@ -102,6 +104,8 @@ def _message(error: dict[str, Any], schema: type[BaseModel], where: str) -> str:
     got = f", got a value of type {type(error['input']).__name__}" if secret else f", got {error['input']!r}"
     if error["type"] == "extra_forbidden":
         return f"{key} is not a known setting{_known(schema, error['loc'])}"
+    if error["type"] == "finite_number":
+        return f"{key} must be a finite number{_range_of(info)}{got}"
     if error["type"] == "missing":
         return f"{key} is missing (it must be {_allowed(info)})" if info else f"{key} is missing"
     if error["type"] in ("value_error", "assertion_error"):
@@ -195,6 +199,16 @@ def _describe(annotation: Any, metadata: list[Any]) -> str:
     return _with_range(kind, metadata)
 
 
+def _range_of(info: FieldInfo | None) -> str:
+    """`` > 0`` / `` in [0, 1)``: the range a numeric field declares, or nothing."""
+    if info is None:
+        return ""
+    text = _describe(info.annotation, list(info.metadata))
+    for kind in ("a number", "an integer"):
+        text = text.removeprefix(kind)
+    return "" if text.startswith(" or ") else text if text[:1] in ("", " ") else f" {text}"
+
+
 def _min_length(metadata: list[Any]) -> int:
     return max([m.min_length for m in metadata if isinstance(m, at.MinLen)] or [0])
 
@@ -216,4 +230,22 @@ def _with_range(kind: str, metadata: list[Any]) -> str:
     return kind
 
 
-__all__ = ["ConfigError", "Section", "OpenSection", "validated", "built_by", "known_keys", "render", "DtypeName"]
+def about(text: str) -> Any:
+    """A key's help text, as the entry points' ``--help`` prints it (mars.cli.help): kept apart from the
+    field's ``description``, which refusals quote, so that a refusal stays one short sentence."""
+    from pydantic import Field
+
+    return Field(json_schema_extra={"help": text})
+
+
+__all__ = [
+    "ConfigError",
+    "Section",
+    "OpenSection",
+    "validated",
+    "built_by",
+    "known_keys",
+    "render",
+    "DtypeName",
+    "about",
+]

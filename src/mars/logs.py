@@ -12,6 +12,9 @@
 - W&B runs (training's logger, evaluation's tables) are offline unless credentials exist, so W&B never
   prompts for a key (:func:`wandb_mode`), and an offline run names its ``wandb sync`` command
   (:func:`wandb_sync_hint`).
+- Deprecation notices the libraries print on every run about calls no user makes (torchdata's ``set_vital``,
+  Lightning's ``LeafSpec``, transformers' ``past_key_values``) are dropped by :func:`quiet_library_notices`,
+  which the entry points and training call; each is matched by its message, so every other warning shows.
 """
 
 from __future__ import annotations
@@ -20,12 +23,20 @@ import logging
 import netrc
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+# (category, start of the message): notices about the libraries' own calls, or about keywords mars passes because
+# the older transformers versions it supports know no other name (``cache`` is 5.x's), so nothing a user can act on
+LIBRARY_NOTICES = (
+    (UserWarning, r"'set_vital' is deprecated"),  # torchdata's StatefulDataLoader calling torch.set_vital
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),  # Lightning's _pytree on newer torch
+    (FutureWarning, r"`past_key_values` is deprecated and will be removed in version [\d.]+ for `\w+\.forward`"),
+)
 LIGHTNING_TIPS = "lightning.pytorch.utilities.rank_zero"  # the logger of Lightning's rank-zero messages
 LM_EVAL_TASK_LOGGER = "lm_eval.api.task"
 
@@ -53,6 +64,12 @@ def route_lightning_logs() -> None:
             if type(handler) is logging.StreamHandler:  # Lightning's console handlers (never a file handler)
                 logger.removeHandler(handler)
         logger.propagate = True
+
+
+def quiet_library_notices() -> None:
+    """Drop the :data:`LIBRARY_NOTICES` (once per process is enough; repeating a filter does not stack it)."""
+    for category, message in LIBRARY_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 _BUILDING = re.compile(r"Building contexts for (?P<task>.+) on rank (?P<rank>\d+)\.\.\.$")

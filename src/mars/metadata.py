@@ -247,7 +247,14 @@ def model_label(cfg: Mapping[str, Any]) -> str:
     return str(model.get("id") or Path(str(model.get("name_or_path", "model"))).name.replace(":", "-"))
 
 
+def mars_trained(meta: Mapping[str, Any] | None) -> bool:
+    """Whether a checkpoint's metadata (:func:`read_checkpoint`'s dict; None: a base model) says its masks were
+    trained: an objective other than plain AR.  Thresholds below 1.0 mean something only then."""
+    return bool(meta) and str(meta.get("objective") or "ar") != "ar"
+
+
 __all__ = [
+    "mars_trained",
     "CheckpointError",
     "read_checkpoint",
     "decoding_block_size",

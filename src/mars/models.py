@@ -7,10 +7,13 @@ HF directory in a cache folder), or a tiny random model built from a config (tes
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +83,51 @@ def embedded_model_dir() -> Path:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return target
+
+
+# GGUF value types of fixed size (struct format), by type id; 8 is a string and 9 an array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_parameter_count(path: str | os.PathLike) -> int:
+    """The number of weights in a GGUF file, summed over its header's tensor shapes: reads the header only
+    (about 0.1 s), where converting the file takes half a minute and ``gguf.GGUFReader`` ten seconds."""
+    with open(path, "rb") as f:
+
+        def read(fmt: str) -> Any:
+            size = struct.calcsize("<" + fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: the GGUF header is truncated")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def skip(kind: int) -> None:
+            if kind == 8:  # a string: its length, then its bytes
+                f.seek(read("Q"), os.SEEK_CUR)
+            elif kind == 9:  # an array: item type, count, items
+                item, count = read("I"), read("Q")
+                if item in _GGUF_SCALARS:
+                    f.seek(struct.calcsize("<" + _GGUF_SCALARS[item]) * count, os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _GGUF_SCALARS:
+                f.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), os.SEEK_CUR)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _version, tensors, entries = read("I"), read("Q"), read("Q")
+        for _ in range(entries):  # the metadata: key, type, value
+            skip(8)
+            skip(read("I"))
+        total = 0
+        for _ in range(tensors):  # name, dimensions, each dimension, type, offset
+            skip(8)
+            total += math.prod(read("Q") for _ in range(read("I")))
+            f.seek(4 + 8, os.SEEK_CUR)  # its type and its offset in the data
+        return total
 
 
 def embedded_tokenizer() -> PreTrainedTokenizerBase:
@@ -221,9 +269,10 @@ def load_with_adapter(
 ) -> LoadedModel:
     """Base model + the gated adapter in ``folder``.  The base is loaded in fp32 (the precision its digest
     was taken in), checked against the adapter's record, adapted, then cast to ``dtype``."""
-    from mars.adapters import load_adapter, read_adapter_meta
+    from mars.adapters import check_adapter_files, load_adapter, read_adapter_meta
 
     adapter = read_adapter_meta(folder)
+    check_adapter_files(folder, adapter)  # before the base loads (minutes at 7B)
     metadata = read_mars_metadata(folder)
     base_name = base or adapter.get("base_model") or (metadata or {}).get("base_model")
     if not base_name:
@@ -264,10 +313,85 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
+class HubUnreachableError(ConnectionError):
+    """A hub model that is not cached here, while the hub does not answer (or offline mode forbids asking it)."""
+
+
+HUB_PROBE_TIMEOUT = 5.0  # seconds: one request, no retries (the hub client's retries take about a minute)
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the hub at ``endpoint`` does not answer one HEAD request, or None when it answers (any status:
+    a 401 or 404 is an answer).  Through the hub client's own session, so its proxy settings apply."""
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT)
+    except Exception as err:  # noqa: BLE001 -- whatever the transport raises, the hub did not answer
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The folder of ``repo_id`` in the local Hugging Face cache (no request is made), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return folder if (Path(folder) / "config.json").is_file() else None
+
+
+_WARNED_OFFLINE: set[str] = set()
+
+
+def hub_model_source(repo_id: str) -> str:
+    """Where to load a hub model from: ``repo_id`` when the hub answers; its cached folder when the hub does
+    not answer (or ``HF_HUB_OFFLINE`` is set), so nothing asks the hub again.  Neither: one error, in seconds
+    instead of a minute of retries, naming the model and the ways to run without the hub."""
+    from huggingface_hub import constants
+
+    local = (
+        "point at a local copy with model.name_or_path=/path/to/model (a folder with config.json, the "
+        f"weights and the tokenizer files), or download it where the hub is reachable (hf download {repo_id})"
+    )
+    if constants.HF_HUB_OFFLINE:
+        cached = _cached_snapshot(repo_id)
+        if cached:
+            return cached
+        raise HubUnreachableError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"HF_HUB_OFFLINE=1 forbids asking the hub: {local} and set HF_HOME / HF_HUB_CACHE to that cache"
+        )
+    reason = _hub_unreachable(constants.ENDPOINT)
+    if reason is None:
+        return repo_id
+    cached = _cached_snapshot(repo_id)
+    if cached is None:
+        raise HubUnreachableError(
+            f"cannot load model {repo_id!r}: the Hugging Face hub ({constants.ENDPOINT}) is unreachable "
+            f"({reason}) and the model is not in the local cache ({constants.HF_HUB_CACHE}); {local} and set "
+            "HF_HUB_OFFLINE=1 to load it from the cache"
+        )
+    if repo_id not in _WARNED_OFFLINE:
+        _WARNED_OFFLINE.add(repo_id)
+        log.warning(
+            "the Hugging Face hub (%s) is unreachable (%s): %s comes from the local cache",
+            constants.ENDPOINT,
+            reason,
+            repo_id,
+        )
+    return cached
+
+
 def check_model_source(name_or_path: str) -> None:
     """Fail early, naming the folder and what it lacks, when ``name_or_path`` is meant as a local model
-    folder but is not one (no folder, no ``config.json``, no tokenizer files).  Hub ids, ``tiny-random``
-    and ``embedded:*`` pass (they are checked when they load)."""
+    folder but is not one (no folder, no ``config.json``, no tokenizer files), and when a hub id can be
+    neither downloaded nor found in the cache (:func:`hub_model_source`).  ``tiny-random`` and
+    ``embedded:*`` pass (they are checked when they load)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(
             f"model.name_or_path must be a hub id, a local folder, tiny-random or "
@@ -287,7 +411,8 @@ def check_model_source(name_or_path: str) -> None:
                 f"model.name_or_path={name_or_path!r}: no such folder (expected a Hugging Face "
                 "model folder with config.json, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)"
             )
-        return  # a hub id
+        hub_model_source(name_or_path)  # a hub id: neither reachable nor cached fails here, in seconds
+        return
     if (path / ADAPTER_META).is_file():
         return  # a gated adapter run's folder: its base model is checked when it loads
     if not (path / "config.json").is_file():
@@ -354,6 +479,7 @@ def load_model(
     else:
         check_model_source(name_or_path)
         path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
+        path = path if Path(path).is_dir() else hub_model_source(str(path))
         metadata = read_mars_metadata(path) if Path(path).is_dir() else None
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)

@@ -1,5 +1,5 @@
 """Where the project's own files are: ``conf/`` (Hydra configs), ``eval/`` (lm-eval tasks and their helpers)
-and ``data/`` (the committed training data, prompt sets and self-distilled answers).
+and ``data/`` (the committed training data, prompt sets, self-distilled answers and the reference adapter).
 
 In a checkout, and in an editable install of one, they are the top-level folders users edit.  An installed
 wheel carries the same files as package data under ``mars/bundle/`` (pyproject.toml maps the top-level
@@ -43,6 +43,17 @@ def eval_dir() -> Path:
 
 def data_dir() -> Path:
     return project_root() / "data"
+
+
+BUNDLED = "bundled:"  # a path under data/ that ships with the package: ``bundled:adapters/<name>``
+
+
+def bundled_path(value: str | None) -> str | None:
+    """``bundled:<path>`` as the path of that file or folder under :func:`data_dir` (in a checkout or an installed
+    wheel alike), any other value unchanged: how configs name the checkpoints the package ships."""
+    if value is None or not str(value).startswith(BUNDLED):
+        return value
+    return str(data_dir() / str(value)[len(BUNDLED) :])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from mars.bench.step_breakdown import DECODERS, Recorder, draft_transitions
@@ -48,6 +49,7 @@ def test_the_breakdown_runs_end_to_end(tmp_path):
     assert "| ar-cursor | 1 | no |" in (out / "breakdown.md").read_text()
 
 
+@pytest.mark.slow  # two more runs of the tool (about 15 s); the default suite runs it end to end once
 def test_the_breakdown_times_a_chosen_subset_and_other_checkpoints_beside_ar(tmp_path):
     out = tmp_path / "out"
     args = ["--trace-prompts", "0", "--decoders", "verify", "--checkpoints", "tiny-random", "--out", str(out)]

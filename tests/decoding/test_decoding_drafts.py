@@ -13,6 +13,7 @@ from mars.decoding.acceptance import tempered_log_probs
 from mars.decoding.drafts import draw, lookup_continuation, one_hot_log_q
 from mars.decoding.forward import ModelRunner
 from mars.decoding.verify import speculative_accept
+from mars.models import build_tiny_random
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,20 @@ def same_model_dir(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("draft") / "same"
     build_model().save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def smaller_vocabulary_model_dir(path, tokenizer, size=64):
+    """A draft checkpoint whose tokenizer holds the target's first ``size`` tokens at the same ids and
+    nothing more (every id they share agrees, the rest are missing), with a ``size``-row embedding."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    kept = {token: index for token, index in tokenizer.get_vocab().items() if index < size}
+    unk = tokenizer.convert_ids_to_tokens(0)
+    small = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(kept, unk_token=unk)), unk_token=unk)
+    build_tiny_random(vocab_size=size, seed=5).save_pretrained(path)
+    small.save_pretrained(path)
     return str(path)
 
 
@@ -178,6 +193,21 @@ def test_bad_draft_models_are_named(model, tokenizer):
         generate(model, tokenizer, [[5, 6]], draft_source="lookup", max_new_tokens=4)
     with pytest.raises(ValueError, match="the target has 2 layers; use 1..2"):
         generate(model, tokenizer, [[5, 6]], verify=True, draft_source="model", draft_model="self:3", max_new_tokens=4)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_both_tokenizers_and_the_first_mismatch(
+    model, tokenizer, tmp_path
+):
+    """Missing target tokens are a mismatch too: the draft would otherwise be fed ids past its embedding."""
+    draft = smaller_vocabulary_model_dir(tmp_path / "small-vocab", tokenizer)
+    first_missing = tokenizer.convert_ids_to_tokens(64)
+    with pytest.raises(ValueError) as refused:
+        generate(model, tokenizer, [[5, 6]], verify=True, draft_source="model", draft_model=draft, max_new_tokens=4)
+    message = str(refused.value)
+    assert "does not share the target's tokenizer" in message
+    assert repr(tokenizer.name_or_path) in message and repr(draft) in message  # both tokenizers, by name
+    assert f"{first_missing!r} as id 64" in message and "lacks it" in message
+    assert f"{len(tokenizer)} tokens" in message and "64 tokens" in message
 
 
 def test_draft_settings_from_strings():

@@ -85,11 +85,11 @@ def test_cuda_exact_ar_and_cache_agreement():
 
 @pytest.mark.slow
 def test_the_committed_rank8_adapter_decodes_as_the_base_at_threshold_one_and_verifies_more_per_forward(embedded):
-    """results/reference_adapter/rank8 (4.9 MB): the figures of its README can be re-checked without
+    """data/adapters/smollm2-135m-mars-rank8 (4.9 MB): the figures of its README can be re-checked without
     retraining, and the gate leaves every real column to the base."""
     from mars.models import load_model
 
-    adapted = load_model(str(REPO / "results" / "reference_adapter" / "rank8"))
+    adapted = load_model(str(REPO / "data" / "adapters" / "smollm2-135m-mars-rank8"))
     assert adapted.model.mars_adapter.rank == 8
     ar = generate(embedded.model, embedded.tokenizer, PROMPTS, decoder="ar", chat_template=True, max_new_tokens=40)
     for kwargs in (dict(threshold=1.0), dict(verify=True)):

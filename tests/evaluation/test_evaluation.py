@@ -237,6 +237,109 @@ def test_results_folder_of_another_config_is_refused(make_cfg, loads, fixture_ta
     run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.batch_size=2"]))
 
 
+def test_results_folder_names_carry_the_limit_and_token_budget_a_quick_run_varies(compose_cfg):
+    name = compose_cfg("evaluate", ["model=tiny-random", "limit=4", "decoding.max_new_tokens=32"]).run_name
+    assert name == "tiny-random-b4-offline-limit4-maxnew32"
+    assert compose_cfg("evaluate", ["model=tiny-random", "limit=0.5"]).run_name == "tiny-random-b4-offline-limit0.5"
+    # the defaults (every sample, the paper's 256 tokens) keep the short name
+    assert compose_cfg("evaluate", ["model=tiny-random"]).run_name == "tiny-random-b4-offline"
+
+
+def test_a_rerun_with_another_limit_gets_its_own_folder_instead_of_a_refusal(
+    compose_cfg, loads, fixture_task, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # the default output_dir (outputs/eval/<run_name>) lands here
+
+    def cfg(limit: int):
+        composed = compose_cfg("evaluate", ["model=tiny-random", "decoding.max_new_tokens=12", f"limit={limit}"])
+        with open_dict(composed):
+            composed.benchmarks = OmegaConf.create(suite(fixture_task, "fx_qa"))
+        return composed
+
+    first, second = run_eval(cfg(2)), run_eval(cfg(3))
+    assert first.output_dir != second.output_dir
+    assert str(second.output_dir).endswith("-limit3-maxnew12") and second.computed == [(1.0, "fx_qa")]
+
+
+def test_overwrite_evaluates_a_folder_of_another_config_from_scratch(make_cfg, loads, fixture_task):
+    first = run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["thresholds=[1.0,0.7]"]))
+    store = ResultsDir(first.output_dir)
+    assert store.is_complete(0.7, "fx_qa")
+    with pytest.raises(ResultsMismatchError, match=r"overwrite=true"):
+        run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.block_size=2"]))
+    again = run_eval(
+        make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.block_size=2", "overwrite=true"])
+    )
+    assert again.computed == [(1.0, "fx_qa")]
+    assert not store.is_complete(0.7, "fx_qa")  # the old config's points are gone, not mixed into the table
+    assert {p["threshold"] for p in again.points} == {1.0}
+    assert store.saved_fingerprint()["decoding"]["block_size"] == 2
+    # the same config with overwrite=true recomputes a finished point instead of skipping it
+    assert run_eval(
+        make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "decoding.block_size=2", "overwrite=true"])
+    ).computed == [(1.0, "fx_qa")]
+
+
+def test_a_second_evaluation_of_a_folder_in_use_is_refused_naming_the_first(make_cfg, loads, fixture_task, tmp_path):
+    from mars.persistence import FolderLockedError, folder_lock
+
+    with folder_lock(tmp_path / "results", what="evaluation"):
+        with pytest.raises(FolderLockedError, match=rf"in use by another evaluation: PID {os.getpid()}"):
+            run_eval(make_cfg(suite(fixture_task, "fx_qa"), ["threshold=1.0", "overwrite=true"]))
+    assert loads == []
+
+
+class Killed(BaseException):
+    """A kill at a removal of the overwrite."""
+
+
+def test_an_overwrite_killed_at_any_point_never_leaves_a_folder_that_passes_for_the_new_config(tmp_path, monkeypatch):
+    """overwrite=true deletes a folder's results; a kill before any one of those deletions leaves a folder
+    that a run of another config refuses (its fingerprint still says what it holds) or finds empty."""
+    import shutil
+
+    import mars.evaluation.store as store_mod
+
+    finished = tmp_path / "finished"
+    done = ResultsDir(finished)
+    for thr in (1.0, 0.9):
+        done.write_point(thr, "t", [{"doc_id": 0, "output": "x"}], {"accuracy": 1.0})
+    for name in ("points.json", "points.csv", "table.md", "pareto_t.png"):
+        (finished / name).write_text("x")
+    old, new = {"decoding": {"block_size": 4}}, {"decoding": {"block_size": 2}}
+    done.write_config({}, old)
+    removals: list = []
+    real_remove, real_unlink = store_mod.remove_tree, Path.unlink
+
+    def killer(real):
+        def removal(path, *args, **kwargs):
+            removals.append(path)
+            if len(removals) == kill_at:
+                raise Killed(path)
+            return real(path, *args, **kwargs)
+
+        return removal
+
+    monkeypatch.setattr(store_mod, "remove_tree", killer(real_remove))
+    monkeypatch.setattr(Path, "unlink", killer(real_unlink))
+    for kill_at in range(1, 20):
+        folder = tmp_path / f"run{kill_at}"
+        shutil.copytree(finished, folder)
+        removals.clear()
+        try:
+            ResultsDir(folder).clear()
+            break  # past the last removal: every kill point was tried
+        except Killed:
+            pass
+        store = ResultsDir(folder)
+        try:
+            store.check_compatible(new)
+        except ResultsMismatchError:
+            continue  # refused: the folder still says what it holds
+        assert store.complete_points() == [], f"killed at removal {kill_at}: old points pass for the new config"
+    assert kill_at > 5, removals
+
+
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
@@ -305,6 +408,22 @@ def test_checkpoint_block_size_and_run_name(compose_cfg, tmp_path, tiny, fixture
         explicit.output_dir = str(tmp_path / "out2")
     assert prepare(explicit).block_size == 2
     assert compose_cfg("evaluate", ["model=tiny-random"]).output_dir == "outputs/eval/tiny-random-b4-offline"
+
+
+def test_a_checkpoint_in_a_generic_folder_is_labelled_by_what_it_is(compose_cfg, tmp_path, tiny, fixture_task):
+    """A checkpoint folder named ``train`` (or ``hf`` at the top of a tree) says where it is, not what it is:
+    the curve and the results folder are named after its mars_config.json instead of "train B=4"."""
+    ckpt = tmp_path / "train"
+    tiny.model.save_pretrained(ckpt)
+    tiny.tokenizer.save_pretrained(ckpt)
+    meta = {"block_size": 4, "objective": "mars", "mask_token": tiny.mask.token, "mask_token_id": tiny.mask.id}
+    write_json(ckpt / "mars_config.json", {**meta, "base_model": "tiny-random"})
+    cfg = compose_cfg("evaluate", [f"checkpoint={ckpt}"])
+    assert cfg.run_name == "tiny-random-mars-b4-offline"
+    with open_dict(cfg):
+        cfg.benchmarks = OmegaConf.create(suite(fixture_task, "fx_qa"))
+        cfg.output_dir = str(tmp_path / "out")
+    assert prepare(cfg).curve_label == "tiny-random-mars B=4"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -823,6 +942,16 @@ def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_tas
         assert f["ar_equal"] - f["mask_ar_equal"] == r["tokens"] - f["mask_tokens"]  # the rest is exact
     assert all(p["tokens_per_forward"] >= 1.0 for p in verified.points)
     assert len(loads) == 2
+    # the lossless point is marked as such, and a plot that compares the verify run draws it under that name
+    assert {p["threshold"]: p["verify_lossless"] for p in verified.points} == {1.0: True, 0.3: False}
+    assert not any(p["verify_lossless"] for p in ar.points)
+    from types import SimpleNamespace
+
+    from mars.evaluation.plots import _curves, pareto_figure
+
+    curves = _curves(SimpleNamespace(compare=[verified.output_dir]), ar.points)
+    fig = pareto_figure("FX_QA", {k: [p for p in v if p["task"] == "FX_QA"] for k, v in curves.items()})
+    assert "verify (lossless)" in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_typical_decoding_config_reaches_the_engine_and_is_not_reported_as_ar(
@@ -1036,6 +1165,12 @@ def test_mars_lm_eval_is_lm_evals_cli_with_the_model_registered(tiny_ckpt, tmp_p
     # lm-eval's per-task setup noise folded into one line per task
     assert "Custom kwargs" not in proc.stderr and "Building contexts" not in proc.stderr
     assert "mars_math: contexts built for 1 documents (rank 0)" in proc.stderr
+    # no --device: the model picks one itself, with no word about a GPU nobody asked for
+    assert "requested but no CUDA" not in proc.stderr + proc.stdout
+    # the task's 256-token budget as the decoder applies it: max_new_tokens=4
+    logged = next(line for line in proc.stderr.splitlines() if "mars_math: Using gen_kwargs" in line)
+    assert "'max_gen_toks': 4" in logged, logged
+    assert results["configs"]["mars_math"]["generation_kwargs"]["max_gen_toks"] == 4
 
 
 def test_lm_eval_results_get_tokens_per_forward_per_task_and_pooled_per_group():

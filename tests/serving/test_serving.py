@@ -5,6 +5,7 @@ request, graceful shutdown, the adaptive tau, metrics, and ``python serve.py`` i
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -469,6 +470,67 @@ def test_bad_server_configs_are_refused_before_loading(overrides, match):
         ServeConfig.from_cfg(compose_serve(BASE + overrides))
 
 
+UNTRAINED_BELOW_EXACT = [["threshold=0.9"], ["tau_policy=adaptive", "tau_min=0.7"]]
+EXACT_OR_TRAINED = [
+    ["threshold=1.0"],
+    ["tau_policy=adaptive", "tau_min=1.0"],
+    ["decoding=jacobi", "threshold=0.9"],  # Jacobi accepts only guesses the model confirms: exact anyway
+    ["checkpoint=bundled:adapters/smollm2-135m-mars-rank8", "threshold=0.9"],  # the MARS-trained reference
+]
+
+
+def untrained_warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and "no MARS training" in r.getMessage()]
+
+
+@pytest.mark.parametrize("overrides", UNTRAINED_BELOW_EXACT)
+def test_a_model_without_mars_training_served_below_the_exact_threshold_is_warned_about_before_loading(
+    overrides, caplog
+):
+    ServeConfig.from_cfg(compose_serve(BASE + overrides))
+    (warning,) = untrained_warnings(caplog)
+    assert "the base model tiny-random (no MARS training)" in warning.getMessage()
+    assert "verify requests stay exact" in warning.getMessage()
+
+
+@pytest.mark.parametrize("overrides", EXACT_OR_TRAINED)
+def test_an_exact_threshold_or_a_mars_trained_checkpoint_serves_without_that_warning(overrides, caplog):
+    ServeConfig.from_cfg(compose_serve(BASE + overrides))
+    assert untrained_warnings(caplog) == []
+
+
+def test_verify_requests_stay_exact_on_an_untrained_model_served_below_the_exact_threshold(loaded, caplog):
+    srv = start_server(loaded, "threshold=0.9")
+    try:
+        assert untrained_warnings(caplog)
+        ref, ref_ids = offline(loaded, srv, PROMPTS[2], 20, threshold=1.0)
+        r = client(srv).completions.create(
+            model="tiny-random", prompt=PROMPTS[2], max_tokens=20, extra_body={"verify": True, "return_token_ids": True}
+        )
+        assert r.choices[0].model_extra["token_ids"] == ref_ids and r.choices[0].text == ref
+        assert r.model_extra["mars"]["threshold"] == 1.0 and r.model_extra["mars"]["server_tau"] == 0.9
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            [],
+            "serving the base model tiny-random (no MARS training) as 'tiny-random': tau_policy=fixed threshold=1.0 (exact",
+        ),
+        (
+            ["checkpoint=bundled:adapters/smollm2-135m-mars-rank8", "tau_policy=adaptive", "tau_min=0.8"],
+            "smollm2-135m-mars-rank8 (MARS-trained) as 'smollm2-135m-mars-rank8': tau_policy=adaptive tau 1.0 idle -> 0.8",
+        ),
+    ],
+)
+def test_the_startup_line_says_what_is_served_with_which_policy_and_threshold(overrides, says):
+    line = ServeConfig.from_cfg(compose_serve(BASE + overrides)).describe()
+    assert says in line and "\n" not in line
+
+
 @pytest.mark.parametrize(
     "overrides, cap",
     [
@@ -522,6 +584,7 @@ def test_serve_py_starts_answers_and_stops_on_sigint(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-2000:]
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert "serving the base model tiny-random (no MARS training) as 'tiny-random': tau_policy=fixed" in out
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ key), shutdown drains as docs/serving.md says, an impossible prompt count is a 4
 strict (no coercion that ``generate`` would refuse)."""
 
 import json
+import logging
 import signal
+import socket
 import threading
 import time
 
@@ -14,9 +16,11 @@ import httpx
 import openai
 import pytest
 from serving_fixtures import (  # noqa: F401  (fixtures)
+    BASE,
     PROMPTS,
     assert_openai_error,
     client,
+    compose_serve,
     loaded,
     offline,
     one_thread,
@@ -26,6 +30,7 @@ from serving_fixtures import (  # noqa: F401  (fixtures)
     wait_for,
 )
 
+from mars.serving.config import ServeConfig, build_state
 from mars.serving.scheduler import Job
 
 
@@ -110,6 +115,32 @@ def test_a_row_that_fails_at_admission_fails_alone_and_the_batch_goes_on(loaded,
 
 
 # ------------------------------------------------------------------------------------------------------
+# a draft model that cannot draft for this target
+# ------------------------------------------------------------------------------------------------------
+def test_a_draft_model_with_another_vocabulary_is_refused_at_startup_naming_both_tokenizers(loaded, tmp_path):
+    """Its tokenizer holds the target's first 64 tokens at the same ids and nothing more: every shared id
+    agrees, yet the target's other ids would index past the draft's embedding on every verify request."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from mars.models import build_tiny_random
+
+    kept = {token: index for token, index in loaded.tokenizer.get_vocab().items() if index < 64}
+    unk = loaded.tokenizer.convert_ids_to_tokens(0)
+    small = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(kept, unk_token=unk)), unk_token=unk)
+    build_tiny_random(vocab_size=64).save_pretrained(tmp_path)
+    small.save_pretrained(tmp_path)
+    sc = ServeConfig.from_cfg(
+        compose_serve(BASE + ["+decoding.draft_source=model", f"+decoding.draft_model={tmp_path}"])
+    )
+    with pytest.raises(ValueError, match="does not share the target's tokenizer") as refused:
+        build_state(sc, loaded)
+    message = str(refused.value)
+    assert repr(loaded.tokenizer.name_or_path) in message and repr(str(tmp_path)) in message
+    assert f"{loaded.tokenizer.convert_ids_to_tokens(64)!r} as id 64" in message and "lacks it" in message
+
+
+# ------------------------------------------------------------------------------------------------------
 # large bodies
 # ------------------------------------------------------------------------------------------------------
 def test_a_body_over_the_limit_gets_413_and_the_limit_is_configurable(loaded):
@@ -130,6 +161,73 @@ def test_a_body_over_the_limit_gets_413_and_the_limit_is_configurable(loaded):
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+class Captured(logging.Handler):
+    """The records of the named loggers at INFO and above, uvicorn's included (they do not reach the root)."""
+
+    def __init__(self, *names):
+        super().__init__(logging.INFO)
+        self.records, self.loggers = [], [logging.getLogger(n) for n in names]
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        self.levels = [logger.level for logger in self.loggers]
+        for logger in self.loggers:
+            logger.addHandler(self)
+            logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        for logger, level in zip(self.loggers, self.levels):
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
+    def faults(self):
+        """ERROR records and any record carrying a traceback."""
+        return [r for r in self.records if r.levelno >= logging.ERROR or r.exc_info]
+
+    def lines(self, text):
+        return [r.getMessage() for r in self.records if text in r.getMessage()]
+
+
+def open_partial_body(srv, sent=b'{"prompt": "hal', declared=200):
+    """A POST whose body stops short of its Content-Length (the client still connected)."""
+    conn = socket.create_connection((srv.host, srv.port), timeout=10)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    conn.sendall(f"{head}Content-Length: {declared}\r\n\r\n".encode() + sent)
+    return conn
+
+
+def test_a_client_that_aborts_mid_body_is_one_info_line_not_a_server_error(server):
+    with Captured("uvicorn", "mars") as logs:
+        for _ in range(3):
+            open_partial_body(server).close()
+        assert wait_for(lambda: len(logs.lines("while sending its request body")) == 3, timeout=5)
+    assert logs.faults() == []
+    assert all(r.levelno == logging.INFO for r in logs.records if "request body" in r.getMessage())
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_shutdown_with_slow_bodies_open_ends_within_the_grace_and_logs_one_line(loaded):
+    srv = start_server(loaded, "shutdown_grace_s=3")
+    with Captured("uvicorn", "mars") as logs:
+        slow = [open_partial_body(srv) for _ in range(5)]
+        assert wait_for(lambda: srv.state.in_flight == 5, timeout=5)
+        t0 = time.monotonic()
+        srv.stop(timeout=30)
+        took = time.monotonic() - t0
+        answers = [conn.recv(200) for conn in slow]  # each was answered before its connection closed
+        for conn in slow:
+            conn.close()
+    assert not srv.thread.is_alive() and took < 3 + 2, took
+    assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
+    assert logs.lines("draining") == [
+        "draining: new requests and the 5 still sending their bodies get 503, 0 open request(s) get 3.0 s to finish"
+    ]
+    assert logs.faults() == []
 
 
 def test_a_20_mb_prompt_is_refused_by_the_default_limit(server):

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 from decoding_fixtures import give_adapter_weights
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mars.adapters import (
+    MASK_DELTA_KEY,
     AdapterError,
     AdapterSettings,
     attach_adapter,
@@ -130,6 +131,62 @@ def test_an_adapter_records_its_base_before_training_casts_it(tmp_path):
     load_adapter(tiny(), folder, MASK_ID)
     with pytest.raises(AdapterError, match="another base model"):
         load_adapter(tiny(seed=5), folder, MASK_ID)
+
+
+def trained_adapter(tmp_path, **meta):
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=2), MASK_ID)
+    give_adapter_weights(model, seed=1)
+    return save(model, tmp_path / "adapter", mask_token_id=MASK_ID, **meta)
+
+
+def test_an_adapter_missing_tensors_is_refused_naming_them(tmp_path):
+    """Loaded anyway, the layer whose tensors are missing would keep lora_B at zero: silently unadapted."""
+    folder = trained_adapter(tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if ".layers.1." not in k}, weights)
+    with pytest.raises(AdapterError, match=r"adapter_model.safetensors lacks 14 of the adapter's tensors.*layers\.1\."):
+        load_adapter(tiny(), folder, MASK_ID)
+    save_file({k: v for k, v in state.items() if k != MASK_DELTA_KEY}, weights)
+    with pytest.raises(AdapterError, match=f"lacks 1 of the adapter's tensors, e.g. \\['{MASK_DELTA_KEY}'\\]"):
+        load_adapter(tiny(), folder, MASK_ID)
+
+
+@pytest.mark.parametrize("digest", ["absent", None, "", "  "])
+def test_an_adapter_without_a_base_digest_is_refused_before_the_base_loads(tmp_path, digest):
+    """Without the digest the base check cannot run, and the adapter would be applied to any base model."""
+    from mars.models import load_model
+
+    folder = trained_adapter(tmp_path)
+    meta_path = folder / "mars_adapter.json"
+    meta = json.loads(meta_path.read_text())
+    meta["base_model"] = str(tmp_path / "no" / "such" / "base")  # reached, it would fail differently
+    if digest == "absent":
+        del meta["base_digest"]
+    else:
+        meta["base_digest"] = digest
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(AdapterError, match="mars_adapter.json records no base_digest"):
+        load_adapter(tiny(), folder, MASK_ID)
+    with pytest.raises(AdapterError, match="records no base_digest"):
+        load_model(str(folder))
+
+
+def test_a_truncated_adapter_file_is_refused_naming_the_file(tmp_path):
+    from mars.models import load_model
+
+    folder = trained_adapter(tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    for size in (4, len(whole) // 2):
+        weights.write_bytes(whole[:size])
+        with pytest.raises(AdapterError, match=f"{weights}.* truncated"):
+            load_adapter(tiny(), folder, MASK_ID)
+    meta = json.loads((folder / "mars_adapter.json").read_text())
+    (folder / "mars_adapter.json").write_text(json.dumps({**meta, "base_model": str(tmp_path / "no-base")}))
+    with pytest.raises(AdapterError, match=f"{weights}.* truncated"):
+        load_model(str(folder))  # before the base model loads
 
 
 @pytest.mark.parametrize(

@@ -123,3 +123,25 @@ def test_snapshots_are_exported_at_their_share_of_the_budget_for_a_learning_curv
 def test_snapshots_outside_the_budget_are_refused():
     with pytest.raises(ValueError, match="within budget.minutes"):
         BudgetSettings(minutes=1, snapshots=(0.5, 2))
+
+
+def test_a_budget_too_small_for_one_step_of_the_embedded_model_is_refused_on_a_fresh_cache(
+    compose_cfg, tmp_path, monkeypatch
+):
+    """The first run has no converted model to read the size from; it is refused all the same, before the
+    GGUF is converted, as every later run is."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MARS_CACHE", str(cache))
+    over = [
+        "trainer=cpu",
+        "data=jsonl",
+        "data.path=tests/data/tiny_sft.jsonl",
+        "logger=none",
+        f"output_dir={tmp_path / 'run'}",
+        "budget.minutes=1e-9",
+    ]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"budget.minutes .* too small for one training step.* 135M-parameter"):
+            run(compose_cfg("train", over))
+    assert not (cache / "smollm2-135m-instruct").exists()
+    assert not (tmp_path / "run").exists()

@@ -4,6 +4,7 @@ objectives, bad input."""
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -202,9 +203,12 @@ def test_ddp_with_two_cpu_processes(tmp_path):
     assert "world_size=2" in console or "distributed_backend=gloo" in console or "Initializing distributed" in console
 
 
-def test_wandb_logger_runs_offline_without_credentials(
-    compose_cfg, tiny_train_overrides, tmp_path, monkeypatch, caplog
+def test_wandb_logger_runs_offline_without_credentials_or_library_notices(
+    compose_cfg, tiny_train_overrides, tmp_path, monkeypatch, caplog, capfd
 ):
+    """No prompt for a key, the ``wandb sync`` command of the offline run, and none of the notices the
+    libraries print on every run about their own calls (torchdata's set_vital, Lightning's LeafSpec,
+    transformers' past_key_values, W&B's anonymous setting)."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     from mars.models import cache_root
@@ -214,8 +218,13 @@ def test_wandb_logger_runs_offline_without_credentials(
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: must not prompt
     overrides = [o for o in tiny_train_overrides if not o.startswith("logger=")]
     cfg = compose_cfg("train", overrides + ["logger=wandb", "trainer.max_steps=2"])
-    with caplog.at_level("INFO", logger="mars.training.loggers"):
+    with caplog.at_level("INFO", logger="mars.training.loggers"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         run(cfg)
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert f"wandb sync {runs[0]}" in caplog.text  # how to upload the offline run
+    said = [str(w.message) for w in caught] + ["".join(capfd.readouterr())]
+    for notice in ("'set_vital' is deprecated", "LeafSpec)` is deprecated", "`past_key_values` is deprecated"):
+        assert not any(notice in text for text in said), notice
+    assert not any("anonymous setting has no effect" in text for text in said)

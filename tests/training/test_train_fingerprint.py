@@ -168,3 +168,27 @@ def test_a_digest_is_read_once_and_recomputed_after_any_change(tmp_path, monkeyp
     persistence.file_sha256(fresh)
     persistence.file_sha256(fresh)
     assert len(reads) == 4
+
+
+def test_a_rerun_of_the_quickstart_with_another_limit_gets_its_own_run_folder(compose_cfg, tmp_path, monkeypatch):
+    """The settings a quick run varies are in the default run name, so another ``data.limit`` or
+    ``trainer.max_steps`` trains beside the first run instead of being refused by its fingerprint."""
+    from conftest import TINY_SFT
+
+    monkeypatch.chdir(tmp_path)
+    quickstart = ["model=tiny-random", "data=jsonl", f"data.path={TINY_SFT}", "data.batch_size=4", "logger=none"]
+    first = compose_cfg("train", quickstart + ["data.limit=8", "trainer.max_steps=1"])
+    assert first.output_dir == "outputs/train/tiny-random-mars-b4-full-limit8-steps1"
+    run(first)
+    again = compose_cfg("train", quickstart + ["data.limit=4", "trainer.max_steps=1"])
+    assert again.run_name == "tiny-random-mars-b4-full-limit4-steps1"
+    run(again)  # not refused: its own folder
+    assert json.loads((tmp_path / again.output_dir / "fingerprint.json").read_text())["data"]["limit"] == 4
+    names = {
+        "": "tiny-random-mars-b4-full",  # the defaults: no limit, no step cap, no budget
+        "trainer.max_steps=5": "tiny-random-mars-b4-full-steps5",
+        "budget.minutes=20": "tiny-random-mars-b4-full-20min",
+        "budget.minutes=0.5 block=8": "tiny-random-mars-b8-full-0.5min",
+    }
+    for overrides, name in names.items():
+        assert compose_cfg("train", quickstart + overrides.split()).run_name == name

@@ -3,12 +3,15 @@ conf/evaluate.yaml).  ``--config-dir <folder>`` adds configs under new names, ``
 replaces them all."""
 
 from mars.hardware import apply_process_defaults
+from mars.logs import quiet_library_notices
 
 apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
+quiet_library_notices()  # no deprecation notice about the libraries' own calls on every run
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import mars.cli.help  # noqa: F401, E402  (registers the resolver of --help: conf/hydra/help/evaluate.yaml)
 import mars.evaluation  # noqa: F401, E402  (registers the run-name resolver used by evaluate.yaml)
 from mars.paths import conf_dir  # noqa: E402
 

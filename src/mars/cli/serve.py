@@ -2,12 +2,15 @@
 and docs/serving.md)."""
 
 from mars.hardware import apply_process_defaults
+from mars.logs import quiet_library_notices
 
 apply_process_defaults()  # the OpenMP wait for this machine's load unless set: libgomp reads it when torch loads
+quiet_library_notices()  # no deprecation notice about the libraries' own calls on every run
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import mars.cli.help  # noqa: F401, E402  (registers the resolver of --help: conf/hydra/help/serve.yaml)
 from mars.paths import conf_dir  # noqa: E402
 
 

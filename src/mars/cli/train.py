@@ -5,17 +5,41 @@ Hydra's ``--config-dir <folder>`` adds configs under new names (``model/mine.yam
 replaces them all (a copy of ``python -m mars.paths conf``, edited).
 """
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
+import mars.training  # noqa: F401  (registers the run-name resolver used by train.yaml)
+from mars.logs import quiet_library_notices
 from mars.paths import conf_dir
+
+quiet_library_notices()
+log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
 def main(cfg: DictConfig) -> None:
     from mars.training.run import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as err:
+        report_failed_job(err)
+        raise
+
+
+def report_failed_job(err: Exception) -> None:
+    """In a multirun, say at once that a job failed or was refused, and why: Hydra runs the other jobs first
+    and raises the first failure only when the whole sweep is done."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return  # a single run: Hydra reports it now
+    job = HydraConfig.get().job
+    overrides = " ".join(HydraConfig.get().overrides.task)
+    log.error("job #%s (%s) failed, the sweep goes on: %s: %s", job.num, overrides, type(err).__name__, err)
 
 
 if __name__ == "__main__":

@@ -326,13 +326,24 @@ def first_layers(model: torch.nn.Module, count: int) -> torch.nn.Module:
 
 
 def check_same_tokenizer(draft, target, name: str) -> None:
-    """Every token the target knows has the same id in the draft's tokenizer (else drafts mean other text)."""
+    """Every token the target knows has the same id in the draft's tokenizer, else refused naming both
+    tokenizers and the first token (by target id) that differs: a draft with another vocabulary proposes
+    ids that mean other text, and the target's ids past the draft's vocabulary would index outside its
+    embedding.  The target's mask token is left out: it is never text, so never fed to the draft."""
     if target is None or draft is None:
         return
     theirs = draft.get_vocab()
-    for token, index in target.get_vocab().items():
-        if theirs.get(token, index) != index:
-            raise ValueError(
-                f"draft_model {name!r} does not share the target's tokenizer: {token!r} is id {index} for the "
-                f"target and {theirs[token]} for the draft"
-            )
+    for token, index in sorted(target.get_vocab().items(), key=lambda item: item[1]):
+        if token == target.mask_token or theirs.get(token) == index:
+            continue
+        found = f"has it as id {theirs[token]}" if token in theirs else "lacks it"
+        raise ValueError(
+            f"draft_model {name!r} does not share the target's tokenizer: the target's tokenizer "
+            f"({_tokenizer_name(target)}, {len(target)} tokens) has {token!r} as id {index}, the draft's "
+            f"({_tokenizer_name(draft)}, {len(draft)} tokens) {found}; a draft model needs the target's "
+            "tokenizer (else draft_source=lookup or masks)"
+        )
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return repr(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)

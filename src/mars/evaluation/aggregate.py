@@ -107,6 +107,7 @@ FIELDS = (
     "compare_ar_delta_lo",
     "compare_ar_delta_hi",
     "is_reference",
+    "verify_lossless",
 )
 
 
@@ -227,6 +228,7 @@ def _entry_point(
         "n_paired": delta.n,
         **_speed_fields(totals, tpf),
         "is_reference": threshold == reference,
+        "verify_lossless": plan.verify_lossless(threshold),
     }
     point.update(_agreement_fields(pairs, threshold == reference))
     fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
@@ -357,7 +359,7 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
     paired bootstrap (identical outputs everywhere: a zero-width interval)."""
     metric = [i for i, p in enumerate(row) if p["score"] == "metric"]
     point = {
-        **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference")},
+        **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference", "verify_lossless")},
         "task": AVERAGE,
         "lm_eval_task": None,
         "metric": "mean over tasks",

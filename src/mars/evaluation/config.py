@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
-from mars.config_schema import DtypeName, OpenSection, validated
+from mars.config_schema import DtypeName, OpenSection, about, validated
 from mars.figures import PlotSettings, plot_settings
 from mars.metadata import (
     CheckpointError,
@@ -28,6 +28,7 @@ from mars.metadata import (
     model_label,
     read_checkpoint,
 )
+from mars.paths import bundled_path
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +56,62 @@ def block_size_mismatch(trained: Any, used: int) -> str | None:
     )
 
 
-def run_name(model_id: Any, checkpoint: Any, block_size: Any, benchmarks: Any, decoding: Any = "mars") -> str:
-    """``<model or checkpoint>-b<block>-<suite>[-<decoding>]``: the default results folder name (a Hydra
-    resolver); the decoding config's name is added when it is not the default ``mars``."""
+# folder names that say where a checkpoint is, not which one it is (train.py's export folder, a pipeline stage)
+GENERIC_NAMES = ("train", "hf", "export", "final", "checkpoint", "checkpoints", "model", "adapter", "outputs")
+
+
+def _default_max_new_tokens() -> int:
+    import dataclasses
+
+    from mars.decoding.settings import DecodingSettings
+
+    return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "max_new_tokens")
+
+
+def _number(value: Any) -> str:
+    return f"{float(value):g}"
+
+
+def run_name(
+    model_id: Any,
+    checkpoint: Any,
+    block_size: Any,
+    benchmarks: Any,
+    decoding: Any = "mars",
+    limit: Any = None,
+    max_new_tokens: Any = None,
+) -> str:
+    """``<model or checkpoint>-b<block>-<suite>[-<decoding>][-limit<n>][-maxnew<n>]``: the default results
+    folder name (a Hydra resolver).  The decoding config's name is added when it is not the default ``mars``,
+    and the settings a quick run varies (``limit``, ``decoding.max_new_tokens`` off its default) when set, so
+    that rerunning a command with another limit gets its own folder instead of a refusal."""
     label = checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
     meta = None
-    if block_size is None and checkpoint:
+    if checkpoint and (block_size is None or label.lower() in GENERIC_NAMES):
         try:
-            meta = read_checkpoint(checkpoint)
+            meta = read_checkpoint(bundled_path(str(checkpoint)))
         except (CheckpointError, MetadataError):
             pass  # reported properly by prepare(); a name is all we need here
+        label = meaningful_label(label, meta)
     block = decoding_block_size(block_size, meta)
     suffix = f"-{decoding}" if decoding and str(decoding) != "mars" else ""
+    if limit is not None:
+        suffix += f"-limit{_number(limit)}"
+    if max_new_tokens is not None and int(max_new_tokens) != _default_max_new_tokens():
+        suffix += f"-maxnew{int(max_new_tokens)}"
     return f"{label}-b{block}-{benchmarks}{suffix}"
+
+
+def meaningful_label(label: str, meta: dict[str, Any] | None) -> str:
+    """A checkpoint's label for tables, plots and folder names: its run's name, or, when that is only a generic
+    folder name (``train``, ``hf``...), what its mars_config.json says it is: ``<base>-<objective>[-<adapter>]``
+    (e.g. ``smollm2-135m-mars-gated_lora``)."""
+    if label.lower() not in GENERIC_NAMES or not meta:
+        return label
+    base = str(meta.get("base_model") or "").rstrip("/").split("/")[-1].split(":")[-1]
+    parts = [base, str(meta.get("objective") or ""), str(meta.get("adapter") or "")]
+    described = "-".join(p for p in parts if p and p != "none")
+    return described or label
 
 
 def register_resolvers() -> None:
@@ -158,32 +202,54 @@ class EvalDecoding(OpenSection):
     """``decoding``'s evaluation keys; the others are :class:`~mars.decoding.settings.DecodingSettings`
     fields, checked by it."""
 
-    name: str
+    name: Annotated[str, about("the decoding config's name (conf/decoding/), part of the results folder's name")]
     block_size: Annotated[int, Field(ge=1, description="null: the checkpoint's training block size")] | None
-    batch_size: Annotated[int, Field(ge=1)]
+    batch_size: Annotated[int, Field(ge=1), about("prompts decoded together (outputs do not depend on it)")]
 
 
 class EvaluateConfig(OpenSection):
-    """``evaluate.yaml``: the type and range of every key an evaluation reads (values: the YAML files)."""
+    """``evaluate.yaml``: the type and range of every key an evaluation reads (values: the YAML files).  The
+    descriptions are what ``python evaluate.py --help`` prints (mars.cli.help)."""
 
-    model: dict[str, Any]
-    checkpoint: str | None
-    decoding: EvalDecoding
-    benchmarks: dict[str, Any]
-    threshold: float | None  # the threshold rule itself: thresholds_for
-    thresholds: list[float] | float | None
-    reference: bool
-    limit: Annotated[float, AfterValidator(_positive_limit)] | None
-    seed: int
-    device: str
-    dtype: DtypeName
-    fidelity: bool
-    plots: Annotated[InstanceOf[PlotSettings], BeforeValidator(plot_settings)]  # true/false or a mapping
-    threads: Annotated[int, Field(ge=1)] | None
-    compare: list[str]
-    logger: dict[str, Any]  # only logger.wandb is used (mars.evaluation.wandb_log)
-    run_name: str
-    output_dir: str | None
+    model: Annotated[dict[str, Any], about("the base model (conf/model/): hub id or local folder, mask token")]
+    checkpoint: Annotated[
+        str | None,
+        about(
+            "a train.py export or gated adapter folder (its block size and mask token); default: the model's "
+            "trained reference checkpoint; null: the model as it is (no MARS training)"
+        ),
+    ]
+    decoding: Annotated[EvalDecoding, about("how to decode (conf/decoding/): decoder, block size, metric, cache...")]
+    benchmarks: Annotated[dict[str, Any], about("the task suite (conf/benchmarks/): lm-eval tasks and their metrics")]
+    threshold: Annotated[
+        float | None, about("one point (tau); 1.0 is exactly greedy AR (0 for metric=entropy)")
+    ]  # the threshold rule itself: thresholds_for
+    thresholds: Annotated[
+        list[float] | float | None, about("a sweep, e.g. [1.0,0.9,0.8] (wins over threshold; 1.0 is always added)")
+    ]
+    reference: Annotated[bool, about("a single threshold also runs the AR reference point (deltas, agreement)")]
+    limit: Annotated[
+        float | None,
+        AfterValidator(lambda v: v if v is None else _positive_limit(v)),
+        about("samples per task (a fraction < 1: that share); null: all; part of the results folder's name"),
+    ]
+    seed: Annotated[int, about("seed of lm-eval's few-shot sampling and of any shuffling")]
+    device: Annotated[str, about("auto (cuda if available) | cpu | cuda | cuda:1 ...")]
+    dtype: Annotated[DtypeName, about("auto (bfloat16 on GPUs, float32 on CPUs) | float32 | bfloat16 | float16")]
+    fidelity: Annotated[bool, about("count the generated tokens that equal the model's own greedy AR choice")]
+    plots: Annotated[
+        InstanceOf[PlotSettings],
+        BeforeValidator(plot_settings),
+        about("Pareto plots: true/false or {enabled, format: png|pdf|svg, dpi}"),
+    ]
+    threads: Annotated[Annotated[int, Field(ge=1)] | None, about("torch CPU threads; null: torch's default")]
+    compare: Annotated[list[str], about("other results folders drawn as extra curves in the Pareto plots")]
+    logger: Annotated[dict[str, Any], about("logger=wandb sends tables, metrics and plots to W&B (conf/logger/)")]
+    run_name: Annotated[str, about("the results folder's name (default: model, block, suite, decoding, limit)")]
+    output_dir: Annotated[str | None, about("the results folder (default: outputs/eval/<run_name>)")]
+    overwrite: Annotated[
+        bool, about("true: evaluate from scratch (deletes the folder's points, samples, tables and plots first)")
+    ]
 
 
 @dataclass
@@ -213,10 +279,39 @@ def check_config(resolved: dict[str, Any]) -> CheckedConfig:
         DecodingSettings.from_mapping(decoding, threshold=reference)
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
-    mismatch = block_size_mismatch((checkpoint_meta or {}).get("block_size"), block)
-    if mismatch:
-        log.warning(mismatch)
+    for warning in (
+        block_size_mismatch((checkpoint_meta or {}).get("block_size"), block),
+        untrained_thresholds(resolved, checkpoint_meta, thresholds, decoding),
+    ):
+        if warning:
+            log.warning(warning)
     return CheckedConfig(settings, thresholds, added, block, decoding, checkpoint_meta)
+
+
+def untrained_thresholds(
+    resolved: dict[str, Any], meta: dict[str, Any] | None, thresholds: list[float], decoding: dict[str, Any]
+) -> str | None:
+    """A warning when thresholds that accept mask predictions on their confidence (below 1.0; above 0 for
+    entropy) are applied to a model whose masks had no MARS training (a base model, or a checkpoint of the AR
+    objective): those points measure untrained masks.  Exact points (threshold 1.0, verify at 1.0) and the
+    decoders that use no masks (ar, jacobi) get none."""
+    from mars.decoding.settings import is_exact_threshold
+    from mars.metadata import mars_trained
+
+    metric = str(decoding.get("metric", "probability"))
+    lossy = [t for t in thresholds if not is_exact_threshold(t, metric)]
+    if mars_trained(meta) or not lossy or str(decoding.get("decoder", "mars")) != "mars":
+        return None
+    if resolved.get("checkpoint"):
+        what = f"checkpoint {resolved['checkpoint']} (objective {(meta or {}).get('objective') or 'ar'})"
+    else:
+        what = f"the base model {(resolved.get('model') or {}).get('name_or_path')} (checkpoint=null)"
+    return (
+        f"threshold(s) {', '.join(f'{t:g}' for t in lossy)} accept mask predictions on their confidence, but "
+        f"{what} has had no MARS training: its masks are untrained, so these points measure untrained masks, not "
+        "MARS. Evaluate a MARS-trained checkpoint (the model's reference_checkpoint is the default; a train.py "
+        "export) or keep to exact decoding (threshold 1.0, decoding=mars_verified)."
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,6 +331,14 @@ class Plan:
     checkpoint_meta: dict[str, Any] | None = None
     compare: list[Path] = field(default_factory=list)
     task_manager: Any = field(default=None, repr=False)
+
+    def verify_lossless(self, threshold: float) -> bool:
+        """Whether the point at ``threshold`` is lossless verify: drafts checked against the greedy AR choice
+        (not Medusa's typical acceptance), greedy, at the exact threshold: the AR output at more tokens per
+        forward (drawn and labelled apart in the plots)."""
+        d = self.decoding
+        exact = threshold == reference_threshold(str(d.get("metric", "probability")))
+        return bool(d.get("verify")) and exact and not d.get("typical_epsilon") and not d.get("temperature")
 
     @property
     def curve_label(self) -> str:
@@ -274,6 +377,7 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
 
     resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     resolved.pop("hydra", None)
+    resolved["checkpoint"] = bundled_path(resolved.get("checkpoint"))
     checked = check_config(resolved)
     from mars.evaluation.tasks import score_kinds
 
@@ -284,12 +388,21 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     if check_results_dir if check_sandbox is None else check_sandbox:
         check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
     block = checked.block_size
+    label = model_label(resolved)
+    if resolved.get("checkpoint"):
+        label = meaningful_label(label, checked.checkpoint_meta)
     out = resolved.get("output_dir") or "outputs/eval/" + run_name(
-        model_label(resolved), resolved.get("checkpoint"), block, suite.name, checked.decoding.get("name")
+        label,
+        None,
+        block,
+        suite.name,
+        checked.decoding.get("name"),
+        resolved.get("limit"),
+        checked.decoding.get("max_new_tokens"),
     )
     output_dir = Path(out).expanduser()
     fingerprint = fingerprint_of(resolved, block, suite)
-    if check_results_dir:
+    if check_results_dir and not resolved.get("overwrite"):  # overwrite=true: run() clears the folder first
         ResultsDir(output_dir).check_compatible(fingerprint)
     compare = [resolve_path(p) for p in (resolved.get("compare") or [])]
     for p in compare:
@@ -299,7 +412,7 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
         thresholds=checked.thresholds,
         reference_added=checked.reference_added,
         block_size=block,
-        model_label=model_label(resolved),
+        model_label=label,
         output_dir=output_dir,
         suite=suite,
         decoding=checked.decoding,

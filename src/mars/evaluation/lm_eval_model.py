@@ -194,6 +194,8 @@ class MarsLM(TemplateLM):
         self.fidelity = _as_bool(fidelity)
         self._max_length = max_length
         self.generate_calls = 0  # decoder calls made (tests use it to see that resume skips work)
+        self.thresholds_to_run = 1  # set by a sweep: thresholds left, this one included (the time estimate)
+        self._eta: _Eta | None = None
         self.results_dir = None  # store.ResultsDir: the partial cache of interrupted points
         self.cache_salt = ""
         self.reset_records()
@@ -370,6 +372,7 @@ class MarsLM(TemplateLM):
         outputs: list[str | None] = [None] * len(requests)
         groups = self._group_requests(requests)
         bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
+        self._eta = _Eta(len(requests), self.threshold, self.thresholds_to_run) if self._rank == 0 else None
         partial: dict[str, dict[str, dict]] = {}
         for (task, _), members in groups.items():
             self._generate_group(requests, task, members, outputs, bar, partial)
@@ -416,6 +419,8 @@ class MarsLM(TemplateLM):
             self._take(task, requests[i], row, stats, resumed=True)
             outputs[i] = row["text"]
             bar.update(1)
+        if self._eta is not None:
+            self._eta.resumed += len(members) - len(todo)
         ordered = sorted(todo, key=lambda i: -len(encoded[i]))  # similar lengths share a batch
         for start in range(0, len(ordered), self.batch_size):
             batch = ordered[start : start + self.batch_size]
@@ -427,6 +432,8 @@ class MarsLM(TemplateLM):
             if cache is not None:
                 cache.append(rows)
             bar.update(len(batch))
+            if self._eta is not None:
+                self._eta.decoded(len(batch))
 
     def _decode_batch(self, batch_requests, prompts: list[list[int]], until: list[str], settings) -> list[dict]:
         """Decodes one batch (and measures fidelity when asked); one cache row per request, its time and
@@ -545,6 +552,39 @@ class MarsLM(TemplateLM):
         return out
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _Eta:
+    """The time a threshold's generations will take, estimated once from the first decoded batch (the
+    longest prompts of the first task: an estimate on the high side) and logged as one line."""
+
+    def __init__(self, total: int, threshold: float, thresholds: int):
+        self.total, self.threshold, self.thresholds = total, threshold, max(1, int(thresholds))
+        self.resumed, self.done, self.logged = 0, 0, False
+        self.start = time.perf_counter()
+
+    def decoded(self, n: int) -> None:
+        self.done += n
+        todo = self.total - self.resumed
+        if self.logged or self.done >= todo:  # finished already: nothing left to estimate
+            return
+        self.logged = True
+        each = (time.perf_counter() - self.start) / self.done
+        line = (
+            f"tau={self.threshold:g}: about {_duration(each * todo)} per threshold for {todo:,} requests "
+            f"({each:.2f} s each over the first {self.done})"
+        )
+        if self.thresholds > 1:
+            line += f"; {self.thresholds} thresholds to run: about {_duration(each * todo * self.thresholds)} in all"
+        log.info(line)
+
+
 def _cut(text: str, until: list[str]) -> str:
     cuts = [text.find(u) for u in until if u in text]
     return text[: min(cuts)] if cuts else text
@@ -585,11 +625,62 @@ def _gathered_stats(lm: MarsLM) -> dict[str, TaskStats]:
     return total
 
 
-def _with_decoder_stats(simple_evaluate):
+def _lm_eval_default_device() -> str | None:
+    """The device lm-eval's CLI fills in when ``--device`` is not given (``cuda:0`` in lm-eval 0.4.13)."""
+    import dataclasses
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return next((f.default for f in dataclasses.fields(EvaluatorConfig) if f.name == "device"), None)
+
+
+def names_a_device(argv: list[str]) -> bool:
+    """Whether an lm-eval command line asks for a device itself (``--device X`` or ``--device=X``)."""
+    return any(arg == "--device" or arg.startswith("--device=") for arg in argv)
+
+
+def cap_generation_kwargs(tasks: dict[str, Any], lm: MarsLM) -> None:
+    """Write each generating task's effective token budget into its ``generation_kwargs`` (the smaller of the
+    task's ``max_gen_toks`` and the model's ``max_new_tokens``), so that what lm-eval logs and records is what
+    the decoder does (lm-eval's HF model likewise records the ``max_gen_toks`` it generated with)."""
+    for task in tasks.values():
+        if task.get_config("output_type") != "generate_until":
+            continue
+        kwargs = dict(task.get_config("generation_kwargs") or {})
+        task.set_config(key="generation_kwargs", value={**kwargs, "max_gen_toks": lm._max_new(kwargs)})
+
+
+def _capped_cli_gen_kwargs(gen_kwargs: Any, lm: MarsLM) -> Any:
+    """``--gen_kwargs max_gen_toks=N`` replaces the tasks' budgets after they load: cap it the same way."""
+    if not gen_kwargs:
+        return gen_kwargs
+    if isinstance(gen_kwargs, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        gen_kwargs = simple_parse_args_string(gen_kwargs)
+    if "max_gen_toks" not in gen_kwargs:
+        return gen_kwargs
+    return {**gen_kwargs, "max_gen_toks": lm._max_new(gen_kwargs)}
+
+
+def _build_cli_model(model_args: Any, kwargs: dict[str, Any], device_given: bool) -> MarsLM:
+    """The ``mars`` model as lm-eval's CLI would build it (its batch size and device), except that the device
+    lm-eval fills in by default is no request: without ``--device`` the model picks one as ``device=auto``
+    does (cuda when there is one), with no warning."""
+    extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
+    if not device_given and extra["device"] == _lm_eval_default_device():
+        extra["device"] = None
+    if isinstance(model_args, dict):
+        return MarsLM.create_from_arg_obj(model_args, extra)
+    return MarsLM.create_from_arg_string(model_args or "", extra)
+
+
+def _with_decoder_stats(simple_evaluate, device_given: bool = True):
     """lm-eval's ``simple_evaluate``, with the model's tokens per forward added to what it returns.
 
-    For ``model="mars"`` the model is built here, as lm-eval would build it (its CLI's batch size and
-    device included), so that its statistics outlive the run (lm-eval drops its own reference)."""
+    For ``model="mars"`` the model is built here (:func:`_build_cli_model`), so that its statistics outlive
+    the run (lm-eval drops its own reference), and the tasks' generation settings record the token budget
+    the decoder applies (:func:`cap_generation_kwargs`)."""
 
     from mars.logs import folded_lm_eval_task_logs
 
@@ -597,11 +688,18 @@ def _with_decoder_stats(simple_evaluate):
         if model != "mars":
             with folded_lm_eval_task_logs():
                 return simple_evaluate(*args, model=model, model_args=model_args, **kwargs)
-        extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
-        if isinstance(model_args, dict):
-            lm = MarsLM.create_from_arg_obj(model_args, extra)
-        else:
-            lm = MarsLM.create_from_arg_string(model_args or "", extra)
+        lm = _build_cli_model(model_args, kwargs, device_given)
+        kwargs["gen_kwargs"] = _capped_cli_gen_kwargs(kwargs.get("gen_kwargs"), lm)
+        manager = kwargs.get("task_manager")
+        if manager is not None:  # the CLI passes its own; lm-eval logs the tasks' settings right after loading
+            load = manager.load
+
+            def load_capped(*a, **k):
+                loaded = load(*a, **k)
+                cap_generation_kwargs(loaded["tasks"], lm)
+                return loaded
+
+            manager.load = load_capped
         with folded_lm_eval_task_logs():  # one line per task, not four
             results = simple_evaluate(*args, model=lm, model_args=model_args, **kwargs)
         stats = _gathered_stats(lm)  # every rank takes part; only rank 0 holds results
@@ -625,7 +723,7 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     # lm-eval's CLI looks simple_evaluate up on the package when it runs: wrap it there, for this command only
-    lm_eval.simple_evaluate = _with_decoder_stats(lm_eval.simple_evaluate)
+    lm_eval.simple_evaluate = _with_decoder_stats(lm_eval.simple_evaluate, device_given=names_a_device(sys.argv[1:]))
     cli_evaluate()
 
 

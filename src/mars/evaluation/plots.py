@@ -25,6 +25,8 @@ from mars.evaluation.store import ResultsDir
 from mars.figures import PlotSettings, figure_bytes, plot_settings, write_figure
 
 MARKERS = ("o", "s", "D", "^", "v")
+# decoding configs whose threshold 1.0 point is lossless verify (conf/decoding/): their runs' curve labels end so
+VERIFY_DECODINGS = ("(mars_verified)", "(mars_lookup)", "(mars_draft_model)")
 INTERVAL_NAMES = {
     "Wilson": "Wilson interval",
     "bootstrap": "bootstrap over documents",
@@ -60,6 +62,15 @@ def interval_caption(curves: dict[str, list[dict[str, Any]]]) -> str:
     )
 
 
+def is_verify_point(p: dict[str, Any]) -> bool:
+    """A lossless verify point (the AR output at more tokens per forward); points.json files written before
+    the ``verify_lossless`` field are recognised by their decoding config's name in the curve label."""
+    if "verify_lossless" in p:
+        return bool(p["verify_lossless"])
+    label = str(p.get("label") or "")
+    return bool(p.get("is_reference")) and label.endswith(VERIFY_DECODINGS)
+
+
 def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
     """The matplotlib figure of one task; ``curves`` maps a curve label to its points."""
     import matplotlib
@@ -69,7 +80,7 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labelled = []  # (color, xs, ys, thresholds) per curve, annotated once the axes are final
+    labelled = []  # (color, points) per curve, annotated once the axes are final
     ylabel = "accuracy (%)"
     drawn: dict[str, list[dict[str, Any]]] = {}
     has_reference = False
@@ -81,42 +92,53 @@ def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
         drawn[label] = pts
         color = colors[i % len(colors)]
         pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
-        labelled.append((color, *_draw_curve(ax, i, label, pts, color)))
-        has_reference = _draw_reference(ax, pts, color) or has_reference
+        _draw_curve(ax, i, label, pts, color)
+        labelled.append((color, pts))
+        if not all(is_verify_point(p) for p in pts):  # verify's accuracy is the AR line by construction
+            has_reference = _draw_reference(ax, pts, color) or has_reference
         if any(p.get("score") not in (None, "metric") for p in pts):
             ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
     _label_axes(ax, task, ylabel)
     _set_limits(ax)
-    texts = [t for color, xs, ys, thresholds in labelled for t in _annotate_thresholds(ax, xs, ys, thresholds, color)]
-    _fit_inside(ax, texts)
+    for _ in range(2):  # widening the axes moves the labels closer together: place them again once
+        items = [item for color, pts in labelled for item in _threshold_labels(ax, pts, color)]
+        points = [(p["tokens_per_forward"], 100 * p["accuracy"]) for _, pts in labelled for p in pts]
+        texts = _place_labels(ax, items, points)
+        _fit_inside(ax, texts)
     _add_legend(ax, has_reference)
     fig.text(0.01, 0.0, interval_caption(drawn), fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
     fig.tight_layout()
     return fig
 
 
-def _draw_curve(ax, i: int, label: str, pts: list[dict[str, Any]], color) -> tuple[list, list, list]:
-    """One curve (points sorted by tokens per forward) with its error bars; returns its xs, ys and
-    thresholds for the labels drawn once the axes are final."""
+def _draw_curve(ax, i: int, label: str, pts: list[dict[str, Any]], color) -> None:
+    """One curve (points sorted by tokens per forward) with its error bars.  Curves of several points get
+    hollow markers of different shapes and sizes, so curves that share a point (tau 1.0) stay visible; a
+    curve of one point (the base model, a verify run) gets a larger filled marker drawn beneath them, so it
+    shows around a hollow marker on the same spot instead of hiding under it (a verify point: a star)."""
     xs = [p["tokens_per_forward"] for p in pts]
     ys = [100 * p["accuracy"] for p in pts]
     xerr = _errors(pts, "tokens_per_forward", 1.0)
     yerr = _errors(pts, "accuracy", 100.0, paired=True)
-    ax.errorbar(  # hollow markers of different shapes: curves that share a point (tau 1.0) stay visible
+    single = len(pts) == 1
+    marker = "*" if single and is_verify_point(pts[0]) else MARKERS[i % len(MARKERS)]
+    ax.errorbar(
         xs,
         ys,
         xerr=xerr,
         yerr=yerr,
-        fmt="-" + MARKERS[i % len(MARKERS)],
+        fmt="-" + marker,
         color=color,
         label=label,
-        markersize=6 + 2 * (i % len(MARKERS)),
-        markerfacecolor="none",
+        markersize=(16 if marker == "*" else 14) if single else 6 + 2 * (i % len(MARKERS)),
+        markerfacecolor=color if single else "none",
+        markeredgecolor=color,
         markeredgewidth=1.5,
+        alpha=0.85 if single else 1.0,
         elinewidth=1,
         capsize=2,
+        zorder=1.8 if single else 2.0,
     )
-    return xs, ys, [p["threshold"] for p in pts]
 
 
 def _draw_reference(ax, pts: list[dict[str, Any]], color) -> bool:
@@ -191,26 +213,93 @@ def _errors(pts: list[dict[str, Any]], key: str, scale: float, paired: bool = Fa
     return [low, high]
 
 
-def _annotate_thresholds(ax, xs, ys, thresholds, color, label_width: float = 45.0, label_height: float = 12.0) -> list:
-    """Label each point with its threshold; points whose labels would print over each other (e.g. tau 1.0,
-    0.95 and 0.9 of a barely trained model) share one label.  Sizes are in pixels.  Returns the labels."""
+def _threshold_labels(ax, pts: list[dict[str, Any]], color, width: float = 45.0, height: float = 12.0) -> list:
+    """One curve's threshold labels as (text, x, y, color); points whose labels would print over each other
+    (e.g. tau 1.0, 0.95 and 0.9 of a barely trained model) share one.  A lossless verify point is labelled
+    as such.  Sizes are in pixels."""
+    xs, ys = [p["tokens_per_forward"] for p in pts], [100 * p["accuracy"] for p in pts]
     screen = ax.transData.transform(list(zip(xs, ys)))
     groups: list[list[int]] = []
     for i, (px, py) in enumerate(screen):
         first = screen[groups[-1][0]] if groups else None
-        if first is not None and abs(px - first[0]) < label_width and abs(py - first[1]) < label_height:
+        if first is not None and abs(px - first[0]) < width and abs(py - first[1]) < height:
             groups[-1].append(i)
         else:
             groups.append([i])
-    texts = []
+    items = []
     for group in groups:
-        text = "τ=" + ", ".join(fmt_threshold(t) for t in sorted((thresholds[i] for i in group), reverse=True))
-        texts.append(
-            ax.annotate(
-                text, (xs[group[0]], ys[group[0]]), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
-            )
+        verify = [i for i in group if is_verify_point(pts[i])]
+        rest = sorted((pts[i]["threshold"] for i in group if i not in verify), reverse=True)
+        parts = (["verify (lossless)"] if verify else []) + (
+            ["τ=" + ", ".join(map(fmt_threshold, rest))] if rest else []
         )
+        items.append(("; ".join(parts), xs[group[0]], ys[group[0]], color))
+    return items
+
+
+# where a label may sit around its point (offset in points, alignment), nearest first, right before left
+LABEL_SPOTS = tuple(
+    ((dx, dy), "left" if dx > 0 else "right", "bottom" if dy > 0 else "top")
+    for rise in (4, 14, 24)
+    for dx in (4, -4)
+    for dy in (rise, -rise)
+)
+
+
+def _place_labels(ax, items: list, points: list, marker_px: float = 4.0) -> list:
+    """Draw the threshold labels so that none prints over another or over another point's marker: the same
+    text at the same spot from several curves (e.g. "τ=0.95" of two runs that agree) becomes one label in a
+    neutral colour; each label takes the first spot around its point that is free (LABEL_SPOTS), else the one
+    that overlaps least.  Removes labels from an earlier placement first.  Returns the labels."""
+    for text in [t for t in ax.texts if getattr(t, "_mars_threshold_label", False)]:
+        text.remove()
+    renderer = ax.figure.canvas.get_renderer()
+    merged: list[list] = []
+    for text, x, y, color in items:
+        px, py = ax.transData.transform((x, y))
+        same = next((m for m in merged if m[0] == text and abs(m[4] - px) < 20 and abs(m[5] - py) < 8), None)
+        if same is not None:
+            same[3] = "0.3"  # shared by several curves: no single curve's colour
+        else:
+            merged.append([text, x, y, color, px, py])
+    markers = [tuple(ax.transData.transform(xy)) for xy in points]
+    frame = ax.get_window_extent(renderer)
+    placed, texts = [], []
+    for text, x, y, color, px, py in merged:
+        others = [_box(mx, my, marker_px) for mx, my in markers if (mx, my) != (px, py)]
+        best = None
+        for offset, ha, va in LABEL_SPOTS:
+            label = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=offset, fontsize=7, color=color, ha=ha, va=va
+            )
+            box = label.get_window_extent(renderer)
+            outside = box.width * box.height - _overlap(box, frame)  # past the left or bottom frame: stays cut
+            cost = (sum(_overlap(box, b) for b in placed) + outside) * 10 + sum(_overlap(box, b) for b in others)
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, label, box)
+            else:
+                label.remove()
+            if cost == 0:
+                break
+        best[1]._mars_threshold_label = True
+        placed.append(best[2])
+        texts.append(best[1])
     return texts
+
+
+def _box(px: float, py: float, half: float):
+    from matplotlib.transforms import Bbox
+
+    return Bbox([[px - half, py - half], [px + half, py + half]])
+
+
+def _overlap(a, b) -> float:
+    """The area two pixel boxes share."""
+    width = min(a.x1, b.x1) - max(a.x0, b.x0)
+    height = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return width * height if width > 0 and height > 0 else 0.0
 
 
 def _fit_inside(ax, texts: list, pad_px: float = 4.0) -> None:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from mars.evaluation.config import Plan, prepare, reference_threshold
 from mars.evaluation.store import ResultsDir, fingerprint_hash, threshold_key
 from mars.evaluation.tasks import code_sandbox, primary_metric, task_manager
-from mars.persistence import fingerprint_differences
+from mars.persistence import fingerprint_differences, folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,49 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
         )
 
 
+def _samples_per_task(plan: Plan, leaves: list[str]) -> dict[str, int]:
+    """How many documents each leaf task evaluates (its eval split, cut to ``limit`` as lm-eval cuts it)."""
+    from lm_eval.evaluator_utils import get_sample_size
+
+    from mars.logs import folded_lm_eval_task_logs
+
+    with folded_lm_eval_task_logs():
+        loaded = (plan.task_manager or task_manager(plan.suite)).load(leaves)
+    counts = {}
+    for name, task in loaded["tasks"].items():
+        total = len(task.eval_docs)
+        cut = get_sample_size(task, plan.resolved.get("limit"))
+        counts[name] = total if cut is None else min(total, cut)
+    return counts
+
+
+def plan_line(plan: Plan, todo: dict[float, list[str]], samples: dict[str, int]) -> str:
+    """One line saying what the run is about to do, before the model loads: the model or checkpoint (and
+    whether its masks had MARS training), the decoding, the tasks with their samples per threshold, the
+    thresholds still to run, and where the results go."""
+    from mars.metadata import mars_trained
+
+    checkpoint = plan.resolved.get("checkpoint")
+    if checkpoint:
+        trained = "MARS-trained" if mars_trained(plan.checkpoint_meta) else "no MARS training"
+        model = f"checkpoint {checkpoint} ({trained})"
+    else:
+        model = f"base model {(plan.resolved.get('model') or {}).get('name_or_path')} (no MARS training)"
+    running = [t for t, leaves in todo.items() if leaves]
+    per_threshold = sorted({sum(samples.get(leaf, 0) for leaf in todo[t]) for t in running})
+    counts = f"{per_threshold[0]:,}" + (f" to {per_threshold[-1]:,}" if len(per_threshold) > 1 else "")
+    names = [spec.name for spec in plan.suite.tasks]
+    tasks = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    limit = plan.resolved.get("limit")
+    return (
+        f"plan: {plan.model_label}: {model}, B={plan.block_size}, decoding {plan.decoding.get('name') or 'mars'}; "
+        f"benchmarks {plan.suite.name} ({tasks}): {counts} samples per threshold"
+        + (f" (limit={limit:g})" if limit is not None else "")
+        + f"; thresholds {', '.join(threshold_key(t) for t in running)} ({len(running)} to run); "
+        f"results in {plan.output_dir}"
+    )
+
+
 def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: str | None) -> list[dict]:
     """One row per document: prompt, raw output, per-filter extracted answers and metrics, decoder stats."""
     by_doc: dict[int, dict] = {}
@@ -238,28 +281,41 @@ def _attach_log_file(store: ResultsDir) -> logging.Handler:
 
 
 def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
-    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an lm-eval model (tests, notebooks)."""
+    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an lm-eval model (tests, notebooks).  One process
+    per results folder (rank 0 holds its lock, as train.py's run does): a second one is refused naming the
+    first one's PID, so ``overwrite=true`` never deletes what another evaluation is writing."""
     plan = prepare(cfg)  # every check; nothing has been written yet
     store = ResultsDir(plan.output_dir)
     rank = _rank()
-    handler = None
-    if rank == 0:
-        saved = store.saved_fingerprint()
-        if saved is not None and fingerprint_differences(saved, plan.fingerprint):
-            # prepare() let it through: no complete point, so nothing of the old config is kept
-            log.info("%s held no complete point of its earlier config: starting it afresh", store.root)
-            store.discard_partial()
-        for thr, leaf in store.partial_points():  # left behind by a kill right after a point completed
-            if store.is_complete(thr, leaf):
-                store.discard_partial(thr, leaf)
-        handler = _attach_log_file(store)
-        store.write_config(plan.resolved, plan.fingerprint)
-    try:
+    if rank != 0:
         return _sweep(plan, store, rank, lm)
-    finally:
-        if handler is not None:
+    with folder_lock(store.root, what="evaluation"):
+        handler = _claim_folder(plan, store)
+        try:
+            return _sweep(plan, store, rank, lm)
+        finally:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _claim_folder(plan: Plan, store: ResultsDir) -> logging.Handler:
+    """Rank 0, holding the lock: clear the folder for ``overwrite=true`` or drop what cannot be resumed, then
+    start the log file and record the config."""
+    if plan.resolved.get("overwrite"):
+        if store.saved_fingerprint() is not None or store.complete_points():
+            log.info("overwrite=true: removing the results in %s before evaluating from scratch", store.root)
+        store.clear()
+    saved = store.saved_fingerprint()
+    if saved is not None and fingerprint_differences(saved, plan.fingerprint):
+        # prepare() let it through: no complete point, so nothing of the old config is kept
+        log.info("%s held no complete point of its earlier config: starting it afresh", store.root)
+        store.discard_partial()
+    for thr, leaf in store.partial_points():  # left behind by a kill right after a point completed
+        if store.is_complete(thr, leaf):
+            store.discard_partial(thr, leaf)
+    handler = _attach_log_file(store)
+    store.write_config(plan.resolved, plan.fingerprint)
+    return handler
 
 
 def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
@@ -286,13 +342,15 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
 
         configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
     if any(todo.values()):
+        if rank == 0:
+            log.info(plan_line(plan, todo, _samples_per_task(plan, sorted({x for ls in todo.values() for x in ls}))))
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
         lm.fidelity = bool(plan.resolved.get("fidelity", True))
         lm.use_results_dir(store, fingerprint_hash(plan.fingerprint))
-        for thr, leaves in todo.items():
-            if not leaves:
-                continue
+        running = [(thr, leaves) for thr, leaves in todo.items() if leaves]
+        for i, (thr, leaves) in enumerate(running):
+            lm.thresholds_to_run = len(running) - i  # this one included: the time estimate covers them all
             lm.set_threshold(thr)
             log.info("threshold %s: running %s", threshold_key(thr), ", ".join(leaves))
             t0 = time.perf_counter()

@@ -41,6 +41,7 @@ from mars.persistence import (
     json_default,
     read_appended_jsonl,
     read_jsonl,
+    remove_tree,
 )
 
 CONFIG_FILE = "config.yaml"
@@ -189,8 +190,22 @@ class ResultsDir:
             raise ResultsMismatchError(
                 f"The results folder {self.root} holds results of a different configuration ({details}). "
                 "Mixing them would corrupt the table: pick another folder with run_name=... or output_dir=..., "
-                "or delete the old folder."
+                "or evaluate this one from scratch with overwrite=true (deletes its results)."
             )
+
+    def clear(self) -> None:
+        """Remove the folder's results (``overwrite=true``), as train.py's overwrite does: the complete points
+        first, ``config.yaml`` (the fingerprint) last, each folder renamed away before it is deleted, so a kill
+        at any moment leaves results that the saved fingerprint still describes, or none.  evaluate.log stays
+        (a log, as train.py leaves its logger's folders)."""
+        for name in ("samples", "partial"):
+            remove_tree(self.root / name)
+        written = [self.root / n for n in ("points.json", "points.csv", "table.md")] + sorted(
+            self.root.glob("pareto_*")
+        )
+        for path in written:
+            path.unlink(missing_ok=True)
+        self.config_path.unlink(missing_ok=True)
 
     def write_config(self, resolved: dict, fingerprint: dict) -> None:
         """Save the resolved config (with the fingerprint used for resume checks)."""

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
+from starlette.requests import ClientDisconnect
 
 from mars.decoding.settings import DecodingSettings
 
@@ -79,6 +80,7 @@ class ServingState:
     created: int = field(default_factory=lambda: int(time.time()))
     max_token_chars: int | None = None  # see longest_token_chars: None when no bound holds
     in_flight: int = 0  # HTTP requests being answered (the drain on shutdown waits for them)
+    body_reads: set[anyio.CancelScope] = field(default_factory=set, repr=False)  # bodies still arriving
     _prepare_limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
     @property
@@ -91,6 +93,15 @@ class ServingState:
         if self._prepare_limiter is None:  # made on the event loop, on first use
             self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
         return self._prepare_limiter
+
+    def cut_body_reads(self) -> int:
+        """At shutdown: the requests still receiving their bodies get 503 now (their jobs could not be
+        accepted anyway), so a slow or stalled upload cannot hold the exit; how many there were.  Runs on the
+        event loop, as the reads do."""
+        reads = list(self.body_reads)
+        for scope in reads:
+            scope.cancel()
+        return len(reads)
 
     @property
     def metrics(self):
@@ -159,6 +170,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, err: APIError):
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, err: ClientDisconnect):
+        # the client's choice, not a server fault: one line, as for a client that leaves mid-generation
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("client %s went away while sending its request body to %s; dropped", peer, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         log.exception("unhandled error on %s", request.url.path)
@@ -215,21 +233,23 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        raw = await _read_body(request, state.max_body_bytes)
+        raw = await _read_body(request, state)
         body, jobs = await _off_loop(state, _prepare_completion, state, raw)
         return await _serve(state, request, jobs, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        raw = await _read_body(request, state.max_body_bytes)
+        raw = await _read_body(request, state)
         body, jobs = await _off_loop(state, _prepare_chat, state, raw)
         return await _serve(state, request, jobs, body, chat=True)
 
 
 # ---------------------------------------------------------------------------------------------- reading
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body of a JSON POST, at most ``limit`` bytes: 415 for another media type, 413 past the limit
-    (from the declared length before anything is read, else as soon as the read passes it)."""
+async def _read_body(request: Request, state: ServingState) -> bytes:
+    """The body of a JSON POST, at most ``max_body_bytes``: 415 for another media type, 413 past the limit
+    (from the declared length before anything is read, else as soon as the read passes it), 503 while the
+    server shuts down (before reading, or as soon as the drain starts: see :meth:`ServingState.cut_body_reads`)."""
+    limit = state.max_body_bytes
     declared_type = request.headers.get("content-type")
     media = (declared_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
@@ -242,13 +262,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
+    if not state.loop.accepting:
+        raise _shutting_down()
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(None, limit)
-        chunks.append(chunk)
+    with anyio.CancelScope() as reading:
+        state.body_reads.add(reading)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(None, limit)
+                chunks.append(chunk)
+        finally:
+            state.body_reads.discard(reading)
+    if reading.cancelled_caught:
+        raise _shutting_down()
     return b"".join(chunks)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", None, "unavailable")
 
 
 def _too_large(size: int | None, limit: int) -> APIError:

@@ -18,9 +18,10 @@ from typing import Annotated, Any, Literal
 from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
-from mars.config_schema import DtypeName, OpenSection, validated
-from mars.decoding.settings import DecodingSettings
-from mars.metadata import decoding_block_size, read_checkpoint
+from mars.config_schema import DtypeName, OpenSection, about, validated
+from mars.decoding.settings import DecodingSettings, is_exact_threshold
+from mars.metadata import decoding_block_size, mars_trained, read_checkpoint
+from mars.paths import bundled_path
 
 from .policy import POLICIES, build_policy
 
@@ -49,34 +50,62 @@ class ServeConfig(OpenSection):
     across keys and the derived settings (:meth:`_derive`): the decoding settings, the checkpoint's metadata,
     the API key from the environment, the default completion budget and served name."""
 
-    host: Annotated[str, Field(min_length=1, description="a host name or address")]
-    port: Annotated[int, Field(ge=0, le=65535)]
-    api_key: Annotated[str | None, AfterValidator(lambda k: k if k is None else _non_blank(k)), Field(repr=False)]
-    allowed_hosts: Annotated[
-        list[HostName] | None, Field(description="host names ('*' for any, '*.example.org' for subdomains)")
+    host: Annotated[
+        str,
+        Field(min_length=1, description="a host name or address"),
+        about("address to listen on (127.0.0.1: this machine only)"),
     ]
-    model: dict[str, Any]
-    checkpoint: str | None
+    port: Annotated[int, Field(ge=0, le=65535), about("port to listen on")]
+    api_key: Annotated[
+        str | None,
+        AfterValidator(lambda k: k if k is None else _non_blank(k)),
+        Field(repr=False),
+        about("the key every /v1 route requires (Authorization: Bearer <key>); null: MARS_API_KEY, else no key"),
+    ]
+    allowed_hosts: Annotated[
+        list[HostName] | None,
+        Field(description="host names ('*' for any, '*.example.org' for subdomains)"),
+        about("Host names answered besides IP addresses, localhost and host (a DNS-rebinding guard); '*': any"),
+    ]
+    model: Annotated[dict[str, Any], about("the base model (conf/model/): hub id or local folder, mask token")]
+    checkpoint: Annotated[
+        str | None,
+        about(
+            "a train.py export or gated adapter folder (its block size and mask token); default: the model's "
+            "trained reference checkpoint; null: the model as it is (no MARS training)"
+        ),
+    ]
     checkpoint_meta: dict[str, Any] | None = None  # derived: the checkpoint's mars_config.json
-    decoding: dict[str, Any]  # checked by DecodingSettings (``settings``)
-    tau_policy: Literal[POLICIES]
-    threshold: float  # the bounds (tau_min, tau_max) and the adaptive settings: checked by the policy
-    tau_min: float
-    tau_max: float
-    adaptive: dict[str, Any]
-    max_batch: Annotated[int, Field(ge=1)]
-    max_queue: Annotated[int, Field(ge=0)]
-    max_tokens: Annotated[int, Field(ge=1, description="null: decoding.max_new_tokens")] | None
-    max_model_len: Annotated[int, Field(ge=2)] | None
-    served_model_name: str | None
-    dtype: DtypeName
-    device: str
-    threads: Annotated[int, Field(ge=1)] | None
-    shutdown_grace_s: Annotated[float, Field(ge=0)]
-    warmup: bool
-    log_level: str
-    metrics_window_s: Annotated[float, Field(gt=0)]
-    max_body_bytes: Annotated[int, Field(ge=1024)]
+    # checked by DecodingSettings (``settings``)
+    decoding: Annotated[dict[str, Any], about("how to decode (conf/decoding/): decoder, block size, metric, cache")]
+    tau_policy: Annotated[
+        Literal[POLICIES], about("fixed (serve threshold) | adaptive (tau_max when idle, down to tau_min under load)")
+    ]
+    # the bounds (tau_min, tau_max) and the adaptive settings: checked by the policy
+    threshold: Annotated[float, about("the fixed policy's tau (1.0: exactly greedy AR); requests may bring their own")]
+    tau_min: Annotated[float, about("requests' own thresholds are clamped to [tau_min, tau_max]")]
+    tau_max: Annotated[float, about("the strictest threshold served (the adaptive policy's when idle)")]
+    adaptive: Annotated[dict[str, Any], about("the adaptive policy: signal (queue | latency), targets, rates")]
+    max_batch: Annotated[int, Field(ge=1), about("rows decoded together (continuous batching)")]
+    max_queue: Annotated[int, Field(ge=0), about("requests waiting beyond the free rows; more get 429")]
+    max_tokens: Annotated[
+        Annotated[int, Field(ge=1, description="null: decoding.max_new_tokens")] | None,
+        about("default completion budget; null: decoding.max_new_tokens"),
+    ]
+    max_model_len: Annotated[
+        Annotated[int, Field(ge=2)] | None, about("cap on prompt + completion tokens; null: the model's context")
+    ]
+    served_model_name: Annotated[str | None, about("the model name clients use; null: the run name or model.id")]
+    dtype: Annotated[DtypeName, about("auto (bfloat16 on GPUs, float32 on CPUs) | float32 | bfloat16")]
+    device: Annotated[str, about("auto (cuda if available) | cpu | cuda | cuda:1 ...")]
+    threads: Annotated[Annotated[int, Field(ge=1)] | None, about("torch CPU threads; null: torch's default")]
+    shutdown_grace_s: Annotated[
+        float, Field(ge=0), about("on SIGTERM/Ctrl-C: seconds in-flight requests get before a 503")
+    ]
+    warmup: Annotated[bool, about("one tiny request before serving (one-off costs out of the first request)")]
+    log_level: Annotated[str, about("debug | info | warning | error")]
+    metrics_window_s: Annotated[float, Field(gt=0), about("window of the live tokens/s and tokens/forward figures")]
+    max_body_bytes: Annotated[int, Field(ge=1024), about("larger request bodies get 413 before they are read")]
     _settings: DecodingSettings | None = PrivateAttr(default=None)
 
     @property
@@ -99,7 +128,7 @@ class ServeConfig(OpenSection):
             self.checkpoint_meta = read_checkpoint(self.checkpoint)
         self._settings = serving_settings(self.decoding, self.checkpoint_meta, self.device)
         # checks the bounds, the threshold and the adaptive settings without a model
-        build_policy(
+        policy = build_policy(
             self.tau_policy,
             threshold=self.threshold,
             tau_min=self.tau_min,
@@ -107,17 +136,71 @@ class ServeConfig(OpenSection):
             metric=self._settings.metric,
             adaptive=self.adaptive,
         )
+        self._warn_if_untrained(policy)
         if self.max_tokens is None:
             self.max_tokens = self._settings.max_new_tokens
         if not self.served_model_name:
             self.served_model_name = _default_name(self.model, self.checkpoint)
         return self
 
+    def _loosest(self, policy) -> tuple[str, float]:
+        """The config key and value of the loosest threshold the server itself serves (requests may bring
+        their own, inside the bounds): the fixed threshold, or the adaptive policy's relaxed bound."""
+        if self.tau_policy == "fixed":
+            return "threshold", policy.threshold
+        return ("tau_max" if policy.metric == "entropy" else "tau_min"), policy.relaxed
+
+    def _warn_if_untrained(self, policy) -> None:
+        """Below the exact threshold a MARS row accepts its masks' predictions unverified, and only MARS
+        training makes those right: an untrained model then answers garbage faster, so say so before loading."""
+        key, value = self._loosest(policy)
+        if self._settings.decoder != "mars" or policy.is_exact(value) or mars_trained(self.checkpoint_meta):
+            return
+        ref = float(policy.reference)
+        log.warning(  # a log line, as vLLM warns at startup: it lands in the run folder's log with the rest
+            "serving %s with tau_policy=%s %s=%s: without MARS training its masks' predictions are mostly wrong, and "
+            "a threshold short of the exact %s accepts them unverified (verify requests stay exact); serve a MARS "
+            "checkpoint (checkpoint=<train.py run>/hf; the default is the model's reference_checkpoint) or set %s=%s",
+            self.model_description(),
+            self.tau_policy,
+            key,
+            float(value),
+            ref,
+            key,
+            ref,
+        )
+
+    def model_description(self) -> str:
+        """What the server serves: the checkpoint or base model and whether its masks had MARS training."""
+        if not self.checkpoint:
+            return f"the base model {self.model.get('name_or_path')} (no MARS training)"
+        meta = self.checkpoint_meta or {}
+        trained = "MARS-trained" if mars_trained(meta) else f"no MARS training: objective {meta.get('objective')}"
+        return f"checkpoint {self.checkpoint} ({trained})"
+
+    def describe(self) -> str:
+        """One line with what is served and how: model or checkpoint, threshold policy, decoder."""
+        s = self._settings
+        if self.tau_policy == "fixed":
+            policy = f"tau_policy=fixed threshold={float(self.threshold)}"
+        else:
+            strict, relaxed = (self.tau_min, self.tau_max) if s.metric == "entropy" else (self.tau_max, self.tau_min)
+            signal = self.adaptive.get("signal", "queue")
+            policy = f"tau_policy=adaptive tau {float(strict)} idle -> {float(relaxed)} under load ({signal})"
+        exact = (
+            " (exact: greedy AR)" if self.tau_policy == "fixed" and is_exact_threshold(self.threshold, s.metric) else ""
+        )
+        return (
+            f"serving {self.model_description()} as {self.served_model_name!r}: {policy}{exact}, metric={s.metric}, "
+            f"decoder={s.decoder} block_size={s.block_size}, verify per request"
+        )
+
     @classmethod
     def from_cfg(cls, cfg: DictConfig | dict) -> ServeConfig:
         """The composed ``serve.yaml``, resolved and checked before any model loads."""
         data = dict(_plain(cfg))
         data.pop("hydra", None)
+        data["checkpoint"] = bundled_path(data.get("checkpoint"))
         return validated(cls, data)
 
 

@@ -3,9 +3,10 @@ a free loopback port, for tests, notebooks and the load test's in-process mode).
 
 Shutdown (Ctrl-C / SIGTERM, or ``BackgroundServer.stop``) drains first (:class:`DrainingServer`): the socket
 stays open, ``/health`` answers 503 ``draining`` (a load balancer's cue to send elsewhere) and new requests
-get 503 with ``Retry-After``, while in-flight requests (streams included) get ``shutdown_grace_s`` to
-finish; then the engine loop cancels what is left (a non-streaming request gets a JSON 503, a stream an
-error event and ``[DONE]``).  Once no request is open (or a few seconds past the grace), uvicorn closes
+get 503 with ``Retry-After`` (as do requests still sending their bodies: a stalled upload cannot hold the
+exit), while in-flight requests (streams included) get ``shutdown_grace_s`` to finish; then the engine
+loop cancels what is left (a non-streaming request gets a JSON 503, a stream an error event and
+``[DONE]``).  Once no request is open (or a few seconds past the grace), uvicorn closes
 the socket and the process exits 0.  A second signal stops waiting: what is left is cancelled at once.
 Plain uvicorn would instead close the socket at the first signal (new requests: connection refused) and
 cut whatever outlived its timeout (a plain-text 500, a stream without its end).
@@ -72,9 +73,11 @@ class DrainingServer(uvicorn.Server):
             grace = self.state.shutdown_grace_s if first else 0.0
             now = time.monotonic()
             self.drain_deadline = now + grace if first else min(self.drain_deadline, now)
+            cut = self.state.cut_body_reads()
             log.info(
-                "draining: new requests get 503, %d open request(s) get %.1f s to finish",
-                max(self.state.in_flight, 0),
+                "draining: new requests%s get 503, %d open request(s) get %.1f s to finish",
+                f" and the {cut} still sending their bodies" if cut else "",
+                max(self.state.in_flight - cut, 0),
                 grace,
             )
             self.state.loop.drain(grace)
@@ -92,18 +95,19 @@ def run(cfg) -> None:
     from .config import ServeConfig, build_state
 
     sc = ServeConfig.from_cfg(cfg)
-    log.info("loading %s", sc.checkpoint or sc.model.get("name_or_path"))
+    log.info("%s; loading the model", sc.describe())  # what is served, before the minutes a large model may take
     state = build_state(sc)
     app = create_app(state)
+    info = state.info
     log.info(
-        "serving %s on http://%s:%d (tau_policy=%s, max_batch=%d, max_queue=%d) %s",
-        state.model_name,
+        "listening on http://%s:%d (max_batch=%d, max_queue=%d, %s %s, context %d)",
         sc.host,
         sc.port,
-        sc.tau_policy,
         sc.max_batch,
         sc.max_queue,
-        state.info,
+        info.get("device"),
+        info.get("dtype"),
+        state.context_length,
     )
     server = DrainingServer(uvicorn_config(app, host=sc.host, port=sc.port, log_level=sc.log_level), state)
     # the server drains on SIGINT/SIGTERM and then re-raises the signal (as uvicorn does); both end here

@@ -10,5 +10,10 @@ two-stream layout), :mod:`~mars.training.objectives` (loss terms), :mod:`~mars.t
 :mod:`~mars.training.loss_history` (``losses.csv`` and the loss curve).  :func:`mars.training.run.run` is
 ``train.py``'s body.
 
-Importing this package is cheap: nothing loads until a submodule is imported.
+Importing this package is cheap: it registers train.yaml's run-name resolver; nothing else loads until a
+submodule is imported.
 """
+
+from mars.training.fingerprint import register_resolvers
+
+register_resolvers()  # train.yaml's run name reads the run's length through a resolver

@@ -18,6 +18,7 @@ The used budget is saved in every checkpoint, so a killed run resumes with what 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,23 +44,26 @@ class BudgetSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshots", tuple(self.snapshots or ()))
+        # a budget ends the run: NaN and infinity never end it (and NaN makes the lr factor 0)
+        if self.minutes is not None and not _finite_positive(self.minutes):
+            raise ValueError(f"budget.minutes must be a finite number > 0 or null, got {self.minutes!r}")
         for m in self.snapshots:
-            if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
-                raise ValueError(f"budget.snapshots must be minutes > 0, got {list(self.snapshots)!r}")
+            if not _finite_positive(m):
+                raise ValueError(f"budget.snapshots must be finite minutes > 0, got {list(self.snapshots)!r}")
             if self.minutes is None or m > self.minutes:
                 raise ValueError(
                     f"budget.snapshots {list(self.snapshots)} must lie within budget.minutes={self.minutes}"
                 )
-        if self.minutes is not None and (
-            isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) or self.minutes <= 0
-        ):
-            raise ValueError(f"budget.minutes must be a number > 0 or null, got {self.minutes!r}")
         if self.clock not in CLOCKS:
             raise ValueError(f"budget.clock must be one of {CLOCKS}, got {self.clock!r}")
 
     @property
     def seconds(self) -> float | None:
         return None if self.minutes is None else 60.0 * float(self.minutes)
+
+
+def _finite_positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def minimum_step_seconds(num_parameters: int, tokens_per_step: int, streams: int, cores: int) -> float:

@@ -230,15 +230,19 @@ def max_time_seconds(value: str | dict[str, float] | None) -> float | None:
 
 
 def estimated_parameters(name_or_path: str) -> int | None:
-    """The parameter count of a decoder-only transformer from its config alone (no weights read)."""
+    """The parameter count of a decoder-only transformer from its config alone (no weights read).  The
+    embedded model's comes from its GGUF header, so it is known on the first run too, before the GGUF is
+    converted (a fresh cache), and is the same on every run."""
     from transformers import AutoConfig
 
-    from mars.models import cache_root
+    from mars.models import embedded_gguf_path, gguf_parameter_count
 
     name = str(name_or_path)
     if name == "tiny-random":
         return None
-    folder = cache_root() / "smollm2-135m-instruct" if name.startswith("embedded:") else Path(name)
+    if name.startswith("embedded:"):
+        return gguf_parameter_count(embedded_gguf_path())
+    folder = Path(name)
     if not (folder / "config.json").is_file():
         return None
     c = AutoConfig.from_pretrained(folder)

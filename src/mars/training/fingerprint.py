@@ -1,7 +1,8 @@
 """The fingerprint of a training run folder: a rerun may resume or skip it only with the same settings.
 
-``outputs/train/<run_name>`` is named after the model, objective, block and mask schedule only, so two
-commands that differ in learning rate, data or step budget land in the same folder.  Before the model
+``outputs/train/<run_name>`` is named after the model, objective, block and mask schedule, and the run's length
+when one is set (``data.limit``, ``trainer.max_steps``, ``budget.minutes``: :func:`run_length_suffix`), so two
+commands that differ in learning rate or data land in the same folder.  Before the model
 loads, :func:`check_run_folder` compares the settings that change the trained weights with the ones the
 folder was started with (``fingerprint.json``) and refuses a mismatch, naming each differing key and how to
 proceed; resuming a half-finished run with another optimizer config, or skipping a finished run trained on
@@ -147,6 +148,32 @@ def run_fingerprint(cfg) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------
+# The run's name
+# ------------------------------------------------------------------------------------------
+def run_length_suffix(limit: Any = None, max_steps: Any = None, minutes: Any = None) -> str:
+    """``-limit32-steps5`` / ``-20min``: the part of the default run name (a Hydra resolver of train.yaml) that
+    says how much a run trains, when it is set.  These are the settings a quick run varies (the quickstart's
+    ``data.limit`` and ``trainer.max_steps``), so a rerun with another value gets its own folder instead of
+    being refused by this folder's fingerprint; at their defaults (no limit, no step cap, no budget) the name is
+    the plain one."""
+    parts = []
+    if limit is not None:
+        parts.append(f"limit{limit}")
+    if max_steps is not None and max_steps != -1:
+        parts.append(f"steps{max_steps}")
+    if minutes is not None:  # a bad value is named by the config check, not here
+        parts.append(f"{minutes:g}min" if isinstance(minutes, (int, float)) else f"{minutes}min")
+    return "".join(f"-{p}" for p in parts)
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mars_run_length"):
+        OmegaConf.register_new_resolver("mars_run_length", run_length_suffix)
+
+
+# ------------------------------------------------------------------------------------------
 # Comparing and recording
 # ------------------------------------------------------------------------------------------
 def read_fingerprint(out_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -229,6 +256,8 @@ def record_fingerprint(out_dir: str | os.PathLike, fingerprint: dict[str, Any]) 
 
 __all__ = [
     "FINGERPRINT_FILE",
+    "register_resolvers",
+    "run_length_suffix",
     "RunMismatchError",
     "check_run_folder",
     "clear_run_folder",

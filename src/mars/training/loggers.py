@@ -48,7 +48,15 @@ def wandb_logger(*, save_dir: str, mode: str = "auto", tags: list[str] | None = 
     """Lightning's W&B logger (``conf/logger/wandb.yaml``'s target), offline unless credentials exist."""
     os.environ.setdefault("WANDB_SILENT", "true")
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return _offline_aware_wandb_logger()(save_dir=str(save_dir), mode=wandb_mode(mode), tags=list(tags or []), **kwargs)
+    logger = _offline_aware_wandb_logger()(
+        save_dir=str(save_dir), mode=wandb_mode(mode), tags=list(tags or []), **kwargs
+    )
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and init.get("anonymous") is None:
+        # Lightning passes anonymous=None to wandb.init, which W&B answers on every run with "The anonymous
+        # setting has no effect and will be removed"; left out, W&B behaves the same and says nothing
+        init.pop("anonymous", None)
+    return logger
 
 
 def _entries(section: Mapping[str, Any] | None, group: str) -> dict[str, Mapping[str, Any]]:

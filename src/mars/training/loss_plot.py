@@ -37,6 +37,23 @@ def smooth(values: list[float], span: int) -> list[float]:
     return out
 
 
+def readable_log_ticks(ax, values: list[float]) -> None:
+    """Plain-number labels on the log y axis, dense enough to read a value off: matplotlib's default labels
+    only the powers of ten, so a curve between 100 and 200 shows the single label 10^2.  Over a decade or
+    more the labels are 1-2-5 steps (0.5, 1, 2, 5, 10, 20, ...); within one, evenly spaced round numbers
+    (120, 140, 160, ...)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    low, high = min(values), max(values)
+    if high / low >= 10:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs="auto"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def loss_figure(rows: list[dict[str, float]]):
     """The matplotlib figure of ``rows`` (losses.csv); None when there is nothing to draw."""
     import matplotlib
@@ -64,7 +81,9 @@ def loss_figure(rows: list[dict[str, float]]):
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (log scale)")
     ax.set_yscale("log")
+    readable_log_ticks(ax, [v for pts in series.values() for _, v in pts])
     ax.grid(alpha=0.3)
+    ax.grid(alpha=0.12, which="minor")
     title = "training loss" + (f": thick = moving average over ~{span} steps, thin = per step" if span > 1 else "")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)

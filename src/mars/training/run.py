@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from mars.logs import route_lightning_logs
+from mars.logs import quiet_library_notices, route_lightning_logs
 from mars.metadata import is_complete
 from mars.models import load_model
 from mars.persistence import atomic_write_json, atomic_write_text, folder_lock
@@ -175,6 +175,7 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
     """The run's phases in order: checks that need no model (folder, resume checkpoint, data rows), then
     the model, the module and the trainer, then the fit and the summary."""
     route_lightning_logs()  # each Lightning line once (Hydra's root handler), no adverts
+    quiet_library_notices()  # no deprecation notice about the libraries' own calls on every run
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
     fingerprint = run_fingerprint(cfg)

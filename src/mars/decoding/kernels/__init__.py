@@ -21,13 +21,18 @@ with AVX2 and FMA) in one flavour per machine: an ISA (AVX-512 where the CPU has
 ``<mars cache>/kernels/<name>-torch<version>-<hash>``: the hash covers the sources, the flags (the flavour
 among them) and the Python/torch ABI, so a build for another torch, source or flavour is never loaded, a build
 killed half-way is redone (see :func:`ensure_built`), and later processes load the cached library directly
-(no compiler run).
+(no compiler run).  The build's ``complete`` marker records the library's size and sha256, checked before every
+load (as checkpoints' sha256 sidecars are): a library that fails the check or does not load is rebuilt, never
+loaded (a truncated one would kill the process with SIGBUS inside the loader).  A cache that cannot be written
+costs speed, never a crash: its finished builds are used as they are, and where none is, the eager path runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -182,6 +187,18 @@ def check_cpu() -> None:
 
 
 NAME = "mars_small_gemm"
+# The ops a loaded library must define: another library under this build's name is not this build
+OPS = (
+    "small_linear",
+    "fused_linear",
+    "lowrank_linear",
+    "pack_lowrank",
+    "decode_attention",
+    "top_tokens",
+    "greedy_verify",
+)
+MARKER = "complete"
+NOT_BUILT = "holds no finished build"
 
 
 @functools.cache
@@ -189,14 +206,47 @@ def small_linear_op():
     """``torch.ops.mars.small_linear`` (built or loaded on first call); raises :class:`KernelUnavailable`."""
     import torch
 
-    check_cpu()
-    library = ensure_built(build_dir())
+    failure = _loaded()
+    if failure is not None:
+        raise failure
+    return torch.ops.mars.small_linear.default
+
+
+@functools.cache
+def _loaded() -> KernelUnavailable | None:
+    """Build (where needed) and load this machine's library once per process; the failure, where there is one,
+    is kept: a library that does not load stays loaded or half-loaded in the process, so retrying at every
+    step would rebuild it at every step."""
+    try:
+        check_cpu()
+        target = build_dir()
+        library = ensure_built(target)
+        try:
+            _load(library)
+        except KernelUnavailable as err:  # a library that passes its check yet does not load is a miss too
+            ensure_built(target, rebuild=f"has a library that does not load ({err})")
+            try:
+                _load(library)
+            except KernelUnavailable as again:
+                raise KernelUnavailable(f"{again}; it is rebuilt, and later processes load the new build") from err
+        _register_fake()
+    except KernelUnavailable as err:
+        return err
+    return None
+
+
+def _load(library: Path) -> None:
+    """Load ``library`` into this process and check that it defines this build's ops."""
+    import torch
+
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
-        raise KernelUnavailable(f"could not load the small-M GEMM kernel {library}: {err}") from err
-    _register_fake()
-    return torch.ops.mars.small_linear.default
+        cause = f" ({err.__cause__})" if err.__cause__ else ""
+        raise KernelUnavailable(f"the small-M GEMM kernel {library} does not load: {err}{cause}") from err
+    missing = [op for op in OPS if not hasattr(torch.ops.mars, op)]
+    if missing:  # refused here: calling a missing op would fail at the first decode step instead
+        raise KernelUnavailable(f"the small-M GEMM kernel {library} loads but defines no mars::{missing[0]}")
 
 
 @functools.cache
@@ -283,26 +333,83 @@ def decoder_step_class():
     return torch.classes.mars.DecoderStep
 
 
-def ensure_built(target: Path) -> Path:
-    """The kernel library in ``target``, built there first unless a finished build is present.
+def ensure_built(target: Path, *, rebuild: str | None = None) -> Path:
+    """The kernel library in ``target``, built there first unless a finished build that passes its check is present
+    (``rebuild``: why the present one is not used although it passes).
 
-    A build is finished when its ``complete`` marker exists (written after the compiler succeeded); a folder
-    without it (a build killed half-way, a crashed compiler) is wiped and built again, never loaded.  A lock
-    file beside the folder keeps two processes from building into it at once."""
+    A build is finished when its ``complete`` marker exists (written after the compiler succeeded, with the
+    library's size and sha256); a folder without it (a build killed half-way, a crashed compiler), or whose library
+    does not match it (truncated, overwritten), is wiped and built again, never loaded.  A finished build is checked
+    without writing anything, so a read-only cache serves it; a build takes a lock file beside the folder, so two
+    processes never build into it at once, and a cache that cannot be written raises :class:`KernelUnavailable`."""
+    library = target / f"{NAME}.so"
+    if rebuild is None and entry_problem(target) is None:
+        return library
+    try:
+        with _build_lock(target):
+            problem = rebuild or entry_problem(target)  # another process may have built it while this one waited
+            if problem is not None:
+                _rebuild(target, problem)
+    except OSError as err:
+        raise KernelUnavailable(
+            f"the kernel cache {target.parent} cannot be written ({err}), so the small-M GEMM kernel cannot be built"
+            " there (set MARS_CACHE to a writable folder)"
+        ) from err
+    return library
+
+
+def entry_problem(target: Path) -> str | None:
+    """Why the build in ``target`` cannot be loaded (:data:`NOT_BUILT` where it has no ``complete`` marker), or None
+    where its library has the size and sha256 its marker records.  Reads only."""
+    from mars.persistence import sha256_of
+
+    library = target / f"{NAME}.so"
+    try:
+        record = json.loads((target / MARKER).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return NOT_BUILT
+    except (OSError, ValueError):
+        record = None
+    if not (isinstance(record, dict) and isinstance(record.get("size"), int) and record.get("sha256")):
+        return "has a completion marker without the library's size and sha256"
+    try:
+        size = library.stat().st_size
+        if size != record["size"]:
+            return f"has a {size}-byte {library.name} where its build wrote {record['size']} bytes"
+        if sha256_of(library) != record["sha256"]:
+            return f"has a {library.name} whose sha256 is not the one its build recorded"
+    except OSError as err:
+        return f"has no readable {library.name} ({err.strerror or err})"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
     import fcntl
-    import shutil
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    library, marker = target / f"{NAME}.so", target / "complete"
-    with open(target.parent / f"{target.name}.lock", "w") as lock:
+    with open(target.parent / f"{target.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (marker.is_file() and library.is_file()):
-            shutil.rmtree(target, ignore_errors=True)
-            _build(target, NAME)
-            if not library.is_file():
-                raise KernelUnavailable(f"building the small-M GEMM kernel left no {library}")
-            marker.write_text(build_key() + "\n")
-    return library
+        yield
+
+
+def _rebuild(target: Path, problem: str) -> None:
+    """Build into ``target`` from scratch (the caller holds the lock) and record the library in its marker."""
+    import shutil
+
+    from mars.persistence import sha256_of
+
+    if problem != NOT_BUILT:
+        log.warning("mars: the kernel cache %s %s: rebuilding it", target, problem)
+    shutil.rmtree(target, ignore_errors=True)
+    _build(target, NAME)
+    library = target / f"{NAME}.so"
+    if not library.is_file():
+        raise KernelUnavailable(f"building the small-M GEMM kernel left no {library}")
+    record = {"key": build_key(), "library": library.name, "size": library.stat().st_size, "sha256": sha256_of(library)}
+    partial = target / f"{MARKER}.partial"
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, target / MARKER)  # a marker is whole or absent
 
 
 def has_compiler() -> bool:
@@ -317,7 +424,7 @@ def can_run_here() -> bool:
     make one.  Builds and loads nothing."""
     try:
         check_cpu()
-        return (build_dir() / "complete").is_file() or has_compiler()
+        return has_compiler() or entry_problem(build_dir()) is None
     except KernelUnavailable:
         return False
 
