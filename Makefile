@@ -43,10 +43,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses (torchrun, train.py, servers), so on
-# 2 vCPUs two workers take about 8 minutes, one process takes longer. TEST_WORKERS=0 runs it in one process.
+# 2 vCPUs two workers take about 7 minutes; worksteal hands queued tests to the idle worker, so a few long
+# end-to-end tests do not leave one worker running alone at the end. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

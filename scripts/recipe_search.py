@@ -378,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     stages.run(
         "base/eval",
         eval_command(
-            [f"model={spec.get('base', 'smollm2-135m')}"], base_eval, spec, ["threshold=1.0", "reference=false"]
+            # checkpoint=null: the model as it is, not its shipped MARS checkpoint
+            [f"model={spec.get('base', 'smollm2-135m')}", "checkpoint=null"],
+            base_eval,
+            spec,
+            ["threshold=1.0", "reference=false"],
         ),
         done=has_points(base_eval, [1.0]),
     )

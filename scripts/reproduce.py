@@ -151,7 +151,10 @@ def run_evaluations(stages: Stages, lay: Layout, args) -> None:
     base = lay.eval("base")
     stages.run(
         "eval-base",
-        evaluate(f"model={args.base}", base, args, ["threshold=1.0", "reference=false"], args.eval_limit),
+        # checkpoint=null: the model as it is, not its shipped MARS checkpoint
+        evaluate(
+            f"model={args.base}", base, args, ["checkpoint=null", "threshold=1.0", "reference=false"], args.eval_limit
+        ),
         done=has_points(base, [1.0]),
     )
     compare = f"compare=[{base}]"

@@ -12,9 +12,9 @@ from conftest import TINY_SFT
 from lightning.pytorch.callbacks import Callback
 
 from mars.config_schema import ConfigError
-from mars.decoding.settings import DecodingSettings
+from mars.decoding.settings import DecodingSettings, decoding_block_size
 from mars.evaluation.config import EvaluateConfig, check_config
-from mars.metadata import CheckpointError, MetadataError, decoding_block_size, read_checkpoint
+from mars.metadata import CheckpointError, MetadataError, read_checkpoint
 from mars.pipeline import complete_checkpoint
 from mars.serving.config import ServeConfig
 from mars.training.config import TrainConfig

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lm_eval_fixtures import write_generation_task
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SFT = REPO / "tests" / "data" / "tiny_sft.jsonl"
@@ -42,26 +43,7 @@ def workdir(tmp_path_factory) -> Path:
     """A working directory holding a fixture benchmark suite (one tiny generate_until task)."""
     root = tmp_path_factory.mktemp("multirun")
     tasks = root / "tasks"
-    tasks.mkdir()
-    (tasks / "fx_mr.jsonl").write_text(
-        "".join(json.dumps({"question": q, "answer": "Paris"}) + "\n" for q in QUESTIONS)
-    )
-    (tasks / "fx_mr.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "task": "fx_mr",
-                "dataset_path": "json",
-                "dataset_kwargs": {"data_files": {"test": str(tasks / "fx_mr.jsonl")}},
-                "output_type": "generate_until",
-                "test_split": "test",
-                "doc_to_text": "{{question}}",
-                "doc_to_target": "answer",
-                "generation_kwargs": {"until": [], "max_gen_toks": 6, "do_sample": False},
-                "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-                "metadata": {"version": 1.0},
-            }
-        )
-    )
+    write_generation_task(tasks, "fx_mr", [{"question": q, "answer": "Paris"} for q in QUESTIONS], max_gen_toks=6)
     (root / "conf" / "benchmarks").mkdir(parents=True)
     (root / "conf" / "benchmarks" / "fixture.yaml").write_text(
         yaml.safe_dump(

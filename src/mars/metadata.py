@@ -209,19 +209,6 @@ def _tokenizer_mask_token(folder: Path) -> str | None:
     return mask.get("content") if isinstance(mask, dict) else mask  # an AddedToken is serialised as a dict
 
 
-def decoding_block_size(requested: int | None, meta: dict[str, Any] | MarsMetadata | None) -> int:
-    """The block size to decode with: ``requested`` when set, else the checkpoint's training block size,
-    else the decoding settings' default (one rule for evaluation, serving and the benchmark commands)."""
-    if requested is not None:
-        return int(requested)
-    trained = meta.block_size if isinstance(meta, MarsMetadata) else (meta or {}).get("block_size")
-    if trained:
-        return int(trained)
-    from mars.decoding.settings import DecodingSettings
-
-    return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "block_size")
-
-
 # train.py exports to outputs/train/<run>/hf: for these folder names the run's name is the useful label
 EXPORT_FOLDER_NAMES = ("hf", "export", "final")
 # pipelines train into <name>/train/hf (scripts/reproduce.py): there the pipeline's name says which run it is
@@ -257,7 +244,6 @@ __all__ = [
     "mars_trained",
     "CheckpointError",
     "read_checkpoint",
-    "decoding_block_size",
     "METADATA_FILE",
     "MarsMetadata",
     "MetadataError",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lm_eval_fixtures import write_generation_task
 from omegaconf import OmegaConf, open_dict
 
 import mars.evaluation  # noqa: F401  (registers the run-name resolver)
@@ -74,23 +75,8 @@ def loads(monkeypatch, tiny):
 
 def write_task(folder: Path, name: str, answers: list[str], until: list[str] | None = None) -> Path:
     """A generate_until task over QUESTIONS scored by exact match against ``answers``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    write_jsonl(data, [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)])
-    cfg = {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data)}},
-        "output_type": "generate_until",
-        "test_split": "test",
-        "doc_to_text": "{{question}}",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": until or [], "max_gen_toks": 12, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0},
-    }
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    return folder
+    rows = [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)]
+    return write_generation_task(folder, name, rows, max_gen_toks=12, until=until)
 
 
 def suite(folder: Path, *names: str) -> dict:
@@ -994,21 +980,7 @@ def test_typical_decoding_config_reaches_the_engine_and_is_not_reported_as_ar(
 def write_long_task(folder: Path) -> None:
     """``fx_long``: LONG_QUESTIONS answered freely (24 new tokens each), in ``folder``."""
     folder.mkdir()
-    data = folder / "fx_long.jsonl"
-    write_jsonl(data, [{"question": q, "answer": "-"} for q in LONG_QUESTIONS])
-    cfg = {
-        "task": "fx_long",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data)}},
-        "output_type": "generate_until",
-        "test_split": "test",
-        "doc_to_text": "{{question}}",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": [], "max_gen_toks": 24, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0},
-    }
-    (folder / "fx_long.yaml").write_text(yaml.safe_dump(cfg))
+    write_generation_task(folder, "fx_long", [{"question": q, "answer": "-"} for q in LONG_QUESTIONS], max_gen_toks=24)
 
 
 def kill_after_two_samples(conf: str, out: Path, settings: list[str]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import yaml
+from lm_eval_fixtures import write_generation_task
 
 from mars.evaluation.lm_eval_model import (
     MarsLM,
@@ -76,23 +76,9 @@ def test_a_model_that_picks_its_own_device_does_not_warn_about_a_missing_gpu(tin
 def _generating_task(folder, max_gen_toks: int):
     from lm_eval.tasks import TaskManager
 
-    from mars.evaluation.store import write_jsonl
-
-    folder.mkdir(parents=True, exist_ok=True)
-    write_jsonl(folder / "rows.jsonl", [{"q": "Say hi.", "a": "hi"}])
     name = f"fx_budget_{max_gen_toks}"
-    cfg = {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(folder / "rows.jsonl")}},
-        "output_type": "generate_until",
-        "test_split": "test",
-        "doc_to_text": "{{q}}",
-        "doc_to_target": "a",
-        "generation_kwargs": {"until": ["\n"], "max_gen_toks": max_gen_toks, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-    }
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    rows = [{"q": "Say hi.", "a": "hi"}]
+    write_generation_task(folder, name, rows, max_gen_toks=max_gen_toks, until=["\n"], fields=("q", "a"))
     return TaskManager(include_path=str(folder), include_defaults=False).load([name])["tasks"][name]
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-import yaml
+from lm_eval_fixtures import write_generation_task
 from omegaconf import OmegaConf, open_dict
 
 import mars.evaluation  # noqa: F401  (registers the run-name resolver)
 from mars.evaluation import run as run_eval
 from mars.evaluation.config import check_config
-from mars.evaluation.store import write_json, write_jsonl
+from mars.evaluation.store import write_json
 
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Count to three.", "Say hello.", "Name a fruit."]
 
@@ -53,20 +53,8 @@ def events(monkeypatch, tiny):
 def _suite(tmp_path) -> dict:
     folder = tmp_path / "tasks"
     folder.mkdir()
-    write_jsonl(folder / "rows.jsonl", [{"question": q, "answer": "x"} for q in QUESTIONS])
-    task = {
-        "task": "fx_plan",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(folder / "rows.jsonl")}},
-        "output_type": "generate_until",
-        "test_split": "test",
-        "doc_to_text": "{{question}}",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": [], "max_gen_toks": 6, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0},
-    }
-    (folder / "fx_plan.yaml").write_text(yaml.safe_dump(task))
+    rows = [{"question": q, "answer": "x"} for q in QUESTIONS]
+    write_generation_task(folder, "fx_plan", rows, max_gen_toks=6, data_file="rows.jsonl")
     return {
         "name": "fixture",
         "include_path": [str(folder)],

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mars.bench import cli_options
-from mars.metadata import decoding_block_size
+from mars.decoding.settings import decoding_block_size
 from mars.paths import data_dir
 
 

@@ -47,9 +47,8 @@ from typing import Any
 
 from mars.bench import cli_options
 from mars.bench.cli_options import check_settings, comma_list, decoding_values, positive_ints
-from mars.decoding.settings import DecodingSettings
+from mars.decoding.settings import DecodingSettings, decoding_block_size
 from mars.hardware import apply_process_defaults, describe_wait_policy
-from mars.metadata import decoding_block_size
 
 apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.hardware says why)
 

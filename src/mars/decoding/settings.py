@@ -374,3 +374,15 @@ def _coerce(value: Any, nullable: bool = False) -> Any:
             except ValueError:
                 pass
     return value
+
+
+def decoding_block_size(requested: int | None, meta: Any = None) -> int:
+    """The block size to decode with: ``requested`` when set, else the checkpoint's training block size (``meta``:
+    its metadata as a mapping or an object with ``block_size``), else :class:`DecodingSettings`' default: one rule
+    for evaluation, serving and the benchmark commands."""
+    if requested is not None:
+        return int(requested)
+    trained = meta.get("block_size") if isinstance(meta, Mapping) else getattr(meta, "block_size", None)
+    if trained:
+        return int(trained)
+    return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "block_size")

@@ -19,12 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
 from mars.config_schema import DtypeName, OpenSection, about, validated
+from mars.decoding.settings import decoding_block_size
 from mars.figures import PlotSettings, plot_settings
 from mars.metadata import (
     CheckpointError,
     MetadataError,
     checkpoint_label,
-    decoding_block_size,
     model_label,
     read_checkpoint,
 )

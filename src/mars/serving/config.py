@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
 from mars.config_schema import DtypeName, OpenSection, about, validated
-from mars.decoding.settings import DecodingSettings, is_exact_threshold
-from mars.metadata import decoding_block_size, mars_trained, read_checkpoint
+from mars.decoding.settings import DecodingSettings, decoding_block_size, is_exact_threshold
+from mars.metadata import mars_trained, read_checkpoint
 from mars.paths import bundled_path
 
 from .policy import POLICIES, build_policy
