@@ -225,6 +225,27 @@ def checkpoint_label(path: str | Path) -> str:
     return f"{run.parent.name}-{run.name}" if run.name in STAGE_FOLDER_NAMES and run.parent.name else run.name
 
 
+# folder names that say where a checkpoint is, not which one it is (train.py's export folder, a pipeline stage)
+GENERIC_NAMES = ("train", "hf", "export", "final", "checkpoint", "checkpoints", "model", "adapter", "outputs")
+
+
+def is_generic_label(label: str) -> bool:
+    """Whether a checkpoint's label is only a generic folder name that says nothing about what it is."""
+    return label.lower() in GENERIC_NAMES
+
+
+def meaningful_label(label: str, meta: dict[str, Any] | None) -> str:
+    """A checkpoint's label for tables, plots and folder names: its run's name, or, when that is only a generic
+    folder name (``train``, ``hf``...), what its mars_config.json says it is: ``<base>-<objective>[-<adapter>]``
+    (e.g. ``smollm2-135m-mars-gated_lora``)."""
+    if not is_generic_label(label) or not meta:
+        return label
+    base = str(meta.get("base_model") or "").rstrip("/").split("/")[-1].split(":")[-1]
+    parts = [base, str(meta.get("objective") or ""), str(meta.get("adapter") or "")]
+    described = "-".join(p for p in parts if p and p != "none")
+    return described or label
+
+
 def model_label(cfg: Mapping[str, Any]) -> str:
     """The label of a config's ``checkpoint`` if it has one, else of its ``model``: the model config's
     ``id``, else the last part of ``name_or_path`` (``embedded:x`` -> ``embedded-x``)."""
@@ -252,5 +273,7 @@ __all__ = [
     "is_complete",
     "metadata_path",
     "checkpoint_label",
+    "is_generic_label",
+    "meaningful_label",
     "model_label",
 ]

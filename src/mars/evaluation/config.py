@@ -25,6 +25,8 @@ from mars.metadata import (
     CheckpointError,
     MetadataError,
     checkpoint_label,
+    is_generic_label,
+    meaningful_label,
     model_label,
     read_checkpoint,
 )
@@ -56,10 +58,6 @@ def block_size_mismatch(trained: Any, used: int) -> str | None:
     )
 
 
-# folder names that say where a checkpoint is, not which one it is (train.py's export folder, a pipeline stage)
-GENERIC_NAMES = ("train", "hf", "export", "final", "checkpoint", "checkpoints", "model", "adapter", "outputs")
-
-
 def _default_max_new_tokens() -> int:
     import dataclasses
 
@@ -87,7 +85,7 @@ def run_name(
     that rerunning a command with another limit gets its own folder instead of a refusal."""
     label = checkpoint_label(str(checkpoint)) if checkpoint else str(model_id)
     meta = None
-    if checkpoint and (block_size is None or label.lower() in GENERIC_NAMES):
+    if checkpoint and (block_size is None or is_generic_label(label)):
         try:
             meta = read_checkpoint(bundled_path(str(checkpoint)))
         except (CheckpointError, MetadataError):
@@ -100,18 +98,6 @@ def run_name(
     if max_new_tokens is not None and int(max_new_tokens) != _default_max_new_tokens():
         suffix += f"-maxnew{int(max_new_tokens)}"
     return f"{label}-b{block}-{benchmarks}{suffix}"
-
-
-def meaningful_label(label: str, meta: dict[str, Any] | None) -> str:
-    """A checkpoint's label for tables, plots and folder names: its run's name, or, when that is only a generic
-    folder name (``train``, ``hf``...), what its mars_config.json says it is: ``<base>-<objective>[-<adapter>]``
-    (e.g. ``smollm2-135m-mars-gated_lora``)."""
-    if label.lower() not in GENERIC_NAMES or not meta:
-        return label
-    base = str(meta.get("base_model") or "").rstrip("/").split("/")[-1].split(":")[-1]
-    parts = [base, str(meta.get("objective") or ""), str(meta.get("adapter") or "")]
-    described = "-".join(p for p in parts if p and p != "none")
-    return described or label
 
 
 def register_resolvers() -> None:
