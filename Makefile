@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS ?= $(CURDIR)/constraints.txt
 PIP := PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo reproduce lint test test-slow clean
+.PHONY: setup demo reproduce lint test test-slow gpu-check clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -51,6 +51,14 @@ test: lint
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The GPU paths in one run, offline, within 8 minutes (docs/benchmarks.md, "GPU check"): writes
+# outputs/gpu_check/results.json and results.md. Installs nothing, since a GPU machine brings its own CUDA build of
+# torch: it runs .venv's python where there is one, else $(PYTHON), with this checkout's src/ on the path.
+# GPU_CHECK_ARGS="--device cpu --tiny" runs the same checks on a CPU with a few-layer model.
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_CHECK_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

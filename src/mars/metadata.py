@@ -3,9 +3,10 @@
 It is what makes a plain Hugging Face directory a MARS checkpoint: the training block size (decoding's
 default window), the objective it was trained with (name, ``alpha``, intra-block pattern), the mask
 token and how it was obtained, the base model and its parameter count (the "no new parameters" check),
-the optimizer step the weights come from and ``complete`` -- true only for the export of a training run
-that reached its configured end.  Training (:mod:`mars.training.run`) and ``python -m mars.training.export`` write it
-through :func:`write_metadata`; readers (training's skip check, :func:`mars.models.load_model`,
+the optimizer step the weights come from, ``complete`` -- true only for the export of a training run
+that reached its configured end -- and the masks' ``calibration`` when one was fitted (its fields are
+:mod:`mars.decoding.calibration`'s, checked when a decoder loads it).  Training (:mod:`mars.training.run`) and
+``python -m mars.training.export`` write it through :func:`write_metadata`; readers (training's skip check, :func:`mars.models.load_model`,
 evaluation) call :func:`read_metadata`, which validates the fields and names the file and the field
 when one is wrong.  Keys this version does not know are kept (``extra``) and written back unchanged.
 
@@ -52,6 +53,10 @@ class MarsMetadata:
     complete: bool = False  # True only for the export of a training run that reached its configured end
     # gated_lora: the folder holds an adapter for base_model (mars.adapters), not full weights
     adapter: str | None = None
+    # per-depth temperatures of the mask confidences (mars.decoding.calibration; mars-bench calibrate writes it)
+    calibration: dict[str, Any] | None = None
+    # the masks' acceptance per depth and rank, for tree=auto (mars.decoding.tree_choice; mars-bench calibrate)
+    draft_acceptance: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +94,10 @@ class MarsMetadata:
             raise bad("adapter", "null or 'gated_lora'")
         if self.adapter is not None and not self.base_model:
             raise bad("base_model", "the base model an adapter applies to")
+        if self.calibration is not None and not isinstance(self.calibration, dict):
+            raise bad("calibration", "an object or null")
+        if self.draft_acceptance is not None and not isinstance(self.draft_acceptance, dict):
+            raise bad("draft_acceptance", "an object or null")
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -266,6 +266,7 @@ def load_with_adapter(
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
     base: str | None = None,
+    calibration: bool = True,
 ) -> LoadedModel:
     """Base model + the gated adapter in ``folder``.  The base is loaded in fp32 (the precision its digest
     was taken in), checked against the adapter's record, adapted, then cast to ``dtype``."""
@@ -288,7 +289,21 @@ def load_with_adapter(
     load_adapter(
         loaded.model, folder, mask.id, block_size=(metadata or {}).get("block_size"), model_label=repr(str(base_name))
     )
+    attach_calibration(loaded.model, folder, metadata if calibration else None)
     return LoadedModel(loaded.model.to(dtype).to(device).eval(), tokenizer, mask, str(folder), metadata)
+
+
+def attach_calibration(model: PreTrainedModel, folder: str | os.PathLike, metadata: dict[str, Any] | None) -> None:
+    """``model.mars_calibration``: the per-depth temperatures of a MARS checkpoint's mask confidences, checked to
+    be fitted for this checkpoint and block size (:func:`mars.calibration_store.load_calibration`), or None (no
+    ``metadata``: not a MARS checkpoint, or its calibration left off).  The decoding engine reads it."""
+    model.mars_calibration = None
+    if metadata:
+        from mars.calibration_store import load_calibration
+
+        model.mars_calibration = load_calibration(folder, int(metadata["block_size"]))
+    # the masks' acceptance per depth and rank, which tree=auto weighs against the cost of a step's columns
+    model.mars_draft_acceptance = (metadata or {}).get("draft_acceptance")
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,15 +476,23 @@ def load_model(
     attn_implementation: str = "sdpa",
     device: str | torch.device = "cpu",
     base: str | None = None,
+    calibration: bool = True,
 ) -> LoadedModel:
     """Load ``name_or_path``: ``embedded:smollm2-135m``, ``tiny-random`` (with ``tiny`` kwargs),
     a local HF directory (e.g. a MARS checkpoint, whose metadata is returned), a hub id, or the folder of a
-    gated adapter run (base model + adapter; ``base`` overrides the base recorded in it)."""
+    gated adapter run (base model + adapter; ``base`` overrides the base recorded in it).  A MARS checkpoint's
+    mask calibration becomes ``model.mars_calibration`` (:func:`attach_calibration`; ``calibration=False`` leaves
+    it off, e.g. to fit it again)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    metadata = None
+    metadata, path = None, name_or_path
     if name_or_path != "tiny-random" and Path(name_or_path).is_dir() and (Path(name_or_path) / ADAPTER_META).is_file():
         return load_with_adapter(
-            name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation, device=device, base=base
+            name_or_path,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            device=device,
+            base=base,
+            calibration=calibration,
         )
     if base is not None:
         raise ValueError(f"base={base!r} is for adapter folders; {name_or_path} is not one (no {ADAPTER_META})")
@@ -487,4 +510,5 @@ def load_model(
     if metadata and metadata.get("mask_token") and not mask_token:
         mask_token = metadata["mask_token"]
     mask = ensure_mask_token(model, tokenizer, mask_token=mask_token, allow_new_row=allow_new_row)
+    attach_calibration(model, path, metadata if calibration else None)
     return LoadedModel(model.to(device), tokenizer, mask, str(name_or_path), metadata)

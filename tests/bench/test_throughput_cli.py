@@ -70,6 +70,20 @@ def check_row(r: dict) -> None:
     # AR decoders and verified decoding are exact at any sweep threshold
     if r["decoder"].startswith("ar") or r["decoder"] == "mars-verify":
         assert r["same_as_ar"] == "2/2" and float(r["threshold"]) == 1.0
+    check_acceptance(r)
+
+
+def check_acceptance(r: dict) -> None:
+    """vLLM's acceptance columns: only for rows that verified drafts, and consistent with one another."""
+    if r["decoder"] != "mars-verify" and not r["decoder"].startswith("verify-"):
+        assert r["mean_acceptance_length"] == r["draft_acceptance_rate"] == r["acceptance_by_position"] == ""
+        assert r["num_drafts"] == "0"
+        return
+    assert int(r["num_drafts"]) > 0 and r["draft_acceptance_rate"] == r["draft_acceptance"]
+    by_position = [float(a) for a in r["acceptance_by_position"].split(";")]
+    # a depth's draft passes only after the drafts before it did: per-position acceptance never rises
+    assert all(0 <= b <= a <= 1 for a, b in zip([1.0, *by_position], by_position))
+    assert float(r["mean_acceptance_length"]) == pytest.approx(1 + sum(by_position), abs=1e-3)
 
 
 def check_rotation(calls: list, jobs: int) -> None:
@@ -124,6 +138,7 @@ def test_draft_sources_are_rows_like_the_other_decoders(tmp_path):
     assert drafted <= set(rows)
     for name in drafted:
         assert rows[name]["same_as_ar"] == "1/1" and float(rows[name]["threshold"]) == 1.0
+        check_acceptance(rows[name])
     assert float(rows["verify-model"]["draft_acceptance"]) >= 0
     with pytest.raises(SystemExit, match="unknown draft source 'tree'"):
         main(args[:-4] + ["--draft-sources", "tree"])

@@ -17,9 +17,18 @@ from decoding_fixtures import (  # noqa: F401
     tokenizer,
 )
 
-from mars.decoding import fastpath, generate
+from mars.decoding import fastpath
+from mars.decoding import generate as _generate
 from mars.decoding.engine import DecodeEngine
 from mars.decoding.verify import leading_matches, speculative_accept, typical_drafts
+
+
+def generate(*args, **kwargs):
+    """The chain layout unless a test names another: this module checks the chain's verification (tree drafts:
+    test_decoding_tree.py)."""
+    if "settings" not in kwargs:
+        kwargs.setdefault("tree", "chain")
+    return _generate(*args, **kwargs)
 
 
 @pytest.mark.parametrize("fallback", ["none", "jacobi"])

@@ -931,6 +931,9 @@ def test_verified_decoding_config_matches_greedy_ar(make_cfg, loads, fixture_tas
     # the lossless point is marked as such, and a plot that compares the verify run draws it under that name
     assert {p["threshold"]: p["verify_lossless"] for p in verified.points} == {1.0: True, 0.3: False}
     assert not any(p["verify_lossless"] for p in ar.points)
+    # no draft verified, no acceptance length (nor its table row)
+    assert all(p["mean_acceptance_length"] is None for p in ar.points)
+    assert "accept. len |" not in (ar.output_dir / "table.md").read_text()
     from types import SimpleNamespace
 
     from mars.evaluation.plots import _curves, pareto_figure
@@ -970,6 +973,13 @@ def test_typical_decoding_config_reaches_the_engine_and_is_not_reported_as_ar(
     assert typical.plan.decoding["typical_epsilon"] == 0.5
     (exact,), (relaxed,) = lossless.points, typical.points
     assert relaxed["tokens_per_forward"] > exact["tokens_per_forward"]
+    # vLLM's mean acceptance length beside tokens per forward: from the drafts the decoder verified
+    decoder = ResultsDir(lossless.output_dir).read_summary(1.0, "fx_qa")["decoder"]
+    assert decoder["num_drafts"] > 0
+    length = 1 + decoder["num_accepted_tokens"] / decoder["num_drafts"]
+    assert exact["mean_acceptance_length"] == pytest.approx(length)
+    assert relaxed["mean_acceptance_length"] > exact["mean_acceptance_length"]
+    assert f"|  | accept. len | {length:.2f} |" in (lossless.output_dir / "table.md").read_text()
     rows = ResultsDir(typical.output_dir).read_samples(1.0, "fx_qa")
     assert all(r["fidelity"]["ar_equal"] <= r["tokens"] for r in rows)
     assert any(r["fidelity"]["ar_equal"] < r["tokens"] for r in rows)  # lossy: some token is not the argmax
@@ -1154,7 +1164,10 @@ def test_lm_eval_results_get_tokens_per_forward_per_task_and_pooled_per_group():
         "group_subtasks": {"grp": ["a", "b"], "a": [], "b": [], "ll": []},
         "higher_is_better": {"a": {"acc": True}},
     }
-    stats = {"a": TaskStats(generated_tokens=30, row_forwards=10), "b": TaskStats(generated_tokens=10, row_forwards=10)}
+    stats = {
+        "a": TaskStats(generated_tokens=30, row_forwards=10, num_drafts=8, num_accepted_tokens=12),
+        "b": TaskStats(generated_tokens=10, row_forwards=10, num_drafts=2, num_accepted_tokens=0),
+    }
     add_decoder_stats(results, stats)
     assert results["results"]["a"]["tokens_per_forward,none"] == 3.0
     assert results["results"]["b"]["tokens_per_forward,none"] == 1.0
@@ -1162,7 +1175,11 @@ def test_lm_eval_results_get_tokens_per_forward_per_task_and_pooled_per_group():
     assert results["groups"]["grp"]["tokens_per_forward,none"] == 2.0
     assert results["results"]["grp"]["tokens_per_forward,none"] == 2.0
     assert "tokens_per_forward,none" not in results["results"]["ll"]  # log-likelihood only: no decoder figure
-    assert results["higher_is_better"]["a"] == {"acc": True, "tokens_per_forward": True}
+    assert results["higher_is_better"]["a"] == {"acc": True, "tokens_per_forward": True, "mean_acceptance_length": True}
+    # vLLM's mean acceptance length: 1 + accepted drafts per draft step, pooled over the group (12 / 10)
+    assert results["results"]["a"]["mean_acceptance_length,none"] == 2.5
+    assert results["groups"]["grp"]["mean_acceptance_length,none"] == pytest.approx(2.2)
+    assert TaskStats(generated_tokens=5, row_forwards=5).as_dict().get("mean_acceptance_length") is None
 
 
 def mars_lm_eval_on_two_ranks(tiny_ckpt: Path, fixture_task: Path, out: Path) -> str:

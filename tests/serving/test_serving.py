@@ -164,6 +164,38 @@ def test_verify_requests_are_lossless(loaded, server):
     assert r.usage.completion_tokens == 20
 
 
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_counters(srv) -> tuple[dict[str, float], dict[int, float]]:
+    """The ``mars_spec_decode_*_total`` counters, and the accepted tokens per draft position."""
+    totals = {name: metric(srv, f"mars_spec_decode_{name}_total") for name in SPEC_COUNTERS}
+    per_pos = {}
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith("mars_spec_decode_num_accepted_tokens_per_pos_total{"):
+            per_pos[int(line.split('position="')[1].split('"')[0])] = float(line.rsplit(" ", 1)[1])
+    return totals, per_pos
+
+
+def test_verify_requests_report_vllm_acceptance_figures_per_request_and_in_metrics(server):
+    """A verify request's response carries vLLM's acceptance figures of its own drafts, and the spec-decode
+    counters of /metrics grow by exactly its draft counts; a plain request has neither."""
+    c = client(server)
+    before, pos_before = spec_counters(server)
+    plain = c.completions.create(model="tiny-random", prompt=PROMPTS[1], max_tokens=12)
+    assert "mean_acceptance_length" not in plain.model_extra["mars"] and spec_counters(server)[0] == before
+    r = c.completions.create(model="tiny-random", prompt=PROMPTS[2], max_tokens=20, extra_body={"verify": True})
+    after, pos_after = spec_counters(server)
+    grown = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    accepted = [pos_after[d] - pos_before.get(d, 0.0) for d in sorted(pos_after)]
+    assert grown["num_drafts"] > 0 and grown["num_draft_tokens"] >= grown["num_drafts"]
+    assert sum(accepted) == grown["num_accepted_tokens"]
+    mars = r.model_extra["mars"]
+    assert mars["mean_acceptance_length"] == pytest.approx(1 + grown["num_accepted_tokens"] / grown["num_drafts"])
+    assert mars["draft_acceptance_rate"] == pytest.approx(grown["num_accepted_tokens"] / grown["num_draft_tokens"])
+    assert mars["acceptance_by_position"] == pytest.approx([a / grown["num_drafts"] for a in accepted])
+
+
 def test_models_health_and_page(server):
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["tiny-random"]

@@ -98,6 +98,7 @@ def test_row_block_sizes_and_offsets_move_the_block_boundaries_only():
     [
         Objective("mars", alpha=0.0, certainty_weight=0.5, depth_weighting="reach"),
         Objective("mars", alpha=0.0, block_choices=(2, 3, 5), block_offset="random"),
+        Objective("mars", alpha=0.0, mask_targets="clean_soft", soft_temperature=0.7, depth_weighting="reach"),
     ],
 )
 def test_gated_step_equals_the_joint_two_stream_forward_in_loss_and_gradient(objective):
@@ -131,10 +132,10 @@ def test_clean_argmax_targets_are_the_clean_streams_greedy_choices():
     layout = m.noisy_layout(ids, loss_mask, loss_mask.bool())
     with torch.no_grad():
         clean = m._hidden(ids, torch.arange(20).expand(4, -1), None)
-        targets = m._clean_argmax_targets(clean, layout)
+        targets, soft = m._mask_targets(clean, layout)
         greedy = m._logits(clean).argmax(-1)
     sel = layout.targets != IGNORE
-    assert torch.equal(sel, targets != IGNORE)
+    assert soft is None and torch.equal(sel, targets != IGNORE)
     rows = torch.arange(4)[:, None].expand_as(sel)
     assert torch.equal(targets[sel], greedy[rows[sel], layout.positions[sel]])
 

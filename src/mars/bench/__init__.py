@@ -9,10 +9,12 @@ product packages (training, decoding, evaluation, serving) never import from her
 # tool name -> module under mars.bench (the name ``mars-bench`` takes, as listed by ``mars-bench --help``)
 TOOLS = {
     "throughput": ("throughput", "tokens/s of MARS decoders against the best AR decoder, outputs checked"),
+    "spec": ("spec", "speculative decoding per prompt category: acceptance length and speed-up over AR"),
     "step-cost": ("step_cost", "the cost of one decode step per width and batch size"),
     "step-breakdown": ("step_breakdown", "where verified decoding's time goes at batch 1, step by step, against AR"),
     "probe": ("probe", "a quick look at a checkpoint: tokens per forward and fidelity on held-out prompts"),
     "reliability": ("reliability", "how far mask confidence can be trusted, and the acceptance frontier"),
+    "calibrate": ("calibrate", "fit per-depth temperatures to a checkpoint's mask confidences, stored with it"),
     "train-step": ("train_step", "the cost of one training step: AR SFT against MARS, precision paths"),
     "loadtest": ("loadtest", "a bounded load test of a running server: requests/s and latency per policy"),
 }

@@ -127,6 +127,22 @@ def reliability_table(steps: StepScores, bins: tuple[float, ...] = BINS) -> list
 # ------------------------------------------------------------------------------------------------
 # Scoring a checkpoint
 # ------------------------------------------------------------------------------------------------
+def step_columns(is_mask: torch.Tensor, layout, masks_per_step: int) -> tuple[torch.Tensor, ...]:
+    """The decoding steps in one grid offset's noisy columns ``[rows, W]`` (``layout``: their positions and
+    depths): each block start (a mask at depth 0) and the ``masks_per_step`` columns from it.  Returns the
+    steps' ``[row, column]`` starts ``[steps, 2]`` and, per step and mask ``[steps, masks_per_step]``, its row,
+    its column and whether that mask exists (a mask of that depth, inside the text)."""
+    depth = layout.depth()
+    width = is_mask.shape[1]
+    starts = (is_mask & (depth == 0)).nonzero()
+    cols = starts[:, 1:2] + torch.arange(masks_per_step)
+    inside = cols < width
+    cols = cols.clamp(max=width - 1)
+    rows = starts[:, :1].expand_as(cols)
+    valid = inside & is_mask[rows, cols] & (depth[rows, cols] == torch.arange(masks_per_step))
+    return starts, rows, cols, valid
+
+
 def steps_of_rows(
     confidence: torch.Tensor,
     correct: torch.Tensor,
@@ -134,17 +150,9 @@ def steps_of_rows(
     layout,
     masks_per_step: int,
 ) -> tuple[np.ndarray, ...]:
-    """Cut one grid offset's noisy columns ``[rows, W]`` (``layout``: their positions and depths) into steps:
-    each block start (a mask at depth 0) and the ``masks_per_step`` columns from it.  Returns confidence,
-    correct, valid, each step's row and its first mask's position."""
-    depth = layout.depth()
-    width = confidence.shape[1]
-    starts = (is_mask & (depth == 0)).nonzero()
-    cols = starts[:, 1:2] + torch.arange(masks_per_step)
-    inside = cols < width
-    cols = cols.clamp(max=width - 1)
-    rows = starts[:, :1].expand_as(cols)
-    valid = inside & is_mask[rows, cols] & (depth[rows, cols] == torch.arange(masks_per_step))
+    """Cut one grid offset's noisy columns into steps (:func:`step_columns`).  Returns confidence, correct,
+    valid, each step's row and its first mask's position."""
+    starts, rows, cols, valid = step_columns(is_mask, layout, masks_per_step)
     conf = torch.where(valid, confidence[rows, cols], 0.0)
     right = valid & correct[rows, cols]
     first = layout.positions[starts[:, 0], starts[:, 1]]
@@ -158,13 +166,25 @@ def score_texts(
 
     ``module`` is a :class:`mars.training.module.MarsModule` around the loaded checkpoint (its masks, adapter and
     block grid); every grid offset is scored so each answer position starts a step once."""
-    from mars.decoding.acceptance import suppress
-    from mars.training.module import IGNORE
-
-    block, mask_id = module.block_size, module.mask_token_id
+    block = module.block_size
     if not 1 <= masks_per_step < block + 1:
         raise ValueError(f"masks_per_step must be 1..{block} for block size {block}, got {masks_per_step}")
     parts: list[tuple[np.ndarray, ...]] = []
+    for batch, logp, layout, is_mask in teacher_forced_masks(module, texts, prompt_lengths, batch_size):
+        top = logp.max(-1)
+        correct = (top.indices == layout.targets) & is_mask
+        conf, right, valid, rows, first = steps_of_rows(top.values.exp(), correct, is_mask, layout, masks_per_step)
+        parts.append((conf, right, valid, np.asarray(batch)[rows], first))
+    return StepScores(*(np.concatenate(p) for p in zip(*parts)))
+
+
+def teacher_forced_masks(module, texts: list[list[int]], prompt_lengths: list[int], batch_size: int = 8):
+    """Per batch of texts (longest first) and grid offset: the texts' indices, the noisy stream's
+    log-probabilities ``[rows, W, vocab]`` (the mask token suppressed, as a decoder does), its layout, and which
+    columns are masks with a target (the text's next token: the greedy token when the text is greedy output)."""
+    from mars.decoding.acceptance import suppress
+    from mars.training.module import IGNORE
+
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
@@ -174,15 +194,10 @@ def score_texts(
         for r, i in enumerate(batch):  # right padding: no loss there and, causally, seen by no real token
             ids[r, : len(texts[i])] = torch.tensor(texts[i])
             loss_mask[r, prompt_lengths[i] : len(texts[i])] = 1
-        for offset in range(block):
+        for offset in range(module.block_size):
             logits, layout = module.mask_predictions(ids, loss_mask, torch.full((len(batch),), offset))
-            logp = torch.log_softmax(suppress(logits, [mask_id]), dim=-1)
-            top = logp.max(-1)
-            correct = (top.indices == layout.targets) & (layout.targets != IGNORE)
-            is_mask = (layout.ids == mask_id) & (layout.targets != IGNORE)
-            conf, right, valid, rows, first = steps_of_rows(top.values.exp(), correct, is_mask, layout, masks_per_step)
-            parts.append((conf, right, valid, np.asarray(batch)[rows], first))
-    return StepScores(*(np.concatenate(p) for p in zip(*parts)))
+            logp = torch.log_softmax(suppress(logits, [module.mask_token_id]), dim=-1)
+            yield batch, logp, layout, (layout.ids == module.mask_token_id) & (layout.targets != IGNORE)
 
 
 def summarise(steps: StepScores, thresholds=THRESHOLDS, targets=FIDELITY_TARGETS) -> dict[str, Any]:
@@ -207,15 +222,23 @@ def _greedy_texts(loaded, block: int, prompts: list[str], max_new_tokens: int, b
     return [p + list(o) for p, o in zip(ids, outs)], [len(p) for p in ids]
 
 
-def score_checkpoint(checkpoint: str, prompts: list[str], max_new_tokens: int, batch_size: int, window: int | None):
-    from mars.bench.probe import load
+def greedy_mask_module(loaded, block: int, prompts: list[str], max_new_tokens: int, batch_size: int):
+    """The loaded checkpoint's greedy texts (prompt + answer at threshold 1.0), their prompt lengths, and a
+    :class:`~mars.training.module.MarsModule` around it that lends :func:`teacher_forced_masks` its layout."""
     from mars.training.module import MarsModule
     from mars.training.objectives import Objective
 
-    loaded, block = load(checkpoint, None, "float32")
     texts, prompt_lengths = _greedy_texts(loaded, block, prompts, max_new_tokens, batch_size)
     # The module only lends its training layout: the checkpoint's adapter is already in the model.
     module = MarsModule(loaded.model, loaded.mask.id, block_size=block, objective=Objective(name="mars")).eval()
+    return module, texts, prompt_lengths
+
+
+def score_checkpoint(checkpoint: str, prompts: list[str], max_new_tokens: int, batch_size: int, window: int | None):
+    from mars.bench.probe import load
+
+    loaded, block = load(checkpoint, None, "float32")
+    module, texts, prompt_lengths = greedy_mask_module(loaded, block, prompts, max_new_tokens, batch_size)
     masks = (window or block) - 1
     return score_texts(module, texts, prompt_lengths, masks, batch_size), block
 

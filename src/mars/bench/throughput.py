@@ -10,7 +10,10 @@ reports the median tokens/s with its min-max spread, the speedup over AR (median
 ratios), tokens per forward (generated tokens of the batch / batched forwards, and the per-request
 mean), the speed-up over tokens per forward (how much of the forwards saved reaches the wall clock), the
 time to first token and that ratio over the decode phase alone (after each batch's prefill), and
-how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be all of them).  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under ``--out``.
+how many rows equal the AR output token for token (fidelity; at threshold 1.0 it must be all of them), and for
+verify rows vLLM's mean acceptance length, draft acceptance rate and acceptance per draft position (defined in
+docs/decoding.md, "Acceptance figures").  Writes ``throughput.csv``, ``throughput.md`` and ``config.json`` under
+``--out``.
 
 Models: ``--model`` (``embedded:smollm2-135m``, a hub id or a local directory), ``--checkpoint DIR``
 (a MARS checkpoint; its block size is read from ``mars_config.json``), or ``--arch-preset
@@ -48,6 +51,7 @@ from typing import Any
 from mars.bench import cli_options
 from mars.bench.cli_options import check_settings, comma_list, decoding_values, positive_ints
 from mars.decoding.settings import DecodingSettings, decoding_block_size
+from mars.decoding.stats import acceptance_figures, sum_by_position
 from mars.hardware import apply_process_defaults, describe_wait_policy
 
 apply_process_defaults()  # the OpenMP wait before torch loads libgomp (mars.hardware says why)
@@ -106,6 +110,10 @@ class Variant:
     eager: bool = False  # run with the decode fast path off (F.linear): the baseline without it
 
 
+# the project's engine at threshold 1.0 is exactly greedy AR with a per-row KV cache (finished rows leave)
+AR_CURSOR = Variant("ar-cursor", dict(decoder="mars", cache="cursor"), is_ar=True, fixed_threshold=1.0)
+
+
 def build_preset(preset: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -152,8 +160,7 @@ def variants(args) -> list[Variant]:
     out = [Variant("ar-hf", dict(decoder="ar"), is_ar=True, fixed_threshold=1.0)]
     if args.ar_static:
         out.append(Variant("ar-hf-static", dict(decoder="ar", ar_cache="static"), is_ar=True, fixed_threshold=1.0))
-    # the project's engine at threshold 1.0 is exactly greedy AR with a per-row KV cache (finished rows leave)
-    out.append(Variant("ar-cursor", dict(decoder="mars", cache="cursor"), is_ar=True, fixed_threshold=1.0))
+    out.append(AR_CURSOR)
     if args.eager_baselines:  # the AR decoders without the fast path, to show what it gives AR
         for v in list(out):
             out.append(Variant(f"{v.name}-eager", v.kwargs, is_ar=True, fixed_threshold=1.0, eager=True))
@@ -259,14 +266,21 @@ def run_one(model, tokenizer, prompts, common: dict, variant: Variant, threshold
         first_token_seconds=res.stats.first_token_seconds,
         ids=list(res.token_ids),
         row_rates=[t / f for t, f in zip(res.stats.per_row_tokens, res.stats.per_row_forwards) if f],
-        drafts=(sum(extra.get("drafts_proposed") or ()), sum(extra.get("drafts_accepted") or ())),
+        proposed=list(extra.get("drafts_proposed") or ()),
+        accepted=list(extra.get("drafts_accepted") or ()),
+        draft_steps=extra.get("num_drafts") or 0,
+        tree=extra.get("tree"),  # verify's draft layout (tree="auto" chooses one per run)
     )
 
 
 def combine(parts: list[dict]) -> dict:
-    """One decoder's totals over the batches of a repeat."""
-    proposed = sum(p["drafts"][0] for p in parts)
+    """One decoder's totals over the batches of a repeat, with its acceptance figures (verify)."""
     firsts = [p["first_token_seconds"] for p in parts]
+    acceptance = acceptance_figures(
+        sum_by_position(p["proposed"] for p in parts),
+        sum_by_position(p["accepted"] for p in parts),
+        sum(p["draft_steps"] for p in parts),
+    )
     return dict(
         tokens=sum(p["tokens"] for p in parts),
         forwards=sum(p["forwards"] for p in parts),
@@ -275,7 +289,8 @@ def combine(parts: list[dict]) -> dict:
         batches=len(parts),
         ids=[ids for p in parts for ids in p["ids"]],
         row_tpf=statistics.mean(rate for p in parts for rate in p["row_rates"]),
-        draft_acceptance=sum(p["drafts"][1] for p in parts) / proposed if proposed else None,
+        draft_acceptance=acceptance["draft_acceptance_rate"],
+        acceptance=acceptance,
     )
 
 
@@ -374,13 +389,8 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
     jobs += [(v, t, [t]) for t in thresholds for v in swept]
     batches = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
     for rep in range(repeats):
-        parts: list[list[dict]] = [[] for _ in jobs]
-        bar = tqdm(batches, desc=f"batch {batch}, repeat {rep + 1}/{repeats}", unit="batch", leave=False)
-        for b, batch_prompts in enumerate(bar):
-            turn = (rep + b) % len(jobs)
-            for j in [*range(turn, len(jobs)), *range(turn)]:
-                v, threshold, _ = jobs[j]
-                parts[j].append(run_one(model, tokenizer, batch_prompts, common, v, threshold))
+        desc = f"batch {batch}, repeat {rep + 1}/{repeats}"
+        parts = interleave(model, tokenizer, batches, common, [(v, t) for v, t, _ in jobs], rep, desc)
         for (v, threshold, sweep), part in zip(jobs, parts):
             r = combine(part)
             for t in sweep:
@@ -391,6 +401,19 @@ def time_decoders(model, tokenizer, prompts, batch, common, vs, thresholds, repe
                 flush=True,
             )
     return runs
+
+
+def interleave(model, tokenizer, batches, common, jobs, rep: int, desc: str) -> list[list[dict]]:
+    """One repeat: each batch of prompts through every (decoder, threshold) job back to back, the first job
+    rotating from batch to batch and from repeat to repeat (``rep``); per job, one :func:`run_one` result per
+    batch."""
+    parts: list[list[dict]] = [[] for _ in jobs]
+    for b, batch_prompts in enumerate(tqdm(batches, desc=desc, unit="batch", leave=False)):
+        turn = (rep + b) % len(jobs)
+        for j in [*range(turn, len(jobs)), *range(turn)]:
+            v, threshold = jobs[j]
+            parts[j].append(run_one(model, tokenizer, batch_prompts, common, v, threshold))
+    return parts
 
 
 def run_config(args, model, batch_sizes, thresholds, block_size) -> dict[str, Any]:
@@ -438,6 +461,13 @@ def parse_args(argv: list[str] | None):
         check_settings("--thresholds", **{**base.as_dict(), "threshold": t})
     for v in variants(args):
         check_settings(f"decoder {v.name}", **{**base.as_dict(), **v.kwargs})
+    apply_runtime(args)
+    return args, batch_sizes, thresholds
+
+
+def apply_runtime(args) -> None:
+    """Before the model loads: torch's threads (``--threads``), the fast-path switch (``--no-fast-path``) and
+    the dtype ``auto`` resolves to on ``--device``."""
     from mars.hardware import configure_threads
 
     try:
@@ -449,7 +479,6 @@ def parse_args(argv: list[str] | None):
     from mars.decoding.fastpath import decode_dtype_name
 
     args.dtype = decode_dtype_name(args.dtype, args.device)
-    return args, batch_sizes, thresholds
 
 
 # The decoding settings each timed decoder sets itself (its row name says which); every other field of
@@ -641,8 +670,21 @@ def decoder_row(
         row_tokens_per_forward=last["row_tpf"],
         same_as_ar=f"{same}/{len(reference_ids)}",
         draft_acceptance=last["draft_acceptance"],
+        **acceptance_columns(last["acceptance"]),
         generated_tokens=last["tokens"],
         forwards=last["forwards"],
+    )
+
+
+def acceptance_columns(figures: dict) -> dict:
+    """vLLM's acceptance figures as CSV columns (docs/decoding.md, "Acceptance figures"); per position
+    ``;``-separated, one value per draft depth; empty for decoders that verify no draft."""
+    by_position = figures["acceptance_by_position"]
+    return dict(
+        mean_acceptance_length=figures["mean_acceptance_length"],
+        draft_acceptance_rate=figures["draft_acceptance_rate"],
+        acceptance_by_position=None if by_position is None else ";".join(f"{a:.4f}" for a in by_position),
+        num_drafts=figures["num_drafts"],
     )
 
 
@@ -704,9 +746,13 @@ def table_preamble(config: dict) -> list[str]:
         "ratio over the decode phase alone (tokens, forwards and seconds after each batch's prefill), where the "
         "forwards saved act; the prefill, which every decoder pays alike, pulls the whole-run ratio towards "
         "1 / tok/fwd.\n",
+        "*mean acc. len* and *draft acc.*: vLLM's mean acceptance length and draft acceptance rate of the verify "
+        "rows (`mean_acceptance_length`, `draft_acceptance_rate`; per draft position in the CSV), defined in "
+        'docs/decoding.md, "Acceptance figures".\n',
         "| tau | batch | decoder | tokens/s | speedup vs best AR | tok/fwd (batch) | speedup / tok/fwd "
-        "| TTFT ms | after the first token: speedup / tok/fwd | tok/fwd (per request) | draft acc. | same as AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT ms | after the first token: speedup / tok/fwd | tok/fwd (per request) | mean acc. len | draft acc. "
+        "| same as AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return lines
 
@@ -714,6 +760,7 @@ def table_preamble(config: dict) -> list[str]:
 def table_row(r: dict) -> str:
     """One row of ``throughput.md``: medians with their [min-max] spread."""
     acc = "–" if r.get("draft_acceptance") is None else f"{100 * r['draft_acceptance']:.0f}%"
+    length = "–" if r.get("mean_acceptance_length") is None else fmt(r["mean_acceptance_length"])
     decode = (
         "–"
         if r["decode_speedup_per_tpf"] is None
@@ -726,7 +773,7 @@ def table_row(r: dict) -> str:
         f"[{fmt(r['speedup_min'])}-{fmt(r['speedup_max'])}] vs {r['ar_baseline']} | {fmt(r['tokens_per_forward'])} | "
         f"{fmt(r['speedup_per_tpf'], 3)} [{fmt(r['speedup_per_tpf_min'], 3)}-{fmt(r['speedup_per_tpf_max'], 3)}] | "
         f"{'–' if r['first_token_ms'] is None else fmt(r['first_token_ms'], 0)} | {decode} | "
-        f"{fmt(r['row_tokens_per_forward'])} | {acc} | {r['same_as_ar']} |"
+        f"{fmt(r['row_tokens_per_forward'])} | {length} | {acc} | {r['same_as_ar']} |"
     )
 
 

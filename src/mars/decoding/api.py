@@ -18,7 +18,7 @@ from .baselines import generate_ar
 from .engine import DecodeEngine
 from .forward import ModelRunner
 from .settings import DECODERS, DecodingSettings, reference_threshold
-from .stats import DecodeStats, GenerationResult
+from .stats import DecodeStats, GenerationResult, acceptance_figures, sum_by_position
 from .stopping import StopStrings, eos_token_ids, finalize_row
 
 __all__ = ["DECODERS", "encode_prompts", "generate", "check_prompts"]
@@ -254,21 +254,25 @@ def _run_engine(model, tokenizer, ids, row_settings, s: DecodingSettings, mask_t
     if any(r.verify for r in requests):
         stats.extra.update(draft_statistics(rows))
         stats.extra["draft_source"] = s.draft_source
+        stats.extra["tree"] = engine.tree.label if engine.tree is not None else "chain"
         if s.draft_source == "model":
             stats.extra["draft_model_forwards"] = engine.drafter.forwards
     return [f.token_ids for f in rows], [f.reason for f in rows], [f.from_mask for f in rows], stats
 
 
 def draft_statistics(rows) -> dict[str, Any]:
-    """Drafts proposed and accepted per draft position, summed over rows, and the acceptance rates."""
-    width = max((len(f.draft_proposed) for f in rows), default=0)
-    proposed = [sum(f.draft_proposed[i] for f in rows if i < len(f.draft_proposed)) for i in range(width)]
-    accepted = [sum(f.draft_accepted[i] for f in rows if i < len(f.draft_accepted)) for i in range(width)]
+    """Drafts proposed and accepted per draft position, summed over rows, the acceptance rates, vLLM's
+    figures (:func:`~mars.decoding.stats.acceptance_figures`) and each row's draft steps and accepted drafts."""
+    proposed = sum_by_position(f.draft_proposed for f in rows)
+    accepted = sum_by_position(f.draft_accepted for f in rows)
     return {
         "drafts_proposed": proposed,
         "drafts_accepted": accepted,
         "draft_acceptance_by_position": [a / p if p else None for a, p in zip(accepted, proposed)],
         "draft_acceptance": sum(accepted) / sum(proposed) if sum(proposed) else None,
+        **acceptance_figures(proposed, accepted, sum(f.draft_steps for f in rows)),
+        "per_row_num_drafts": [f.draft_steps for f in rows],
+        "per_row_num_accepted_tokens": [sum(f.draft_accepted) for f in rows],
     }
 
 

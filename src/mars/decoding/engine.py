@@ -52,6 +52,7 @@ counts, which also feeds streaming.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,13 +81,16 @@ from .fastpath import enabled_by_env
 from .forward import ModelRunner
 from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
-from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, validate_threshold
+from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, tree_shape, validate_threshold
 from .stopping import StopStrings
+from .tree import TreeLayouts, layouts_for, next_candidates
+from .tree_choice import auto_shape
 from .verify import leading_matches, speculative_accept, typical_drafts
 
 # Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens): the same tokens either way.
 # MARS_FAST_PATH=0 turns it off too.
 TOP_TOKENS_ENV = "MARS_TOP_TOKENS"
+AUTO_TREE_DEPTH = 3  # tree=auto looks no deeper: a fourth depth's candidates rarely pass
 
 
 def masks_within(masks: np.ndarray, room: int) -> np.ndarray:
@@ -120,6 +124,7 @@ class PlanTensors:
     draft_masks: torch.Tensor
     waiting: torch.Tensor
     verifying: torch.Tensor
+    tree_layout: torch.Tensor  # [rows]: the tree template a row feeds (-1: none)
 
 
 @dataclass
@@ -138,13 +143,38 @@ class StepPlan:
     verifying: np.ndarray  # rows whose drafts this step verifies
     commit: bool  # this step's real tokens enter the KV cache
     device: torch.device
+    tree_layout: np.ndarray | None = None  # rows verifying a tree: the template (drafted depths), else -1
+    tree_inputs: torch.Tensor | None = None  # their inputs after the root, once made (DecodeEngine._tree_inputs)
 
     @cached_property
     def on_device(self) -> PlanTensors:
         """The per-row arrays on the model's device, moved in two transfers."""
-        counts = np.stack([self.uncached, self.predictions, self.drafts, self.draft_masks]).astype(np.int64)
+        layout = self.tree_layout if self.tree_layout is not None else np.full(len(self.uncached), -1)
+        counts = np.stack([self.uncached, self.predictions, self.drafts, self.draft_masks, layout]).astype(np.int64)
         flags = np.stack([self.waiting, self.verifying])
-        return PlanTensors(*torch.from_numpy(counts).to(self.device), *torch.from_numpy(flags).to(self.device))
+        uncached, predictions, drafts, draft_masks, layout = torch.from_numpy(counts).to(self.device)
+        waiting, verifying = torch.from_numpy(flags).to(self.device)
+        return PlanTensors(uncached, predictions, drafts, draft_masks, waiting, verifying, layout)
+
+    @property
+    def tree_rows(self) -> np.ndarray:
+        """Rows verifying a tree this step."""
+        if self.tree_layout is None:
+            return np.zeros(len(self.uncached), dtype=bool)
+        return self.tree_layout >= 0
+
+    def chain_only(self) -> StepPlan:
+        """This plan as the chain verification sees it: the tree rows verify nothing there."""
+        if not self.tree_rows.any():
+            return self
+        chain = ~self.tree_rows
+        return dataclasses.replace(
+            self,
+            verifying=self.verifying & chain,
+            drafts=np.where(chain, self.drafts, 0),
+            draft_masks=np.where(chain, self.draft_masks, 0),
+            tree_layout=None,
+        )
 
     @property
     def prediction_width(self) -> int:
@@ -174,6 +204,17 @@ class Acceptance:
     hit_eos: torch.Tensor  # [rows]
     verified: torch.Tensor  # [rows]: drafts that passed (0 for rows that did not verify)
     next_drafts: NextDrafts | None  # None when no row verified
+    tree: TreeStep | None = None  # rows that verified a tree
+
+
+@dataclass
+class TreeStep:
+    """What a tree step leaves for the commit: where its accepted paths sit and the next candidates."""
+
+    rows: torch.Tensor  # [rows] bool: the rows that verified a tree
+    path: torch.Tensor  # [rows, depth]: the accepted nodes' columns after the root, by depth
+    candidates: torch.Tensor  # [rows, depth, width]
+    depths: torch.Tensor  # [rows]: how many depths of candidates the next step drafts
 
 
 @dataclass
@@ -222,6 +263,9 @@ class DecodeEngine:
         self.fill_window = settings.effective_window == "cache_block"
         self.window = settings.cache_block if self.fill_window else int(settings.effective_window)
         self.max_drafts = self._max_drafts()
+        self.mask_temperatures = self._mask_temperatures()
+        self.tree: TreeLayouts | None = None  # the tree greedy verifying rows draft (None: chains)
+        self.tree_resolved = False  # tree=auto is resolved when the first verifying row arrives
         self.draft_slots = torch.arange(self.max_drafts, device=self.device)  # a row's draft positions
         self.guess_slots = self.window - 1 if settings.decoder == "jacobi" else 0
         self.rows = RowBatch(self.device, self.mask_id, self.max_drafts, self.guess_slots)
@@ -233,6 +277,37 @@ class DecodeEngine:
         self.forwards = 0
         self.seconds = 0.0
         self.joining: list[Request] = []  # admitted while rows run (cursor cache): prefilled at the next step
+
+    def _mask_temperatures(self) -> torch.Tensor | None:
+        """The checkpoint's calibration (``model.mars_calibration``, :mod:`mars.decoding.calibration`) as one divisor
+        per mask depth (index 0, the exact AR column: 1.0), or None for an uncalibrated checkpoint."""
+        calibration = getattr(self.runner.model, "mars_calibration", None)
+        if calibration is None:
+            return None
+        divisors = calibration.mask_temperatures(max(self.window, 2))
+        return torch.tensor(divisors, dtype=torch.float32, device=self.device)
+
+    def _resolve_tree(self) -> None:
+        """The tree of this engine's greedy lossless verifying rows: the shape ``tree`` names, or for ``auto`` the
+        one :func:`mars.decoding.tree_choice.auto_shape` picks for this model and device (None: chains)."""
+        if self.tree_resolved:
+            return
+        self.tree_resolved = True
+        s = self.settings
+        shape = tree_shape(s.tree)
+        if shape is None:
+            if s.tree == "chain" or not self._tree_applies():
+                return
+            shape = auto_shape(self.runner, self.mask_id, min(self.max_drafts, AUTO_TREE_DEPTH), s.tree_masks)
+        elif len(shape) > self.max_drafts:
+            raise ValueError(f"tree={s.tree!r} is {len(shape)} deep; this engine drafts at most {self.max_drafts}")
+        self.tree = layouts_for(tuple(shape), s.tree_masks, self.device)
+
+    def _tree_applies(self) -> bool:
+        """Whether ``tree=auto`` drafts trees here: masks as the source, the cursor cache, exact checks."""
+        s = self.settings
+        usable = s.decoder == "mars" and s.draft_source == "masks" and s.cache == "cursor"
+        return usable and s.typical_epsilon == 0 and not self.fill_window and self.max_drafts > 0
 
     def _max_drafts(self) -> int:
         """Draft slots per row: the masks can draft at most window - 1 tokens; other sources any number."""
@@ -322,6 +397,10 @@ class DecodeEngine:
             self.rows.ensure_draft_distributions(self.runner.vocab_size)
         extra = self.window + self.max_drafts + 2
         self.rows.add(list(requests), [self._cap(r) for r in requests], extra=extra)
+        if any(r.verify and r.temperature <= 0 and r.exact for r in requests):
+            self._resolve_tree()
+        if self.tree is not None:
+            self.rows.ensure_candidates(self.tree.depth, self.tree.width)
         if self.cache is not None:
             self.cache.add_rows(len(requests))
         self.drafter.add_rows(len(requests))
@@ -402,7 +481,11 @@ class DecodeEngine:
         group = DecodeEngine(
             self.runner, self.settings, self.mask_id, self.eos.tolist(), self.tokenizer, self.drafter.fork()
         )
+        group.tree, group.tree_resolved = self.tree, self.tree_resolved
         group._add(requests)
+        if group.tree is not None and self.tree is None:  # the group resolved it: one tree for the batch
+            self.tree, self.tree_resolved = group.tree, True
+            self.rows.ensure_candidates(self.tree.depth, self.tree.width)
         events = group._step_rows()
         for e in events:
             e.forward = self.forwards + 1
@@ -440,12 +523,46 @@ class DecodeEngine:
             if drafts.any():
                 draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
             predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
+        layout = self._tree_layout(verifying, budget, uncached)
+        if layout is not None:
+            tree = layout >= 0
+            drafts = np.where(tree, layout, drafts)
+            draft_masks = np.where(tree, 0, draft_masks)  # (the tree's masks are its own)
+            predictions = np.where(tree, 1 + self.tree.columns[np.maximum(layout, 0)], predictions)
         predictions = np.where(waiting, 1, predictions)
         if s.max_step_columns is not None:
-            masks = predictions - 1 - drafts  # masks or guesses: what a row can do without
-            kept = masks_within(masks, s.max_step_columns - int((uncached + drafts).sum()))
+            fixed = layout >= 0 if layout is not None else np.zeros(len(uncached), dtype=bool)
+            masks = np.where(fixed, 0, predictions - 1 - drafts)  # masks or guesses: what a row can do without
+            kept = masks_within(
+                masks, s.max_step_columns - int((uncached + np.where(fixed, predictions - 1, drafts)).sum())
+            )
             predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
-        return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit, self.device)
+        return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit, self.device, layout)
+
+    def _tree_layout(self, verifying: np.ndarray, budget: np.ndarray, uncached: np.ndarray) -> np.ndarray | None:
+        """Per row the tree template it feeds (the depths of candidates it has, within its budget), -1 for rows
+        that do not verify a tree (those not verifying, sampling or below their exact threshold: chains).  Under
+        ``max_step_columns`` a step that would exceed it feeds the tree rows' root groups alone, and where even those
+        do not fit, no tree at all (those rows verify nothing this step, as a chain row without drafts): under load
+        the masks give way first."""
+        if self.tree is None or not verifying.any():
+            return None
+        requests = self.rows.records.requests
+        greedy = np.array([r.temperature <= 0 for r in requests], dtype=bool)
+        tree = verifying & greedy & self._exact_rows()
+        if not tree.any():
+            return None
+        depths = np.clip(np.minimum(self.rows.host.draft_count, budget - 1), 0, self.tree.depth)
+        cap = self.settings.max_step_columns
+        if cap is not None:
+            other = int(uncached[~tree].sum())  # the other rows' real tokens (their AR column is the last of them)
+            for trial in (depths, np.zeros_like(depths)):
+                if other + int((uncached + self.tree.columns[trial])[tree].sum()) <= cap:
+                    depths = trial
+                    break
+            else:
+                return None
+        return np.where(tree, depths, -1)
 
     def _masks_fed(self) -> np.ndarray:
         """How many masks each verifying row feeds on a step (``verify_masks``; ``auto`` on a CPU trims the
@@ -504,9 +621,42 @@ class DecodeEngine:
             attention = (columns.unsqueeze(0) <= columns.unsqueeze(1)).expand(len(self.rows), 1, width, width)
             return self.runner.logits_at(ids, positions, attention, read, **reads_kw)
         kv_length = int(self.rows.host.cached.max()) + width
+        self.cache.prepare_step(positions, kv_length)  # each column's keys/values at the next free slot
+        if plan.tree_layout is not None and (plan.tree_layout > 0).any():
+            rope, attention = self._tree_geometry(plan, positions, kv_length)
+            return self.runner.logits_at(ids, rope, attention.unsqueeze(1), read, self.cache, **reads_kw)
         attention = torch.arange(kv_length, device=dev).view(1, 1, -1) <= positions.unsqueeze(2)
-        self.cache.prepare_step(positions, kv_length)
         return self.runner.logits_at(ids, positions, attention.unsqueeze(1), read, self.cache, **reads_kw)
+
+    def _tree_inputs(self, plan: StepPlan) -> torch.Tensor:
+        """The tree rows' inputs after their roots (:meth:`TreeLayouts.draft_tokens`), made once per step."""
+        if plan.tree_inputs is None:
+            layout = plan.on_device.tree_layout.clamp_min(0)
+            plan.tree_inputs = self.tree.draft_tokens(layout, self.rows.tensors.candidates, self.mask_id)
+        return plan.tree_inputs
+
+    def _tree_geometry(self, plan: StepPlan, slots: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE positions and the attention mask ``[rows, columns, kv_length]`` of a step with tree rows: a tree
+        row's column after its root sits at the root's position plus its depth and sees the committed text, the
+        row's real tokens and its ancestors in the template; every other column is causal at its slot."""
+        tree, fed = self.tree, plan.on_device
+        width, X = slots.shape[1], self.tree.depth_of.shape[1]
+        columns = torch.arange(width, device=self.device)
+        after = columns.unsqueeze(0) - fed.uncached.unsqueeze(1)  # [rows, width]: index after the root (< 0: real)
+        layout = fed.tree_layout.clamp_min(0)
+        is_tree = (fed.tree_layout > 0).unsqueeze(1)
+        index = after.clamp(0, X - 1)
+        depth = tree.depth_of[layout].gather(1, index)
+        root = slots[:, :1] + fed.uncached.unsqueeze(1) - 1
+        rope = torch.where(is_tree & (after >= 0), root + depth, slots)
+        seen = tree.ancestors[layout].gather(1, index.unsqueeze(2).expand(-1, -1, X))
+        seen = seen.gather(2, index.unsqueeze(1).expand(-1, width, -1))  # [rows, query, key]
+        tree_view = (after.unsqueeze(1) < 0) | (seen & (after.unsqueeze(1) < X))
+        causal = columns.view(1, 1, -1) <= columns.view(1, -1, 1)
+        step = torch.where(is_tree.unsqueeze(2) & (after.unsqueeze(2) >= 0), tree_view, causal)
+        relative = torch.arange(kv_length, device=self.device).unsqueeze(0) - slots[:, :1]  # [rows, kv]
+        inside = step.gather(2, relative.clamp(0, width - 1).unsqueeze(1).expand(-1, width, -1))
+        return rope, (relative < 0).unsqueeze(1) | ((relative < width).unsqueeze(1) & inside)
 
     def _kernel_widths(self, plan: StepPlan) -> tuple[int, int, int] | None:
         """The step's widths against the fast path's kernels (ModelRunner.logits_at): of its forward and of its LM
@@ -533,6 +683,11 @@ class DecodeEngine:
             proposals = torch.where((after >= 0) & (after < drafts), drafted, self._proposals(after - drafts))
         else:
             proposals = self._proposals(after)
+        if plan.tree_layout is not None and (plan.tree_layout > 0).any():  # tree rows: their template's inputs
+            layout = plan.on_device.tree_layout
+            fed = self._tree_inputs(plan)
+            from_tree = fed.gather(1, after.clamp(0, fed.shape[1] - 1))
+            proposals = torch.where((layout > 0).unsqueeze(1) & (after >= 0), from_tree, proposals)
         return torch.where(after < 0, ids, proposals)
 
     def _proposals(self, offset: torch.Tensor) -> torch.Tensor:
@@ -557,14 +712,55 @@ class DecodeEngine:
         elif logp is None:  # every row exact: one token (a verifying row's count is the verifier's)
             count, score = cap_now.clamp_max(1), None
         else:
-            score = confidence(logp, predicted, s.metric)
+            score = confidence(self._calibrated(plan, logits, logp), predicted, s.metric)
             count = accept_counts(score, rows.threshold, s.metric, cap_now)
-        tokens, verified, next_drafts = predicted, torch.zeros_like(count), None
+        tokens, verified, next_drafts, tree = predicted, torch.zeros_like(count), None, None
         if plan.verifying.any():
-            scores = StepScores(logp, predicted, top)
-            tokens, count, verified, next_drafts = self._verify(plan, scores, score, count)
+            chain = plan.chain_only()
+            if chain.verifying.any():
+                scores = StepScores(logp, predicted, top)
+                tokens, count, verified, next_drafts = self._verify(chain, scores, score, count)
+            if plan.tree_rows.any():
+                chosen = (predicted, top)
+                tokens, count, verified, tree = self._verify_tree(
+                    plan, logits, chosen, (tokens, count, verified), budget
+                )
         count, hit_eos = cut_at_eos(tokens, count, self.eos)
-        return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts)
+        return Acceptance(predicted, tokens, count, hit_eos, verified, next_drafts, tree)
+
+    def _verify_tree(self, plan: StepPlan, logits: torch.Tensor, chosen, chain, budget: torch.Tensor):
+        """The tree rows' tokens, counts and verified drafts (the other rows keep ``chain``'s) and their next
+        candidates, read from the mask group after each row's accepted path (:mod:`mars.decoding.tree`)."""
+        tokens, count, verified = chain
+        tree, fed = self.tree, plan.on_device
+        is_tree = fed.tree_layout >= 0
+        layout = fed.tree_layout.clamp_min(0)
+        predicted, top = chosen
+        inputs = self._tree_inputs(plan)
+        width, needed = tokens.shape[1], 1 + inputs.shape[1]
+        predicted = torch.nn.functional.pad(predicted, (0, max(0, needed - width)), value=-1)
+        verdict = tree.verify(layout, predicted[:, :needed], inputs)
+        tree_tokens = torch.nn.functional.pad(verdict.tokens, (0, width - verdict.tokens.shape[1]))
+        tree_count = torch.minimum(verdict.verified + 1, budget)
+        tokens = torch.where(is_tree.unsqueeze(1), tree_tokens, tokens)
+        count = torch.where(is_tree, tree_count, count)
+        verified = torch.where(is_tree, torch.minimum(verdict.verified, tree_count - 1), verified)
+        group = torch.where(is_tree.unsqueeze(1), verdict.group, -1).clamp_max(logits.shape[1] - 2)
+        candidates, depths = next_candidates(logits, predicted, top, group, tree.width, self.settings.draft_threshold)
+        return tokens, count, verified, TreeStep(is_tree, verdict.path, candidates, depths)
+
+    def _calibrated(self, plan: StepPlan, logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities the threshold reads: ``logp``, or for a calibrated checkpoint those of the logits
+        with each mask column divided by its depth's temperature (the depth counted after a row's drafts), so that
+        a confidence is the chance that the mask's token is the model's own greedy choice.  The tokens chosen are
+        the same (a temperature keeps the argmax); only the confidence moves."""
+        if self.mask_temperatures is None:
+            return logp
+        divisors = self.mask_temperatures
+        columns = torch.arange(logits.shape[1], device=self.device).unsqueeze(0)
+        depth = (columns - plan.on_device.drafts.unsqueeze(1)).clamp(0, len(divisors) - 1)
+        scaled = logits / divisors[depth].unsqueeze(-1)
+        return self.log_probs(scaled, self.rows.tensors.temperature)[0]
 
     def _choose(
         self, plan: StepPlan, logits: torch.Tensor
@@ -576,7 +772,8 @@ class DecodeEngine:
         ``logits`` come back with the never-emitted tokens at -inf."""
         s, reads = self.settings, self._reads_probabilities(plan)
         # the draft threshold reads the top probability at the columns after the AR one (after the drafts)
-        top_from = 1 if not reads and s.draft_threshold > 0 and self._seeds_drafts(plan) else None
+        drafting = self._seeds_drafts(plan) or plan.tree_rows.any()
+        top_from = 1 if not reads and s.draft_threshold > 0 and drafting else None
         predicted, top = top_tokens(logits, self.never, top_from, self.fused_choice)
         if not reads:
             return None, predicted, top
@@ -733,15 +930,28 @@ class DecodeEngine:
         rows.tokens.scatter_(1, target, accepted.tokens[:, :width])
         # KV cursor: real tokens fed this step are committed (cursor; block at a block boundary);
         # verified drafts were fed with the right prefix, so theirs are committed too.
+        moves = self._path_moves(plan, accepted) if accepted.tree is not None else None
         if self.settings.cache == "cursor" or (self.settings.cache == "block" and plan.commit):
             rows.cached = rows.length + accepted.verified
         rows.length = rows.length + accepted.count
         done = accepted.hit_eos | (rows.length >= rows.end)
         self._keep_proposals(plan, accepted)
         committed = self._sync(accepted, done, width)
+        if moves is not None and committed.verified[plan.tree_rows].any() and bool((moves[0] != moves[1]).any()):
+            self.cache.move(*moves)
         if plan.drafts.any():
             self._draft_stats(plan, committed.verified)
         return committed
+
+    def _path_moves(self, plan: StepPlan, accepted: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the tree rows' accepted nodes sit in the KV buffer and where they go: right after the row's text
+        (the node at depth d to the length before this step plus d - 1); other slots stay put."""
+        tree = accepted.tree
+        base = (self.rows.tensors.cached + plan.on_device.uncached).unsqueeze(1)  # the length before this step
+        depth = torch.arange(self.tree.depth, device=self.device).unsqueeze(0)
+        target = base + depth
+        moving = tree.rows.unsqueeze(1) & (depth < accepted.verified.unsqueeze(1))
+        return torch.where(moving, base + tree.path, target), target
 
     def _keep_proposals(self, plan: StepPlan, accepted: Acceptance) -> None:
         """Jacobi's next guesses; verifying rows' next drafts (rows that did not verify keep theirs)."""
@@ -752,13 +962,22 @@ class DecodeEngine:
             )
             rows.guesses = accepted.predicted.gather(1, read)
         nxt = accepted.next_drafts
-        if nxt is None:
-            return
-        verifying = plan.on_device.verifying
-        rows.drafts = torch.where(verifying.unsqueeze(1), nxt.tokens, rows.drafts)
-        rows.draft_count = nxt.count
-        if nxt.log_q is not None:
-            rows.draft_log_q = torch.where(verifying.view(-1, 1, 1), nxt.log_q, rows.draft_log_q)
+        if nxt is not None:
+            verifying = plan.on_device.verifying
+            rows.drafts = torch.where(verifying.unsqueeze(1), nxt.tokens, rows.drafts)
+            rows.draft_count = nxt.count
+            if nxt.log_q is not None:
+                rows.draft_log_q = torch.where(verifying.view(-1, 1, 1), nxt.log_q, rows.draft_log_q)
+        tree = accepted.tree
+        if rows.candidates is not None and nxt is not None:  # rows that verified a chain: its drafts rank first
+            chain = plan.on_device.verifying & (plan.on_device.tree_layout < 0)
+            first = torch.where(chain.unsqueeze(1), rows.drafts[:, : self.tree.depth], rows.candidates[..., 0])
+            rows.candidates = torch.cat([first.unsqueeze(-1), rows.candidates[..., 1:]], dim=-1)
+        if tree is not None:
+            rows.candidates = torch.where(tree.rows.view(-1, 1, 1), tree.candidates, rows.candidates)
+            first = torch.nn.functional.pad(tree.candidates[..., 0], (0, self.max_drafts - self.tree.depth))
+            rows.drafts = torch.where(tree.rows.unsqueeze(1), first, rows.drafts)
+            rows.draft_count = torch.where(tree.rows, tree.depths, rows.draft_count)
 
     def _sync(self, accepted: Acceptance, done: torch.Tensor, width: int) -> Committed:
         """The step's one host transfer: counts, flags, cursors, drafts and the accepted tokens."""
@@ -783,8 +1002,13 @@ class DecodeEngine:
     def _draft_stats(self, plan: StepPlan, verified: np.ndarray) -> None:
         """Count each draft position's proposals and acceptances (rows that fed no drafts add zeros)."""
         host, slots = self.rows.host, np.arange(self.max_drafts)
-        host.proposed += slots < plan.drafts[:, None]
+        proposed = (slots < plan.drafts[:, None]).astype(np.int64)
+        tree = plan.tree_rows
+        if tree.any():  # a tree proposes every node at a depth
+            proposed[tree, : self.tree.depth] = self.tree.nodes_at_depth[plan.tree_layout[tree]]
+        host.proposed += proposed
         host.accepted += slots < verified[:, None]  # (verified <= drafts)
+        host.draft_steps += plan.drafts > 0
 
     # ------------------------------------------------------------------ emit and retire
     def _emit(self, committed: Committed) -> list[StepEvent]:
@@ -835,6 +1059,7 @@ class DecodeEngine:
                 rows.host.proposed[i].tolist(),
                 rows.host.accepted[i].tolist(),
                 list(records.from_mask[i]),
+                int(rows.host.draft_steps[i]),
             )
         keep = np.flatnonzero(~done)
         rows.keep(keep)

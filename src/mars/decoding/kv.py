@@ -142,6 +142,19 @@ class RaggedKVCache(Cache):
                 layer._pad_positions(self.capacity)
         return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
 
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy every layer's keys/values at buffer positions ``source`` ``[batch, n]`` to ``target`` (the accepted
+        path of a tree step moves down to the slots after the committed text; a position copied onto itself is a
+        no-op).  All sources are read before any target is written."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for name in ("keys", "values"):
+                buffer = getattr(layer, name)
+                shape = (-1, buffer.shape[1], source.shape[1], buffer.shape[3])
+                moved = buffer.gather(2, source[:, None, :, None].expand(shape))
+                buffer.scatter_(2, target[:, None, :, None].expand(shape), moved)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (drop finished ones from the batch)."""
         self.rows = len(rows)

@@ -57,6 +57,7 @@ class Finished:
     draft_proposed: list[int] = field(default_factory=list)
     draft_accepted: list[int] = field(default_factory=list)
     from_mask: list[bool] = field(default_factory=list)  # per token: accepted from a mask prediction
+    draft_steps: int = 0  # steps on which the row verified at least one draft
 
 
 @dataclass
@@ -75,6 +76,7 @@ class RowTensors:
     draft_count: torch.Tensor  # how many of ``drafts`` are real
     guesses: torch.Tensor  # [rows, guess_slots]: Jacobi's current guesses
     draft_log_q: torch.Tensor | None  # [rows, max_drafts, vocab] once a verifying row samples: each draft's source
+    candidates: torch.Tensor | None = None  # [rows, depth, width] under tree drafts: each depth's top tokens
 
 
 @dataclass
@@ -93,6 +95,7 @@ class RowMirrors:
     forwards: np.ndarray  # forwards the row took part in
     proposed: np.ndarray  # [rows, max_drafts]: drafts proposed, per draft position
     accepted: np.ndarray  # [rows, max_drafts]: drafts accepted, per draft position
+    draft_steps: np.ndarray  # steps on which the row verified at least one draft
 
 
 @dataclass
@@ -131,7 +134,7 @@ def _select(group: Group, keep_host: np.ndarray, keep_device: torch.Tensor) -> G
     values = {}
     for f in dataclasses.fields(group):
         value = getattr(group, f.name)
-        if value is None or (f.name == "draft_log_q" and not len(keep_host)):
+        if value is None or (f.name in ("draft_log_q", "candidates") and not len(keep_host)):
             values[f.name] = None
         elif isinstance(value, torch.Tensor):
             values[f.name] = value[keep_device]
@@ -216,6 +219,7 @@ class RowBatch:
             forwards=zeros.copy(),
             proposed=np.zeros((count, self.max_drafts), dtype=np.int64),
             accepted=np.zeros((count, self.max_drafts), dtype=np.int64),
+            draft_steps=zeros.copy(),
         )
         records = RowRecords(
             requests=list(requests),
@@ -256,6 +260,12 @@ class RowBatch:
         if self.tensors.draft_log_q is None and self.max_drafts:
             shape = (len(self), self.max_drafts, vocab)
             self.tensors.draft_log_q = torch.zeros(shape, device=self.device)
+
+    def ensure_candidates(self, depth: int, width: int) -> None:
+        """Room for each row's tree candidates (every depth's top ``width`` tokens of the masks)."""
+        if self.tensors.candidates is None:
+            shape = (len(self), depth, width)
+            self.tensors.candidates = torch.full(shape, self.mask_id, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ reading out
     def generated(self, i: int) -> list[int]:

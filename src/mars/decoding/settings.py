@@ -22,6 +22,8 @@ CHAINING = ("auto", "always", "never")
 VERIFY_MASKS = ("auto", "all")  # or an integer
 LEAN_VERIFY_MASKS = 2  # verify_masks=auto for lossless rows on a CPU (see the field)
 DRAFT_SOURCES = ("masks", "model", "lookup")
+TREE_MODES = ("auto", "chain")  # or a shape: candidates per depth, "2,1"
+TREE_MASKS = ("all", "top")
 AR_CACHES = ("dynamic", "static")
 # Keys of a decoding config that are not decoding settings: the config's name and the batch size
 # (which changes timings, never outputs).
@@ -165,6 +167,26 @@ class DecodingSettings:
             "about 5% of a step and the deepest drafts rarely pass)"
         ),
     )
+    tree: str = field(
+        default="auto",
+        metadata=_help(
+            "verify=True, draft_source=masks: the draft layout. chain: the drafts in a row, masks after them only when "
+            "every draft may pass (chain_drafts, verify_masks); a shape 'k1,k2,...': a tree of the top-k1 candidates of "
+            "the first mask, each followed by the top-k2 of the second, ..., verified in one forward, with a group of "
+            "masks after every node the step may end on so the next step always has drafts; auto: the shape with the "
+            "most expected tokens per second from the step's measured cost per width on this device and the "
+            "checkpoint's acceptance per depth and rank (chain where a tree does not apply: sampling, another draft "
+            "source, a cache other than cursor)"
+        ),
+    )
+    tree_masks: str = field(
+        default="all",
+        metadata=_help(
+            "tree shapes: which nodes carry a group of masks for the next step's drafts: all (every node the step may "
+            "end on: drafts on every step) or top (the root and the path of first-ranked candidates)",
+            TREE_MASKS,
+        ),
+    )
     # Medusa's typical acceptance (Cai et al. 2024, arXiv 2401.10774), greedy form: a draft the AR model finds
     # plausible passes although it is not the argmax; sqrt(eps) as Medusa's alpha. Lossy by design
     typical_epsilon: float = field(
@@ -273,6 +295,7 @@ class DecodingSettings:
         if self.draft_length is not None and (not _is_int(self.draft_length) or self.draft_length < 1):
             raise ValueError(f"draft_length must be None or an integer >= 1, got {self.draft_length!r}")
         self._check_draft_source()
+        self._check_tree()
         if self.verify:
             self._check_verify()
 
@@ -290,6 +313,32 @@ class DecodingSettings:
             raise ValueError(f"draft_model must be a model name or path, 'self' or 'self:N', got {model!r}")
         if isinstance(model, str) and model.startswith("self:") and not (model[5:].isdigit() and int(model[5:]) >= 1):
             raise ValueError(f"draft_model={model!r}: 'self:N' takes the target's first N layers, N an integer >= 1")
+
+    def _check_tree(self) -> None:
+        if self.tree_masks not in TREE_MASKS:
+            raise ValueError(f"unknown tree_masks {self.tree_masks!r}; choose one of {list(TREE_MASKS)}")
+        shape = tree_shape(self.tree)  # raises on a malformed shape
+        if shape is None:
+            return
+        if self.draft_source != "masks":
+            raise ValueError(
+                f"tree={self.tree!r} drafts from the masks; draft_source={self.draft_source!r} verifies a chain "
+                "(tree='chain' or 'auto')"
+            )
+        if self.cache != "cursor":
+            raise ValueError(f"tree={self.tree!r} needs cache='cursor' (its accepted path is moved in the KV cache)")
+        if self.temperature > 0:
+            raise ValueError(
+                f"tree={self.tree!r} verifies greedy rows; at temperature > 0 verification samples exactly along a "
+                "chain: use tree='chain' or 'auto'"
+            )
+        if self.typical_epsilon > 0:
+            raise ValueError(f"tree={self.tree!r} checks drafts against the argmax: typical_epsilon needs tree='chain'")
+        window = self.effective_window
+        if _is_int(window) and len(shape) > window - 1:
+            raise ValueError(
+                f"tree={self.tree!r} is {len(shape)} deep; the window's {window - 1} masks draft at most that"
+            )
 
     def _check_verify(self) -> None:
         if self.decoder != "mars":
@@ -357,6 +406,23 @@ class DecodingSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def tree_shape(tree: Any) -> tuple[int, ...] | None:
+    """The candidates per depth of a tree setting ("2,1" -> (2, 1)); None for ``auto`` and ``chain``."""
+    if tree in TREE_MODES:
+        return None
+    text = str(tree).replace("x", ",")
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(k < 1 for k in shape) or len(shape) > 8:
+        raise ValueError(
+            f"tree must be one of {list(TREE_MODES)} or candidates per depth such as '2,1' (1 to 8 depths, each "
+            f">= 1), got {tree!r}"
+        )
+    return shape
 
 
 def _coerce(value: Any, nullable: bool = False) -> Any:

@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# The speculative-decoding figures in vLLM's terms (docs/decoding.md, "Acceptance figures"): the keys
+# acceptance_figures returns, every one None where no step verified a draft
+ACCEPTANCE_KEYS = ("mean_acceptance_length", "draft_acceptance_rate", "acceptance_by_position")
+
+
+def acceptance_figures(proposed: Sequence[int], accepted: Sequence[int], draft_steps: int) -> dict[str, Any]:
+    """vLLM's spec-decode figures from draft counts per depth (``proposed[d]``: draft tokens proposed at depth
+    ``d``, every candidate of a tree counted; ``accepted[d]``: steps whose depth-``d`` draft passed) and the
+    steps that verified at least one draft.  ``mean_acceptance_length`` counts the AR token every draft step
+    adds after its accepted drafts (the bonus or corrected token), so a step whose drafts all fail counts 1."""
+    drafted, passed = int(sum(proposed)), int(sum(accepted))
+    return {
+        "num_drafts": int(draft_steps),
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": passed,
+        "mean_acceptance_length": 1 + passed / draft_steps if draft_steps else None,
+        "draft_acceptance_rate": passed / drafted if drafted else None,
+        "acceptance_by_position": [a / draft_steps for a in accepted] if draft_steps else None,
+    }
+
+
+def sum_by_position(counts: Iterable[Sequence[int]]) -> list[int]:
+    """Per-depth counts of several rows or runs added depth by depth (the lists may differ in length)."""
+    counts = list(counts)
+    width = max((len(c) for c in counts), default=0)
+    return [sum(int(c[d]) for c in counts if d < len(c)) for d in range(width)]
 
 
 @dataclass
@@ -30,6 +58,21 @@ class DecodeStats:
     first_token_seconds: float | None = None
 
     @property
+    def mean_acceptance_length(self) -> float | None:
+        """vLLM's mean acceptance length over the run's draft steps (verify only; None without a draft step)."""
+        return self.extra.get("mean_acceptance_length")
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Draft tokens accepted / proposed (verify only)."""
+        return self.extra.get("draft_acceptance_rate")
+
+    @property
+    def acceptance_by_position(self) -> list[float] | None:
+        """Per draft depth: draft steps that accepted the depth's draft / draft steps (verify only)."""
+        return self.extra.get("acceptance_by_position")
+
+    @property
     def tokens_per_forward(self) -> float:
         return self.generated_tokens / self.forwards if self.forwards else 0.0
 
@@ -52,6 +95,7 @@ class DecodeStats:
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
             "first_token_seconds": self.first_token_seconds,
+            **{key: getattr(self, key) for key in ACCEPTANCE_KEYS},
             "per_row_tokens": list(self.per_row_tokens),
             "per_row_forwards": list(self.per_row_forwards),
             **self.extra,

@@ -2,7 +2,8 @@
 
 A suite entry that is a group (BBH, MMLU-Pro) scores the size-weighted mean of its leaves, and its
 decoder statistics are summed over the leaves; its documents are pooled (keyed by leaf and doc id) for
-the intervals.  Every point carries, besides the paper's accuracy and tokens per forward:
+the intervals.  Every point carries, besides the paper's accuracy and tokens per forward (and under verify
+vLLM's ``mean_acceptance_length``):
 
 - 95% intervals (:mod:`mars.evaluation.agreement`): accuracy (Wilson for 0/1 scores, else bootstrap),
   its change from threshold 1.0 as a *paired* bootstrap over the same documents (``accuracy_delta_lo/hi``),
@@ -74,6 +75,7 @@ FIELDS = (
     "tokens_per_forward_lo",
     "tokens_per_forward_hi",
     "batch_tokens_per_forward",
+    "mean_acceptance_length",
     "tokens_per_second",
     "wall_seconds",
     "generated_tokens",
@@ -250,6 +252,8 @@ def _decoder_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "row_forwards": sum(d.get("row_forwards", 0) for d in dec),
         "batch_forwards": sum(d.get("batch_forwards", 0) for d in dec),
         "seconds": sum(d.get("seconds", 0.0) for d in dec),
+        "num_drafts": sum(d.get("num_drafts", 0) for d in dec),
+        "num_accepted_tokens": sum(d.get("num_accepted_tokens", 0) for d in dec),
     }
 
 
@@ -266,13 +270,16 @@ def _accuracy(kind: str, threshold: float, reference: float, scores: dict | None
 
 
 def _speed_fields(totals: dict[str, Any], tpf: stats.Estimate) -> dict[str, Any]:
-    """Tokens per forward (per row, with its interval over requests, and per batch), throughput, counts."""
+    """Tokens per forward (per row, with its interval over requests, and per batch), vLLM's mean acceptance
+    length under verify (None without a draft step), throughput, counts."""
     tokens, row_fw, batch_fw, seconds = (totals[k] for k in ("tokens", "row_forwards", "batch_forwards", "seconds"))
+    drafts = totals["num_drafts"]
     return {
         "tokens_per_forward": tokens / row_fw if row_fw else None,
         "tokens_per_forward_lo": tpf.lo,
         "tokens_per_forward_hi": tpf.hi,
         "batch_tokens_per_forward": tokens / batch_fw if batch_fw else None,
+        "mean_acceptance_length": 1 + totals["num_accepted_tokens"] / drafts if drafts else None,
         "tokens_per_second": tokens / seconds if seconds > 0 else None,
         "wall_seconds": seconds,
         "generated_tokens": tokens,
@@ -366,6 +373,7 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         "score": "metric",
         **_average_accuracy(row, extras, metric),
         "batch_tokens_per_forward": _nanmean([p["batch_tokens_per_forward"] for p in row]),
+        "mean_acceptance_length": _nanmean([p.get("mean_acceptance_length") for p in row]),
         "tokens_per_second": (
             sum(p["generated_tokens"] for p in row) / s if (s := sum(p["wall_seconds"] for p in row)) > 0 else None
         ),

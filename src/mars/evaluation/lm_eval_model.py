@@ -24,7 +24,8 @@ then gives each rank every world_size-th document and gathers the per-sample met
 Command line: lm-eval 0.4.13 has no plugin mechanism, so its own ``lm_eval`` only knows models that are
 imported before it parses; ``mars-lm-eval`` (:mod:`mars.cli.lm_eval` over :func:`lm_eval_main`) is lm-eval's CLI
 with this model registered, taking all of its flags.  It adds the decoder's headline figure to lm-eval's
-results (file and printed table): ``tokens_per_forward`` per task, and pooled over the tasks of each group::
+results (file and printed table): ``tokens_per_forward`` per task, and pooled over the tasks of each group
+(under verify also ``mean_acceptance_length``)::
 
     mars-lm-eval --model mars --model_args pretrained=<dir>,threshold=0.9 --tasks mars_math \\
         --include_path eval/offline --apply_chat_template
@@ -69,11 +70,18 @@ class TaskStats:
     fidelity_ar_equal: int = 0
     fidelity_mask_tokens: int = 0
     fidelity_mask_ar_equal: int = 0
+    num_drafts: int = 0  # verify: steps that verified at least one draft, summed over requests
+    num_accepted_tokens: int = 0  # verify: drafts accepted
 
     @property
     def tokens_per_forward(self) -> float:
         """The paper's figure: tokens accepted per forward, over every step of every request."""
         return self.generated_tokens / self.row_forwards if self.row_forwards else float("nan")
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """vLLM's figure over the draft steps of every request (docs/decoding.md, "Acceptance figures")."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,6 +106,12 @@ class TaskStats:
             "batch_tokens_per_forward": self.generated_tokens / self.batch_forwards if self.batch_forwards else None,
             "tokens_per_second": self.tokens_per_second,
         }
+        if self.num_drafts:
+            out.update(
+                num_drafts=self.num_drafts,
+                num_accepted_tokens=self.num_accepted_tokens,
+                mean_acceptance_length=self.mean_acceptance_length,
+            )
         if self.fidelity_tokens or self.fidelity_seconds:
             out["fidelity"] = {
                 "seconds": self.fidelity_seconds,
@@ -454,6 +468,8 @@ class MarsLM(TemplateLM):
         self.generate_calls += 1
         flags = result.from_mask or [[False] * len(ids) for ids in result.token_ids]
         n = len(prompts)
+        drafts = result.stats.extra.get("per_row_num_drafts") or [0] * n
+        accepted = result.stats.extra.get("per_row_num_accepted_tokens") or [0] * n
         fidelity, fid_seconds = [None] * n, 0.0
         if self.fidelity:
             t1 = time.perf_counter()
@@ -468,6 +484,8 @@ class MarsLM(TemplateLM):
                 "from_mask": [bool(f) for f in flags[j]],
                 "tokens": int(result.stats.per_row_tokens[j]),
                 "forwards": int(result.stats.per_row_forwards[j]),
+                "num_drafts": int(drafts[j]),
+                "num_accepted_tokens": int(accepted[j]),
                 "finish_reason": str(result.finish_reasons[j]),
                 "fidelity": fidelity[j],
                 "seconds": seconds / n,
@@ -484,6 +502,8 @@ class MarsLM(TemplateLM):
         stats.batch_forwards += row["batch_forwards"]
         stats.seconds += row["seconds"]
         stats.fidelity_seconds += row.get("fidelity_seconds") or 0.0
+        stats.num_drafts += row.get("num_drafts", 0)  # (a partial cache may hold rows without the counts)
+        stats.num_accepted_tokens += row.get("num_accepted_tokens", 0)
         stats.requests += 1
         stats.resumed += int(resumed)
         stats.add_fidelity(row.get("fidelity"))
@@ -591,6 +611,7 @@ def _cut(text: str, until: list[str]) -> str:
 
 
 TOKENS_PER_FORWARD = "tokens_per_forward,none"  # lm-eval's "<metric>,<filter>" key
+MEAN_ACCEPTANCE_LENGTH = "mean_acceptance_length,none"
 
 
 def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
@@ -603,7 +624,8 @@ def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
 def add_decoder_stats(results: dict[str, Any], stats: dict[str, TaskStats]) -> None:
     """Put tokens per forward beside lm-eval's metrics in its ``results`` (and ``groups``): per task, and
     for a group the pooled figure of its tasks (their generated tokens over their forwards, the figure
-    evaluate.py reports).  Tasks without generations (log-likelihood only) get none."""
+    evaluate.py reports); under verify, vLLM's mean acceptance length beside it, pooled the same way.  Tasks
+    without generations (log-likelihood only) get none."""
     for section in ("results", "groups"):
         for name, metrics in (results.get(section) or {}).items():
             parts = [stats[leaf] for leaf in _leaves(name, results.get("group_subtasks") or {}) if leaf in stats]
@@ -611,7 +633,12 @@ def add_decoder_stats(results: dict[str, Any], stats: dict[str, TaskStats]) -> N
             if not forwards:
                 continue
             metrics[TOKENS_PER_FORWARD] = sum(s.generated_tokens for s in parts) / forwards
-            results.setdefault("higher_is_better", {}).setdefault(name, {})["tokens_per_forward"] = True
+            better = results.setdefault("higher_is_better", {}).setdefault(name, {})
+            better["tokens_per_forward"] = True
+            drafts = sum(s.num_drafts for s in parts)
+            if drafts:
+                metrics[MEAN_ACCEPTANCE_LENGTH] = 1 + sum(s.num_accepted_tokens for s in parts) / drafts
+                better["mean_acceptance_length"] = True
 
 
 def _gathered_stats(lm: MarsLM) -> dict[str, TaskStats]:

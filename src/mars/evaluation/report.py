@@ -106,8 +106,9 @@ def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -
         f"τ = {ref} in brackets; *95% CI* = interval of the accuracy (Wilson for right/wrong scores, else "
         f"bootstrap) and, as Δ, of its change from τ = {ref} (paired bootstrap over the same documents); "
         f"*tok/fwd* = generated tokens accepted per forward pass over all steps, with its bootstrap interval "
-        f"over requests; *agree* = share of outputs whose text is identical to the τ = {ref} output "
-        "(a fidelity check the paper does not report).",
+        f"over requests; *accept. len* (verify only) = vLLM's mean acceptance length, 1 + drafts accepted per "
+        'draft step (docs/decoding.md, "Acceptance figures"); *agree* = share of outputs whose text is '
+        f"identical to the τ = {ref} output (a fidelity check the paper does not report).",
     ]
     if _reference_label(dec) != "AR":
         lines += [
@@ -146,14 +147,17 @@ def _reference_label(decoding) -> str:
 def _main_table(
     columns: list[str], thresholds: list[float], cell: dict, reference: float, label: str = "AR"
 ) -> list[str]:
-    """Per threshold: accuracy (and its change), the intervals, tokens per forward and agreement."""
+    """Per threshold: accuracy (and its change), the intervals, tokens per forward (and the mean acceptance
+    length where drafts were verified) and agreement."""
     lines = ["", *_table_head(columns)]
     for thr in thresholds:
         name = f"**{fmt_threshold(thr)}** ({label})" if thr == reference else f"**{fmt_threshold(thr)}**"
+        lengths = [_get(cell, (thr, c), "mean_acceptance_length") for c in columns]
         rows = [
             (name, "acc", [_fmt_acc(cell.get((thr, c))) for c in columns]),
             ("", "95% CI", [_fmt_ci(cell.get((thr, c))) for c in columns]),
             ("", "tok/fwd", [_interval_cell(cell.get((thr, c)), "tokens_per_forward", ".2f", 1.0) for c in columns]),
+            *([("", "accept. len", [_fmt(v, ".2f") for v in lengths])] if any(v is not None for v in lengths) else []),
             ("", "agree", [_interval_cell(cell.get((thr, c)), "agreement", ".0f", 100.0, "%") for c in columns]),
         ]
         for first, what, cells in rows:

@@ -347,8 +347,13 @@ def _load_served_model(sc: ServeConfig):
 
 
 def _warm_up(engine, tokenizer) -> None:
-    """Decodes two tokens of a throwaway request on its own engine."""
-    engine.admit([engine.make_request(tokenizer("Hello")["input_ids"], max_new_tokens=2)])
+    """Decodes two tokens of a throwaway request on its own engine, and of a verified one where the decoder
+    verifies (``tree=auto`` times this device's steps once per model, out of the first verified request's way)."""
+    ids = tokenizer("Hello")["input_ids"]
+    requests = [engine.make_request(ids, max_new_tokens=2)]
+    if engine.settings.decoder == "mars" and engine.max_drafts > 0:
+        requests.append(engine.make_request(ids, max_new_tokens=2, verify=True, threshold=1.0))
+    engine.admit(requests)
     while engine.live:
         engine.step()
 

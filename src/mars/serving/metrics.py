@@ -3,24 +3,35 @@ the short moving window behind the live figures (tokens/s, tokens per forward) o
 
 Names (all prefixed ``mars_``):
 
-=====================================  =========  ==========================================================
-``requests_total{endpoint,code}``      counter    HTTP requests answered, by route and status code
-``requests_finished_total{reason}``    counter    decoded requests by finish reason (eos, stop, length,
-                                                  cancelled, error)
-``queue_depth``                        gauge      requests waiting for a row
-``running_batch_size``                 gauge      rows in the running batch
-``tau``                                gauge      the server's current threshold (named by its symbol)
-``tokens_per_second``                  gauge      generated tokens per second over the last ``window_s``
-``tokens_per_forward``                 gauge      generated tokens per row-forward over the last ``window_s``
-                                                  (the per-request tokens-per-forward figure, pooled)
-``generated_tokens_total``             counter    generated tokens (``rate()`` gives tokens/s)
-``forwards_total``                     counter    engine forward passes
-``time_to_first_token_seconds``        histogram  arrival to the first accepted token
-``request_latency_seconds``            histogram  arrival to the last token
-``queue_wait_seconds``                 histogram  arrival to admission into the batch
-``step_seconds``                       histogram  one engine step (one batched forward)
-``request_tokens_per_forward``         histogram  each finished request's tokens / forwards
-=====================================  =========  ==========================================================
+=================================================  =========  ======================================================
+``requests_total{endpoint,code}``                  counter    HTTP requests answered, by route and status code
+``requests_finished_total{reason}``                counter    decoded requests by finish reason (eos, stop, length,
+                                                              cancelled, error)
+``queue_depth``                                    gauge      requests waiting for a row
+``running_batch_size``                             gauge      rows in the running batch
+``tau``                                            gauge      the server's current threshold (named by its symbol)
+``tokens_per_second``                              gauge      generated tokens per second over the last ``window_s``
+``tokens_per_forward``                             gauge      generated tokens per row-forward over the last
+                                                              ``window_s`` (the per-request tokens-per-forward
+                                                              figure, pooled)
+``generated_tokens_total``                         counter    generated tokens (``rate()`` gives tokens/s)
+``forwards_total``                                 counter    engine forward passes
+``time_to_first_token_seconds``                    histogram  arrival to the first accepted token
+``request_latency_seconds``                        histogram  arrival to the last token
+``queue_wait_seconds``                             histogram  arrival to admission into the batch
+``step_seconds``                                   histogram  one engine step (one batched forward)
+``request_tokens_per_forward``                     histogram  each finished request's tokens / forwards
+``spec_decode_num_drafts_total``                   counter    verify: steps that verified at least one draft
+``spec_decode_num_draft_tokens_total``             counter    verify: draft tokens proposed
+``spec_decode_num_accepted_tokens_total``          counter    verify: draft tokens accepted
+``spec_decode_num_accepted_tokens_per_pos_total``  counter    the same per draft depth, label ``position`` (0: the
+                                                              first draft)
+=================================================  =========  ======================================================
+
+The ``spec_decode`` counters are vLLM's (``vllm:spec_decode_*``) and are added from each finished request's
+draft counts (cancelled requests included), so ``1 + rate(accepted) / rate(drafts)`` is vLLM's mean acceptance
+length and ``rate(accepted) / rate(draft tokens)`` its draft acceptance rate (docs/decoding.md, "Acceptance
+figures").
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the route)
@@ -101,7 +113,26 @@ class ServerMetrics:
         self.request_tpf = Histogram(
             "mars_request_tokens_per_forward", "Finished requests' tokens per forward", buckets=TPF_BUCKETS, registry=r
         )
+        self.spec_drafts = Counter("mars_spec_decode_num_drafts", "Steps that verified at least one draft", registry=r)
+        self.spec_draft_tokens = Counter("mars_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter("mars_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "mars_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted by draft depth",
+            ["position"],
+            registry=r,
+        )
         self.recent = RecentRates(window_s)
+
+    def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int], draft_steps: int) -> None:
+        """One finished request's draft counts (``Finished.draft_proposed``, ``draft_accepted``, ``draft_steps``)."""
+        if not draft_steps:
+            return
+        self.spec_drafts.inc(draft_steps)
+        self.spec_draft_tokens.inc(sum(proposed))
+        self.spec_accepted_tokens.inc(sum(accepted))
+        for position, count in enumerate(accepted):
+            self.spec_accepted_per_pos.labels(str(position)).inc(count)
 
     def observe_step(self, seconds: float, tokens: int, rows: int, now: float | None = None) -> None:
         self.step_seconds.observe(seconds)

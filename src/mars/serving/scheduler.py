@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mars.decoding.engine import DecodeEngine
+from mars.decoding.stats import ACCEPTANCE_KEYS, acceptance_figures
 
 from .metrics import ServerMetrics
 from .policy import LoadSample, ThresholdPolicy
@@ -94,6 +95,7 @@ class Job:
     forwards: int = 0
     completion_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # final generated ids (set when it finishes)
+    acceptance: dict = field(default_factory=dict)  # verify: vLLM's acceptance figures (set when it finishes)
     failed: bool = False
     stream: TextStream | None = None
 
@@ -112,6 +114,7 @@ class Job:
             "queue_seconds": None if self.admitted is None else round(self.admitted - self.created, 4),
             "ttft_seconds": None if self.first_token is None else round(self.first_token - self.created, 4),
             "latency_seconds": round(end - self.created, 4),
+            **({key: self.acceptance.get(key) for key in ACCEPTANCE_KEYS} if self.verify else {}),
         }
 
 
@@ -348,6 +351,9 @@ class EngineLoop:
 
     def _deliver(self, job: Job, ev, now: float) -> None:
         f = ev.finished
+        if f is not None:  # the drafts a row verified count whatever ended it
+            job.acceptance = acceptance_figures(f.draft_proposed, f.draft_accepted, f.draft_steps)
+            self.metrics.observe_drafts(f.draft_proposed, f.draft_accepted, f.draft_steps)
         if f is not None and f.reason == "cancelled":
             self.live.pop(job.id, None)
             job.failed, job.finished = True, now

@@ -139,6 +139,7 @@ class TrainConfig(OpenSection):
                 f"objective.alpha=0 and kl_weight=0 and a mask loss; got objective={objective.name} "
                 f"alpha={objective.alpha} kl_weight={objective.kl_weight} mask_weight={objective.mask_weight}"
             )
+        objective.check_clean_teacher(adapter.gated)  # clean_soft: a frozen or anchored clean stream
         strategy = self.trainer.strategy
         if adapter.enabled and (strategy == "fsdp" or "deepspeed_stage_3" in strategy):
             raise ValueError(f"adapter={adapter.kind} runs unsharded (DDP or one device); trainer.strategy={strategy}")

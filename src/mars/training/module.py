@@ -91,6 +91,7 @@ def _check_settings(
         raise ValueError("adapter=gated_lora needs an objective with a mask loss (objective.mask_weight > 0)")
     if adapter.gated and objective.intra_block != "causal":
         raise ValueError("adapter=gated_lora supports intra_block=causal only")
+    objective.check_clean_teacher(adapter.gated)
 
 
 class MarsModule(L.LightningModule):
@@ -228,23 +229,29 @@ class MarsModule(L.LightningModule):
         positions = torch.cat([torch.arange(length, device=ids.device).expand(n, -1), layout.positions], dim=1)
         return torch.cat([ids, layout.ids], dim=1), positions, layout.targets
 
-    def mask_losses(self, hidden: torch.Tensor, layout: NoisyLayout, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The noisy stream's loss terms: cross-entropy (depth-weighted if configured), certainty forcing and
-        unlikelihood of wrong choices."""
+    def mask_losses(
+        self, hidden: torch.Tensor, layout: NoisyLayout, targets: torch.Tensor, soft: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The noisy stream's loss terms: cross-entropy to ``targets``, or with ``soft`` (the teacher's
+        log-probabilities at the selected columns, ``clean_soft``) the KL divergence from it, depth-weighted if
+        configured; certainty forcing and unlikelihood of wrong choices, judged against ``targets``."""
         sel = targets != IGNORE
         if not sel.any():
             zero = hidden.sum() * 0.0
             return {"loss_mask": zero}
         logits = self._logits(hidden[sel])
         labels = targets[sel]
-        ce = F.cross_entropy(logits, labels, reduction="none")
+        logq = torch.log_softmax(logits, dim=-1)
+        label_logp = logq.gather(-1, labels[:, None]).squeeze(-1)
+        # KL, not cross-entropy, to a soft target: zero where the mask already predicts the teacher's distribution
+        per_mask = -label_logp if soft is None else F.kl_div(logq, soft, log_target=True, reduction="none").sum(-1)
         obj = self.objective
         out: dict[str, torch.Tensor] = {}
         if obj.depth_weighting == "none":
-            out["loss_mask"] = ce.mean()
+            out["loss_mask"] = per_mask.mean()
         else:
-            weights = self._depth_weights(layout, sel, -ce.detach())
-            out["loss_mask"] = (weights * ce).sum() / weights.sum().clamp(min=1e-6)
+            weights = self._depth_weights(layout, sel, label_logp.detach())
+            out["loss_mask"] = (weights * per_mask).sum() / weights.sum().clamp(min=1e-6)
         if obj.certainty_weight == 0 and obj.unlikelihood_weight == 0:
             return out
         chosen = logits.detach().argmax(-1)
@@ -278,15 +285,27 @@ class MarsModule(L.LightningModule):
             reach = torch.where(depth == k, prev, reach)
         return reach[sel].exp()
 
-    def _clean_argmax_targets(self, clean_hidden: torch.Tensor, layout: NoisyLayout) -> torch.Tensor:
-        """The clean stream's own greedy choice at each noisy target's position (hard self-distillation)."""
-        targets = layout.targets.clone()
+    def _mask_targets(
+        self, clean_hidden: torch.Tensor, layout: NoisyLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The noisy stream's targets ``[n, W]`` under ``objective.mask_targets``: the data's tokens, or the clean
+        stream's greedy choice at each target's position; for ``clean_soft`` also the clean stream's
+        log-probabilities there (``[selected, vocab]``, at ``soft_temperature``).  Computed without gradient: under
+        full fine-tuning the clean stream is the model being trained, and the mask loss must not move the teacher
+        towards its students."""
+        kind = self.objective.mask_targets
+        targets = layout.targets
         sel = targets != IGNORE
-        if sel.any():
-            rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[sel]
-            with torch.no_grad():
-                targets[sel] = self._logits(clean_hidden[rows, layout.positions[sel]]).argmax(-1)
-        return targets
+        if kind == "data" or not sel.any():
+            return targets, None
+        targets = targets.clone()
+        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[sel]
+        with torch.no_grad():
+            logits = self._logits(clean_hidden[rows, layout.positions[sel]])
+            targets[sel] = logits.argmax(-1)
+            if kind != "clean_soft":
+                return targets, None
+            return targets, torch.log_softmax(logits / self.objective.soft_temperature, dim=-1)
 
     def _kl_to_reference(self, ids, pos, clean_hidden, ar_targets) -> torch.Tensor:
         sel = ar_targets != IGNORE
@@ -330,8 +349,7 @@ class MarsModule(L.LightningModule):
         )
         hidden = self._hidden(z, zpos, attn)
         clean = hidden[:, :length]
-        targets = self._clean_argmax_targets(clean, layout) if obj.mask_targets == "clean_argmax" else layout.targets
-        out = self.mask_losses(hidden[:, length:], layout, targets)
+        out = self.mask_losses(hidden[:, length:], layout, *self._mask_targets(clean, layout))
         if obj.alpha > 0:
             out["loss_ar"] = self._ce(clean, ar_targets)
         else:  # logged for comparison, outside the graph
@@ -345,12 +363,7 @@ class MarsModule(L.LightningModule):
         """Clean stream without gradient (the frozen base: no mask token, adapters off), then the noisy stream
         alone against the clean keys/values, under the same attention rules."""
         clean, hidden = self._noisy_over_clean(ids, pos, layout)
-        targets = (
-            self._clean_argmax_targets(clean, layout)
-            if self.objective.mask_targets == "clean_argmax"
-            else layout.targets
-        )
-        return self.mask_losses(hidden, layout, targets)
+        return self.mask_losses(hidden, layout, *self._mask_targets(clean, layout))
 
     def _noisy_over_clean(self, ids: torch.Tensor, pos: torch.Tensor, layout: NoisyLayout):
         """The clean stream's hidden states (no gradient) and the noisy stream's, run as a second forward over

@@ -19,6 +19,17 @@ masks learn faster per training token are fields here too (all off by default, i
   is a target at every depth.
 * ``mask_targets: clean_argmax`` -- the masks learn the clean stream's own greedy choice instead of the data
   token (hard self-distillation targets; identical to ``data`` on self-distilled answers of the same model).
+* ``mask_targets: clean_soft`` -- the masks learn the clean stream's whole next-token distribution at their
+  target position: the KL divergence from ``softmax(clean logits / soft_temperature)`` (detached) to the mask's
+  prediction.  The clean stream at position ``t`` has seen the real tokens up to ``t`` that the mask has not;
+  where it models the text, its distribution averaged over those tokens is the mask's own best answer: the
+  minimiser of the data token's one-hot target, with less variance, and it tells a mask how unsure to be,
+  which its confidence threshold reads.  ``soft_temperature`` -> 0 gives ``clean_argmax``.  The teacher must be a fixed or
+  anchored language model (:meth:`Objective.check_clean_teacher`): with a gated adapter it is the frozen base;
+  under full fine-tuning it is the model being trained, detached (a moving teacher: the mask loss never pulls
+  the clean stream towards the masks' worse guesses), and accepted only when ``alpha`` or ``kl_weight`` ties it
+  to the data or to the starting model -- with neither, nothing but the masks' own agreement with it would
+  train the shared weights, and both streams could drift together away from the data.
 * ``kl_weight`` -- the clean stream's KL to the frozen starting model at response positions (full
   fine-tuning only: it holds the AR behaviour where the AR loss on the data would move it).
 """
@@ -32,7 +43,7 @@ from mars.training.masking import INTRA_BLOCK_PATTERNS
 KNOWN_OBJECTIVES = ("ar", "mars", "mars_no_sft", "block_diffusion")
 DEPTH_WEIGHTINGS = ("none", "decay", "reach")
 BLOCK_OFFSETS = ("fixed", "random")
-MASK_TARGETS = ("data", "clean_argmax")
+MASK_TARGETS = ("data", "clean_argmax", "clean_soft")
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Objective:
     block_choices: tuple[int, ...] | None = None  # null: the run's `block` for every row
     block_offset: str = "fixed"
     mask_targets: str = "data"
+    soft_temperature: float = 1.0  # clean_soft: the clean logits are divided by it before the softmax
     kl_weight: float = 0.0
 
     def __post_init__(self) -> None:
@@ -80,6 +92,39 @@ class Objective:
             raise ValueError(f"objective.block_offset must be one of {BLOCK_OFFSETS}, got {self.block_offset!r}")
         if self.mask_targets not in MASK_TARGETS:
             raise ValueError(f"objective.mask_targets must be one of {MASK_TARGETS}, got {self.mask_targets!r}")
+        self._check_soft_targets()
+
+    def _check_soft_targets(self) -> None:
+        """What ``clean_soft`` needs from the objective alone: a mask loss, and masks whose best answer is the
+        clean stream's distribution (the adapter's part is :meth:`check_clean_teacher`)."""
+        t = self.soft_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf"):
+            raise ValueError(f"objective.soft_temperature must be a number > 0, got {t!r}")
+        if self.mask_targets != "clean_soft":
+            return
+        if not self.uses_noisy_stream:
+            raise ValueError(
+                f"objective.mask_targets=clean_soft distils the clean stream into the masks, but objective "
+                f"{self.name!r} has no mask loss (mask_weight={self.mask_weight}): only the clean stream runs"
+            )
+        if self.intra_block != "causal":
+            raise ValueError(
+                f"objective.mask_targets=clean_soft needs intra_block=causal; objective {self.name!r} has "
+                f"{self.intra_block!r}: its masks see later tokens of their block, which the clean stream at their "
+                "position has not seen, so its distribution is not their target"
+            )
+
+    def check_clean_teacher(self, gated: bool) -> None:
+        """Refuse ``clean_soft`` where the clean stream is no teacher: under full fine-tuning (``gated`` False)
+        it is the model being trained, and without ``alpha`` or ``kl_weight`` nothing ties it to the data."""
+        if self.mask_targets != "clean_soft" or gated or self.alpha > 0 or self.kl_weight > 0:
+            return
+        raise ValueError(
+            f"objective.mask_targets=clean_soft without adapter=gated_lora distils the model being trained into its "
+            f"own masks; objective {self.name!r} has alpha=0 and kl_weight=0, so nothing anchors that teacher to "
+            "the data. Use adapter=gated_lora (the frozen base is the teacher), objective.alpha > 0 or "
+            "objective.kl_weight > 0"
+        )
 
     @property
     def uses_noisy_stream(self) -> bool:

@@ -1,0 +1,184 @@
+"""``tree=auto``: the draft tree with the most expected tokens per second on the device in use (Sequoia's idea,
+Chen et al. 2024, over Medusa-style product trees).
+
+Expected tokens of a step with ``k_d`` candidates at depth ``d``: ``1 + sum_d prod_{i<=d} a_i(k_i)``, where
+``a_i(k)`` is the chance that the greedy token at depth ``i`` is among the top ``k`` candidates of the i-th mask
+given that every earlier depth's was (the checkpoint's acceptance per depth and rank: ``draft_acceptance`` in its
+``mars_config.json``, measured by teacher forcing on held-out prompts, or :data:`PRIOR`).  Cost of the step: the
+forward's time at its width (the root plus the template's columns, :func:`mars.decoding.tree.columns_of`), measured
+once per model and device on the model itself, relative to one column.  On a CPU, where every column costs, this
+picks a small tree; on a GPU, where a step's extra columns are nearly free, a wide one.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .attention import mars_attention
+from .forward import ModelRunner
+from .kv import RaggedKVCache
+from .tree import columns_of
+
+log = logging.getLogger(__name__)
+
+# a_d(k) for a checkpoint without a measured table: the masks of a MARS checkpoint trained briefly on a small
+# model (first depth about one in two at rank 1); conservative, so a tree must pay for its columns clearly
+PRIOR: tuple[tuple[float, ...], ...] = (
+    (0.55, 0.66, 0.72, 0.75),
+    (0.53, 0.62, 0.66, 0.68),
+    (0.45, 0.52, 0.56, 0.58),
+    (0.40, 0.46, 0.50, 0.52),
+)
+MAX_CANDIDATES = 4  # per depth
+MAX_COLUMNS = 64  # a step's columns after the root: beyond, the tree's columns outgrow any gain
+# widths at which a step is timed; the cost between them is interpolated (a step's cost is close to linear between)
+COST_GRID = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
+
+# model -> {(device, dtype): {width: seconds}} and {(device, dtype, depth, masks): shape}: measured once
+_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def expected_tokens(shape: Sequence[int], acceptance: Sequence[Sequence[float]]) -> float:
+    total, reach = 1.0, 1.0
+    for depth, k in enumerate(shape):
+        row = acceptance[min(depth, len(acceptance) - 1)]
+        reach *= row[min(k, len(row)) - 1]
+        total += reach
+    return total
+
+
+@functools.cache
+def candidate_shapes(max_depth: int, masks: str) -> list[tuple[int, ...]]:
+    """Product trees up to ``max_depth`` deep with non-increasing candidates per depth that fit MAX_COLUMNS."""
+    shapes = []
+    for depth in range(1, max_depth + 1):
+        for shape in itertools.product(range(MAX_CANDIDATES, 0, -1), repeat=depth):
+            if list(shape) == sorted(shape, reverse=True) and columns_of(shape, masks) <= MAX_COLUMNS:
+                shapes.append(shape)
+    return shapes
+
+
+def choose_shape(
+    cost: Callable[[int], float], acceptance: Sequence[Sequence[float]], max_depth: int, masks: str
+) -> tuple[tuple[int, ...], dict]:
+    """The shape maximising expected tokens per unit of step cost (``cost(width)``, relative), and the scores."""
+    scores = {}
+    for shape in candidate_shapes(max_depth, masks):
+        width = 1 + columns_of(shape, masks)
+        scores[shape] = expected_tokens(shape, acceptance) / cost(width)
+    best = max(scores, key=scores.get)
+    return best, scores
+
+
+def acceptance_table(ranks: np.ndarray, width: int = MAX_CANDIDATES) -> list[list[float]]:
+    """``a_d(k)`` from teacher-forced steps: ``ranks`` ``[steps, depths]``, the rank of the model's greedy token in
+    each mask's distribution (0: its argmax; -1 where the step has no such mask).  ``a_d(k)`` is the share of steps
+    whose depth-d rank is below k among those whose earlier depths' ranks all are (the chance a tree with k
+    candidates at every depth so far still holds the greedy path at depth d); 0 where no step qualifies."""
+    table = []
+    for depth in range(ranks.shape[1]):
+        row = []
+        for k in range(1, width + 1):
+            inside = ranks[:, : depth + 1] >= 0
+            held = ((ranks[:, :depth] < k) & inside[:, :depth]).all(axis=1) & inside[:, depth]
+            hit = held & (ranks[:, depth] < k)
+            row.append(round(float(hit.sum() / held.sum()), 4) if held.any() else 0.0)
+        table.append(row)
+    return table
+
+
+def table_from(meta) -> list[list[float]] | None:
+    """A checkpoint's measured acceptance per depth and rank (``draft_acceptance.conditional``), from its metadata or
+    the stored ``draft_acceptance`` object itself; None without one."""
+    table = meta.get("draft_acceptance", meta) if isinstance(meta, dict) else getattr(meta, "draft_acceptance", None)
+    if isinstance(table, dict):
+        table = table.get("conditional")
+    if not table or not all(isinstance(row, (list, tuple)) and row for row in table):
+        return None
+    return [[float(x) for x in row] for row in table]
+
+
+def step_costs(runner: ModelRunner, mask_id: int, widths: Sequence[int], context: int = 128, rounds: int = 5) -> dict:
+    """Seconds of one batch-1 decode step per width (the root plus ``width - 1`` masks after ``context`` cached
+    tokens, through the engine's forward), measured once per model: ``rounds`` rounds over every width in turn after
+    a warm-up round, the fastest of each width's (interleaving spreads a busy moment over all widths, and the fastest
+    run is the step's own cost, what the noise of a shared CPU only adds to)."""
+    known = _costs.setdefault(runner.model, {}).setdefault(_placement(runner), {})
+    wanted = sorted(set(widths) - set(known))
+    if not wanted:
+        return known
+    dev = runner.device
+    times: dict[int, list[float]] = {w: [] for w in wanted}
+    with torch.inference_mode(), mars_attention(runner.model):
+        cache = RaggedKVCache(runner.num_layers)
+        cache.add_rows(1)
+        ids = torch.arange(context, device=dev).view(1, -1) % max(2, min(runner.vocab_size, 1000))
+        positions = torch.arange(context, device=dev).view(1, -1)
+        _timed_step(runner, cache, ids, positions)  # the prompt: its keys/values are what a step attends to
+        for round_ in range(rounds + 1):
+            for width in wanted:
+                step_ids = torch.full((1, width), mask_id, device=dev)
+                step_ids[0, 0] = 1
+                step_positions = context + torch.arange(width, device=dev).view(1, -1)
+                seconds = _timed_step(runner, cache, step_ids, step_positions)
+                if round_:  # round 0 warms every width up
+                    times[width].append(seconds)
+    known.update({w: min(t) for w, t in times.items()})
+    return known
+
+
+def _placement(runner: ModelRunner) -> tuple[str, str]:
+    return str(runner.device), str(runner.model.dtype)
+
+
+def _timed_step(runner: ModelRunner, cache: RaggedKVCache, ids: torch.Tensor, positions: torch.Tensor) -> float:
+    width, kv_length = ids.shape[1], int(positions.max()) + 1
+    attention = torch.arange(kv_length, device=ids.device).view(1, 1, -1) <= positions.unsqueeze(2)
+    cache.prepare_step(positions, kv_length)
+    columns = torch.arange(width, device=ids.device).view(1, -1)
+    start = time.perf_counter()
+    runner.logits_at(ids, positions, attention.unsqueeze(1), columns, cache, widths=(1, 1, 1))
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
+    return time.perf_counter() - start
+
+
+def auto_shape(runner: ModelRunner, mask_id: int, max_depth: int, masks: str) -> tuple[int, ...]:
+    """``tree=auto`` for this model on its device (see the module docstring), chosen once per placement."""
+    key = (*_placement(runner), max_depth, masks)
+    chosen = _chosen.setdefault(runner.model, {})
+    if key not in chosen:
+        chosen[key] = _auto_shape(runner, mask_id, max_depth, masks)
+    return chosen[key]
+
+
+def _auto_shape(runner: ModelRunner, mask_id: int, max_depth: int, masks: str) -> tuple[int, ...]:
+    measured = table_from(getattr(runner.model, "mars_draft_acceptance", None))
+    acceptance = measured or PRIOR
+    widest = 1 + max(columns_of(s, masks) for s in candidate_shapes(max_depth, masks))
+    grid = [w for w in COST_GRID if w < widest] + [widest]
+    costs = step_costs(runner, mask_id, grid)
+    measured_widths = sorted(w for w in costs if w <= widest)
+    seconds = [costs[w] for w in measured_widths]
+
+    def relative(width: int) -> float:
+        return float(np.interp(width, measured_widths, seconds)) / costs[1]
+
+    best, _ = choose_shape(relative, acceptance, max_depth, masks)
+    log.info(
+        "tree=auto picks %s (%.2f expected tokens at %.2fx a one-column step; acceptance %s)",
+        ",".join(map(str, best)),
+        expected_tokens(best, acceptance),
+        relative(1 + columns_of(best, masks)),
+        "measured" if measured else "prior",
+    )
+    return best

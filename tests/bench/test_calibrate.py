@@ -1,0 +1,82 @@
+"""mars-bench calibrate: the prompts' split, the masks it scores (the reliability bench's teacher forcing, per
+depth), its refusals before a model loads, and the stored result."""
+
+import json
+
+import pytest
+import torch
+from test_reliability import gated_module
+
+from mars.bench import calibrate
+from mars.bench import reliability as rel
+
+
+def prompts_file(path, n: int):
+    path.write_text("".join(json.dumps({"id": f"p-{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_the_prompts_split_in_two_halves_by_id_whatever_their_order_in_the_file(tmp_path):
+    fit, held = calibrate.split_by_id(prompts_file(tmp_path / "a.jsonl", 9), None)
+    assert len(fit) == 4 and len(held) == 5 and not set(fit) & set(held)
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    (tmp_path / "b.jsonl").write_text("\n".join(reversed(lines)) + "\n")
+    assert calibrate.split_by_id(tmp_path / "b.jsonl", None) == (fit, held)
+    small = calibrate.split_by_id(tmp_path / "a.jsonl", 4)
+    assert len(small[0]) == 2 and len(small[1]) == 2
+    with pytest.raises(SystemExit, match="need 2 at least"):
+        calibrate.split_by_id(tmp_path / "a.jsonl", 1)
+
+
+def test_each_depth_holds_the_masks_the_reliability_bench_scores_at_that_depth():
+    module = gated_module()
+    g = torch.Generator().manual_seed(5)
+    texts = [torch.randint(4, 97, (n,), generator=g).tolist() for n in (23, 17)]
+    lengths = [6, 9]
+    per_depth, ranks = calibrate.depth_scores(module, texts, lengths, batch_size=2)
+    steps = rel.score_texts(module, texts, lengths, masks_per_step=3, batch_size=2)
+    assert len(per_depth) == 3
+    assert ranks.shape == steps.valid.shape and ((ranks >= 0) == steps.valid).all()
+    assert ((ranks == 0) == (steps.correct & steps.valid)).all()  # rank 0: the mask's argmax is the greedy token
+    for d, scores in enumerate(per_depth):
+        ok = steps.valid[:, d]
+        assert len(scores.correct) == int(ok.sum()) > 5
+        assert sorted(scores.confidence(1.0).tolist()) == pytest.approx(sorted(steps.confidence[ok, d]), rel=1e-4)
+        assert int(scores.correct.sum()) == int(steps.correct[ok, d].sum())
+
+
+def test_a_folder_that_is_no_mars_checkpoint_is_refused_before_a_model_loads(tmp_path):
+    with pytest.raises(SystemExit, match="no such folder"):
+        calibrate.main(["--checkpoint", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit, match="no mars_config.json"):
+        calibrate.main(["--checkpoint", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_the_command_fits_and_stores_a_calibration_that_the_loader_attaches(tmp_path, capsys):
+    from decoding_fixtures import give_adapter_weights
+
+    from mars.adapters import AdapterSettings, attach_adapter
+    from mars.models import load_model
+    from mars.training.export import export_adapter
+
+    trained = load_model("tiny-random")
+    attach_adapter(trained.model, AdapterSettings(kind="gated_lora", rank=2), trained.mask.id)
+    give_adapter_weights(trained.model, seed=1)
+    meta = dict(block_size=3, objective="mars", mask_token=trained.mask.token, mask_token_id=trained.mask.id)
+    folder = export_adapter(
+        trained.model, trained.tokenizer, tmp_path / "adapter", {**meta, "base_model": "tiny-random"}
+    )
+    args = ["--checkpoint", str(folder), "--prompts", str(prompts_file(tmp_path / "p.jsonl", 6))]
+    args += ["--max-new-tokens", "12", "--batch-size", "3"]
+    calibrate.main([*args, "--dry-run"])
+    assert "| mask depth | T | ECE before | ECE after |" in capsys.readouterr().out
+    assert json.loads((folder / "mars_config.json").read_text()).get("calibration") is None
+    calibrate.main(args)
+    stored = json.loads((folder / "mars_config.json").read_text())["calibration"]
+    assert stored["block_size"] == 3 and len(stored["temperatures"]) == 2 and stored["fit_prompts"] == 3
+    loaded = load_model(str(folder)).model
+    assert loaded.mars_calibration.temperatures == tuple(stored["temperatures"])
+    acceptance = json.loads((folder / "mars_config.json").read_text())["draft_acceptance"]
+    assert len(acceptance["conditional"]) == 2 and all(len(row) == 4 for row in acceptance["conditional"])
+    assert loaded.mars_draft_acceptance == acceptance  # what tree=auto reads

@@ -1,0 +1,64 @@
+"""``mars-bench spec`` end to end on the tiny model: per-category rows and an overall row, verify's outputs
+identical to AR's, vLLM's acceptance figures consistent with one another, and a prompt file without a category
+refused before any model loads."""
+
+import csv
+import json
+
+import pytest
+
+from mars.bench.spec import main
+
+ARGS = ["--model", "tiny-random", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "5", "--threads", "1"]
+
+
+def write_prompts(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_spec_reports_each_category_and_overall_with_identical_outputs(tmp_path):
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"category": "chat", "prompt": "Say hi."},
+            {"category": "math", "prompt": "What is 2 + 3?"},
+            {"category": "chat", "prompt": "Name a dog."},  # past --limit-per-category 1
+        ],
+    )
+    out = tmp_path / "out"
+    # tree chain: auto would time the step costs per width first (seconds of a test for no other check)
+    args = [*ARGS, "--limit-per-category", "1", "--prompts-file", prompts, "--tree", "chain", "--out", str(out)]
+    assert main(args) == 0
+    rows = {r["category"]: r for r in csv.DictReader((out / "spec.csv").open())}
+    assert list(rows) == ["chat", "math", "overall"]
+    assert [rows[c]["prompts"] for c in rows] == ["1", "1", "2"]
+    # lossless: every prompt's verify output is AR's, token for token
+    assert [rows[c]["identical_outputs"] for c in rows] == ["1", "1", "2"]
+    assert {r["tree"] for r in rows.values()} == {"chain"}  # the layout verify ran with, as asked
+    for r in rows.values():
+        assert float(r["speedup_min"]) <= float(r["speedup"]) <= float(r["speedup_max"])
+        assert float(r["ar_tokens_per_s"]) > 0 and float(r["verify_tokens_per_s"]) > 0
+        if r["mean_acceptance_length"]:  # 1 + the per-position acceptance, summed over the draft depths
+            by_position = [float(a) for a in r["acceptance_by_position"].split(";")]
+            assert float(r["mean_acceptance_length"]) == pytest.approx(1 + sum(by_position), abs=1e-3)
+    table = (out / "spec.md").read_text()
+    assert "| chat | 1 |" in table and "| math | 1 |" in table and "| overall | 2 |" in table
+    assert [line.rsplit(" | ", 1)[1] for line in table.splitlines()[-3:]] == ["1/1 |", "1/1 |", "2/2 |"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["settings"]["verify"]["verify"] is True and config["settings"]["ar-cursor"]["verify"] is False
+    assert config["settings"]["verify"]["tree"] == "chain" and config["max_new_tokens"] == 5
+    assert config["categories"] == {"chat": 1, "math": 1} and "cpu_native_bf16" in config["hardware"]
+
+
+def test_a_prompt_file_without_categories_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import mars.models
+
+    loads = []
+    monkeypatch.setattr(mars.models, "load_model", lambda *a, **k: loads.append(a))
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "chat", "prompt": "Hi."}, {"prompt": "Say hi."}])
+    with pytest.raises(SystemExit, match="line 2: every row needs .* a 'category' string"):
+        main([*ARGS, "--prompts-file", prompts, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="decoding flags: tree must be one of"):
+        main([*ARGS, "--tree", "0,1", "--out", str(tmp_path / "out")])
+    assert loads == [] and not (tmp_path / "out").exists()
