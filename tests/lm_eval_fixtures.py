@@ -39,3 +39,17 @@ def write_generation_task(
     }
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     return folder
+
+
+def suite(folder: Path, *names: str) -> dict:
+    """A benchmark suite of the generation tasks ``names`` written under ``folder`` (exact match, no defaults)."""
+    return {
+        "name": "fixture",
+        "include_path": [str(folder)],
+        "include_defaults": False,
+        "apply_chat_template": True,
+        "fewshot_as_multiturn": True,
+        "system_instruction": None,
+        "confirm_run_unsafe_code": False,
+        "tasks": [{"name": n, "label": n.upper(), "metric": "exact_match", "filter": "none"} for n in names],
+    }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lm_eval_fixtures import write_generation_task
+from lm_eval_fixtures import suite, write_generation_task
 from omegaconf import OmegaConf, open_dict
 
 import mars.evaluation  # noqa: F401  (registers the run-name resolver)
@@ -77,19 +77,6 @@ def write_task(folder: Path, name: str, answers: list[str], until: list[str] | N
     """A generate_until task over QUESTIONS scored by exact match against ``answers``."""
     rows = [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)]
     return write_generation_task(folder, name, rows, max_gen_toks=12, until=until)
-
-
-def suite(folder: Path, *names: str) -> dict:
-    return {
-        "name": "fixture",
-        "include_path": [str(folder)],
-        "include_defaults": False,
-        "apply_chat_template": True,
-        "fewshot_as_multiturn": True,
-        "system_instruction": None,
-        "confirm_run_unsafe_code": False,
-        "tasks": [{"name": n, "label": n.upper(), "metric": "exact_match", "filter": "none"} for n in names],
-    }
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from lm_eval_fixtures import write_generation_task
+from lm_eval_fixtures import suite, write_generation_task
 from omegaconf import OmegaConf, open_dict
 
 import mars.evaluation  # noqa: F401  (registers the run-name resolver)
@@ -55,16 +55,7 @@ def _suite(tmp_path) -> dict:
     folder.mkdir()
     rows = [{"question": q, "answer": "x"} for q in QUESTIONS]
     write_generation_task(folder, "fx_plan", rows, max_gen_toks=6, data_file="rows.jsonl")
-    return {
-        "name": "fixture",
-        "include_path": [str(folder)],
-        "include_defaults": False,
-        "apply_chat_template": True,
-        "fewshot_as_multiturn": True,
-        "system_instruction": None,
-        "confirm_run_unsafe_code": False,
-        "tasks": [{"name": "fx_plan", "label": "FX", "metric": "exact_match", "filter": "none"}],
-    }
+    return suite(folder, "fx_plan")
 
 
 def test_evaluate_states_its_plan_in_one_line_before_the_model_loads(compose_cfg, events, tmp_path):

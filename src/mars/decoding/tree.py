@@ -60,12 +60,7 @@ class Template:
 
     def ancestors(self) -> np.ndarray:
         """``[columns, columns]``: column i sees column j (itself and its ancestors)."""
-        seen = np.eye(self.columns, dtype=bool)
-        for i in range(self.columns):
-            p = self.parent[i]
-            if p >= 0:
-                seen[i] |= seen[p]
-        return seen
+        return _lineage(self.parent)
 
 
 def _nodes(shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -114,11 +109,12 @@ def _parent_reads(t: Template) -> np.ndarray:
     return np.where(t.node_parent < 0, 0, 1 + t.node_column[np.maximum(t.node_parent, 0)])
 
 
-def _lineage(t: Template) -> np.ndarray:
-    seen = np.eye(t.nodes, dtype=bool)
-    for n in range(t.nodes):
-        if t.node_parent[n] >= 0:
-            seen[n] |= seen[t.node_parent[n]]
+def _lineage(parent: np.ndarray) -> np.ndarray:
+    """``[n, n]``: item i is item j or descends from it, given each item's ``parent`` (-1: none; parents first)."""
+    seen = np.eye(len(parent), dtype=bool)
+    for i, p in enumerate(parent):
+        if p >= 0:
+            seen[i] |= seen[p]
     return seen
 
 
@@ -161,7 +157,7 @@ class TreeLayouts:
         # per node: where its parent's AR prediction is read (0: the root's), its ancestors among the nodes (itself
         # included) and its depth one-hot
         self.node_parent_read = stack(lambda x: _parent_reads(x), (N,), 0)
-        self.node_lineage = stack(lambda x: _lineage(x), (N, N), False, torch.bool)
+        self.node_lineage = stack(lambda x: _lineage(x.node_parent), (N, N), False, torch.bool)
         self.node_depth_hot = stack(
             lambda x: x.node_depth[:, None] == np.arange(1, self.depth + 1), (N, self.depth), False, torch.bool
         )
