@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""Masks trained for acceptance: the variants of ``conf/mask_search.yaml`` at an equal number of optimizer steps,
+each measured the way lossless verify and the calibrated thresholds use its masks.
+
+Per variant (``outputs/mask_search/<variant>/``, every stage skipped when its result exists):
+
+1. train      python train.py <common> <overrides> trainer.max_steps=<steps>   (a gated adapter, resumable)
+2. rank       the adapter cut to rank 8 (python -m mars.training.adapter_rank)
+3. calibrate  one temperature per depth and the draft acceptance table (mars-bench calibrate)
+4. spec       verify with each layout of ``trees`` on the held-out prompts (mars-bench spec): mean accepted
+              tokens, tokens per forward, outputs identical to greedy AR
+5. probe      tokens per forward and fidelity of mask-accepted tokens at the calibrated thresholds on prompts
+              used neither for fitting nor for ECE (mars-bench probe)
+6. eval       the quality suite at the thresholds against the untouched base (the lossy frontier)
+7. publish    results/mask_search/<variant>/: the calibrated rank-8 adapter, figures.json, the learning curve,
+              the configs and raw tables; figures.json is written last and marks the variant as done
+
+A published variant is skipped as a whole, so the search continues on any machine from what is committed:
+
+    nohup python scripts/mask_search.py > outputs/mask_search.log 2>&1 &   # every unpublished variant (hours)
+    python scripts/mask_search.py --variants soft                          # one variant
+    python scripts/mask_search.py --long soft                              # the winner's longer run
+    python scripts/mask_search.py --report-only                            # README and plots from what is published
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mars.hardware import WAIT_POLICY, describe, wait_policy_chosen
+from mars.persistence import atomic_write_text
+from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "conf" / "mask_search.yaml"
+FIGURES = "figures.json"
+ADAPTER_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "chat_template.jinja",
+    "mars_adapter.json",
+    "mars_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def load_spec(path: Path, variants: str | None, long: str | None) -> dict[str, Any]:
+    spec = yaml.safe_load(path.read_text())
+    names = [v["name"] for v in spec["variants"]]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"{path}: variant names must be unique, got {names}")
+    for key in ("steps", "long_steps", "rank"):
+        if not isinstance(spec.get(key), int) or spec[key] < 1:
+            raise SystemExit(f"{path}: {key} must be a positive integer, got {spec.get(key)!r}")
+    for v in spec["variants"]:
+        v["steps"] = spec["steps"]
+    if long:
+        if long not in names:
+            raise SystemExit(f"--long {long}: not a variant of {path} ({', '.join(names)})")
+        chosen = dict(next(v for v in spec["variants"] if v["name"] == long))
+        chosen.update(name=f"{long}_long", steps=spec["long_steps"], lever=f"{chosen['lever']} (longer run)")
+        spec["variants"].append(chosen)
+        variants = chosen["name"]
+    if variants:
+        wanted = variants.split(",")
+        unknown = sorted(set(wanted) - {v["name"] for v in spec["variants"]})
+        if unknown:
+            raise SystemExit(f"unknown variant(s) {unknown}; {path} defines {names}")
+        spec["selected"] = [v for v in spec["variants"] if v["name"] in wanted]
+    else:
+        spec["selected"] = [v for v in spec["variants"] if not v["name"].endswith("_long")]
+    return spec
+
+
+def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
+    """The Hydra overrides of a variant's training stage (``python train.py <these>``)."""
+    return [
+        *spec["common"],
+        *variant["overrides"],
+        "budget.minutes=null",
+        f"trainer.max_steps={variant['steps']}",
+        f"run_name=ms-{variant['name']}",
+        f"output_dir={work / variant['name'] / 'train'}",
+    ]
+
+
+def check_variants(spec: dict, work: Path) -> None:
+    """Compose and validate every selected variant's training config now, not hours later."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mars.training.config import validate
+
+    problems = []
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for variant in spec["selected"]:
+            try:
+                validate(compose(config_name="train", overrides=train_overrides(variant, work, spec)))
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                problems.append(f"- {variant['name']} ({' '.join(variant['overrides'])}): {err}")
+    if problems:
+        raise SystemExit("variant(s) whose training config train.py would refuse:\n" + "\n".join(problems))
+
+
+def quality_command(target: list[str], out: Path, spec: dict, extra: list[str]) -> list[str]:
+    return [
+        "evaluate.py",
+        *target,
+        "benchmarks=quality",
+        "dtype=float32",
+        f"limit={spec['quality_limit']}",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def calibrated(folder: Path) -> bool:
+    path = folder / "mars_config.json"
+    if not path.is_file():
+        return False
+    meta = json.loads(path.read_text())
+    return bool(meta.get("calibration")) and bool(meta.get("draft_acceptance"))
+
+
+def tree_folder(tree: str) -> str:
+    return tree.replace(",", "-")
+
+
+def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> Path:
+    name = variant["name"]
+    root = work / name
+    hf, cut = root / "train" / "hf", root / f"rank{spec['rank']}"
+    env = {} if wait_policy_chosen() else {"OMP_WAIT_POLICY": WAIT_POLICY}
+    stages.run(
+        f"{name}/train", ["train.py", *train_overrides(variant, work, spec)], done=complete_checkpoint(hf), env=env
+    )
+    rank_cmd = ["-m", "mars.training.adapter_rank", str(hf), str(cut), "--rank", str(spec["rank"])]
+    stages.run(f"{name}/rank", rank_cmd, done=(cut / "adapter_model.safetensors").is_file())
+    bench = ["-m", "mars.bench"]
+    calibrate = [*bench, "calibrate", "--checkpoint", str(cut), "--limit", str(spec["calibrate_prompts"])]
+    stages.run(f"{name}/calibrate", calibrate, done=calibrated(cut))
+    for tree in spec["trees"]:
+        out = root / "spec" / tree_folder(tree)
+        cmd = [*bench, "spec", "--checkpoint", str(cut), "--limit-per-category", str(spec["spec_per_category"])]
+        cmd += ["--repeats", "1", "--max-new-tokens", str(spec["max_new_tokens"]), "--tree", tree, "--out", str(out)]
+        stages.run(f"{name}/spec-{tree_folder(tree)}", cmd, done=(out / "spec.csv").is_file())
+    thresholds = ",".join(str(t) for t in spec["thresholds"])
+    probe = [*bench, "probe", "--checkpoint", str(cut), "--prompts", str(REPO / spec["unseen_prompts"])]
+    probe += ["--n", str(spec["unseen_n"]), "--thresholds", thresholds, "--max-new-tokens", str(spec["max_new_tokens"])]
+    stages.run(f"{name}/probe", [*probe, "--out", str(root / "probe.json")], done=(root / "probe.json").is_file())
+    if not stages.dry_run:
+        reuse_base_reference(base_eval, root / "eval")
+    stages.run(
+        f"{name}/eval",
+        quality_command(
+            [f"checkpoint={cut}"], root / "eval", spec, [f"thresholds=[{thresholds}]", f"compare=[{base_eval}]"]
+        ),
+        done=has_points(root / "eval", spec["thresholds"]),
+    )
+    return cut
+
+
+# ------------------------------------------------------------------------------------------
+# The figures of one variant
+# ------------------------------------------------------------------------------------------
+def _overall(spec_csv: Path) -> dict[str, Any]:
+    rows = list(csv.DictReader(spec_csv.open()))
+    row = rows[-1]  # the aggregate row comes last
+    return {
+        "prompts": int(row["prompts"]),
+        "mean_acceptance_length": float(row["mean_acceptance_length"]),
+        "tokens_per_forward": float(row["tokens_per_forward"]),
+        "draft_acceptance_rate": float(row["draft_acceptance_rate"]),
+        "identical_outputs": int(row["identical_outputs"]),
+    }
+
+
+def _average(points_json: Path, threshold: float) -> dict[str, Any] | None:
+    for p in json.loads(points_json.read_text()):
+        if p["task"] == "Average" and abs(float(p["threshold"]) - threshold) < 1e-9:
+            keep = ("tokens_per_forward", "compare_ar_delta", "agreement", "fidelity", "accuracy")
+            return {k: p.get(k) for k in keep} | {f"{k}_{s}": p.get(f"{k}_{s}") for k in keep for s in ("lo", "hi")}
+    return None
+
+
+def figures(variant: dict, work: Path, spec: dict) -> dict[str, Any]:
+    root = work / variant["name"]
+    cut = root / f"rank{spec['rank']}"
+    summary = json.loads((root / "train" / "train_summary.json").read_text())
+    meta = json.loads((cut / "mars_config.json").read_text())
+    table = meta["draft_acceptance"]["conditional"]
+    probe = json.loads((root / "probe.json").read_text())["results"]
+    budget = summary.get("budget") or {}
+    return {
+        "variant": variant["name"],
+        "lever": variant.get("lever", ""),
+        "overrides": variant["overrides"],
+        "steps": summary["global_step"],
+        "tokens": summary.get("tokens_seen"),
+        "seconds_per_step": summary.get("seconds_per_step"),
+        "cpu_minutes": budget.get("used_minutes"),
+        "final": summary.get("final"),
+        "rank": spec["rank"],
+        "depth1_top1": table[0][0],
+        "depth1_top2": table[0][1],
+        "depth2_top1": table[1][0] if len(table) > 1 else None,
+        "draft_acceptance": table,
+        "temperatures": meta["calibration"]["temperatures"],
+        "ece_after": meta["calibration"].get("ece_after"),
+        "verify": {tree: _overall(root / "spec" / tree_folder(tree) / "spec.csv") for tree in spec["trees"]},
+        "unseen": [
+            {k: r[k] for k in ("threshold", "tokens_per_forward", "mask_fidelity", "identical_to_tau_1")} for r in probe
+        ],
+        "quality": {str(t): _average(root / "eval" / "points.json", t) for t in spec["thresholds"]},
+        "machine": describe(),
+        "finished": time.strftime("%Y-%m-%d"),
+    }
+
+
+def publish(variant: dict, work: Path, results: Path, spec: dict) -> None:
+    """Copy the variant's small results into the results folder; figures.json last (the variant's done mark)."""
+    root, out = work / variant["name"], results / variant["name"]
+    cut = root / f"rank{spec['rank']}"
+    adapter = out / "adapter"
+    adapter.mkdir(parents=True, exist_ok=True)
+    for name in ADAPTER_FILES:
+        if (cut / name).is_file():
+            shutil.copy(cut / name, adapter / name)
+    for name in ("losses.csv", "loss_curve.png", "config.yaml", "train_summary.json"):
+        if (root / "train" / name).is_file():
+            shutil.copy(root / "train" / name, out / name)
+    shutil.copy(root / "probe.json", out / "probe_unseen.json")
+    for tree in spec["trees"]:
+        shutil.copy(root / "spec" / tree_folder(tree) / "spec.csv", out / f"spec_{tree_folder(tree)}.csv")
+    for name in ("points.csv", "table.md"):
+        if (root / "eval" / name).is_file():
+            shutil.copy(root / "eval" / name, out / f"quality_{name}")
+    atomic_write_text(out / FIGURES, json.dumps(figures(variant, work, spec), indent=2) + "\n")
+    print(f"published {out}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _interval(p: dict | None, key: str, scale: float = 1.0, digits: int = 2) -> str:
+    if not p or p.get(key) is None:
+        return "–"
+    text = f"{p[key] * scale:.{digits}f}"
+    lo, hi = p.get(f"{key}_lo"), p.get(f"{key}_hi")
+    return text if lo is None or hi is None else f"{text} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+
+
+def comparison_table(rows: list[dict], spec: dict) -> str:
+    trees = spec["trees"]
+    head = ["variant", "steps", "depth-1 top-1", "depth-1 top-2", "depth-2 top-1"]
+    head += [f"verify `{t}`: accepted (tok/fwd)" for t in trees]
+    head += ["identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"**{r['variant']}**", str(r["steps"]), _pct(r["depth1_top1"]), _pct(r["depth1_top2"])]
+        cells.append(_pct(r["depth2_top1"]))
+        cells += [
+            f"{r['verify'][t]['mean_acceptance_length']:.2f} ({r['verify'][t]['tokens_per_forward']:.2f})"
+            for t in trees
+        ]
+        cells.append(", ".join(f"{r['verify'][t]['identical_outputs']}/{r['verify'][t]['prompts']}" for t in trees))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def frontier_table(rows: list[dict], spec: dict) -> str:
+    lows = [t for t in spec["thresholds"] if t < 1.0]
+    head = ["variant"]
+    for t in lows:
+        head += [f"tau {t}: tok/fwd", "quality vs base (points)", "fidelity (suite)", "fidelity (unseen)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"**{r['variant']}**"]
+        unseen = {float(u["threshold"]): u for u in r["unseen"]}
+        for t in lows:
+            q = r["quality"].get(str(t))
+            cells += [
+                _interval(q, "tokens_per_forward"),
+                _interval(q, "compare_ar_delta", 100, 1),
+                _interval(q, "fidelity", 100, 1),
+                _pct((unseen.get(t) or {}).get("mask_fidelity")),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def learning_curves(results: Path, rows: list[dict]) -> None:
+    """Each variant's mask loss per step, one panel per kind of target (cross-entropy and KL do not share a
+    scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    soft = [r for r in rows if any("soft" in o for o in r["overrides"])]
+    hard = [r for r in rows if r not in soft]
+    panels = [(title, group) for title, group in (("data targets (CE)", hard), ("soft targets (KL)", soft)) if group]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, group) in zip(axes[0], panels):
+        for r in group:
+            steps, losses = [], []
+            for row in csv.DictReader((results / r["variant"] / "losses.csv").open()):
+                if row.get("loss_mask"):
+                    steps.append(int(row["step"]))
+                    losses.append(float(row["loss_mask"]))
+            window = 20
+            smooth = [
+                sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+                for i in range(len(losses))
+            ]
+            ax.plot(steps, smooth, label=r["variant"])
+        ax.set_title(f"mask loss, {title}; mean of the last 20 steps", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(results / "learning_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def report(spec: dict, results: Path) -> None:
+    rows = []
+    for v in spec["variants"]:
+        path = results / v["name"] / FIGURES
+        if path.is_file():
+            rows.append(json.loads(path.read_text()))
+    missing = [v["name"] for v in spec["variants"] if not (results / v["name"] / FIGURES).is_file()]
+    missing = [m for m in missing if not m.endswith("_long")]
+    if rows:
+        learning_curves(results, rows)
+    machines = sorted({f"{r['machine'].get('cpu')} ({r['machine'].get('cpu_capability')})" for r in rows})
+    text = [
+        "# Masks trained for acceptance",
+        "",
+        f"**Machines: {'; '.join(machines) or '–'}; fp32 measurement, torch CPU.**",
+        "",
+        "What it compares: ways of teaching the masks of a gated adapter on the embedded SmolLM2-135M, at an "
+        f"equal number of optimizer steps ({spec['steps']} per variant; the variants' step costs are equal "
+        "within a few percent, so the comparison does not depend on the machine's load), each cut to rank "
+        f"{spec['rank']} and calibrated before it is measured. Produced by `python scripts/mask_search.py` "
+        "(conf/mask_search.yaml); each variant's folder holds its calibrated adapter, `figures.json`, its "
+        "learning curve (`losses.csv`, `loss_curve.png`), its training config and the raw tables.",
+        "",
+        "## Lossless verify and the masks' acceptance",
+        "",
+        f"Verify on {spec['spec_per_category']} held-out prompts per category (`data/prompts/heldout.jsonl`, 8 "
+        f"categories, {spec['max_new_tokens']} new tokens, batch 1, greedy): mean accepted tokens per draft step "
+        "(vLLM's mean acceptance length) and tokens per forward; *identical*: outputs equal to greedy AR. "
+        "Depth-k top-j: teacher-forced share of steps whose greedy token is among the depth's top j, given the "
+        f"earlier depths' were (the calibration pass, {spec['calibrate_prompts']} held-out prompts).",
+        "",
+        comparison_table(rows, spec),
+        "## The lossy frontier at calibrated thresholds",
+        "",
+        f"Quality suite ({spec['quality_limit']} samples per task, fp32): tokens per forward and the paired change "
+        "of the 5-task average from the untouched base at tau 1.0 (95% intervals); fidelity: the share of "
+        "mask-accepted tokens equal to the model's own greedy choice, on the suite and on "
+        f"{spec['unseen_n']} prompts used neither to fit the temperatures nor to measure ECE "
+        f"(`{spec['unseen_prompts']}`). A calibrated tau keeps its word when the unseen fidelity is near tau.",
+        "",
+        frontier_table(rows, spec),
+        "Learning curves: learning_curves.png (and each variant's loss_curve.png).",
+        "",
+        "## Variants",
+        "",
+        *[f"- **{v['name']}**: {v.get('lever', '')} (`{' '.join(v['overrides'])}`)" for v in spec["variants"]],
+        "",
+    ]
+    if missing:
+        text += [f"Not measured yet: {', '.join(missing)} (`python scripts/mask_search.py` continues).", ""]
+    atomic_write_text(results / "README.md", "\n".join(text))
+    print(f"report: {results / 'README.md'} ({len(rows)} variants)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(CONFIG))
+    p.add_argument("--variants", help="comma-separated subset of the config's variants")
+    p.add_argument("--long", metavar="VARIANT", help="the longer run of one variant (long_steps), as <variant>_long")
+    p.add_argument("--work", default=str(REPO / "outputs" / "mask_search"))
+    p.add_argument("--results", default=str(REPO / "results" / "mask_search"))
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    spec = load_spec(Path(args.config), args.variants, args.long)
+    work, results = Path(args.work), Path(args.results)
+    if args.report_only:
+        report(spec, results)
+        return 0
+    todo = [v for v in spec["selected"] if not (results / v["name"] / FIGURES).is_file()]
+    for v in spec["selected"]:
+        if v not in todo:
+            print(f"=== {v['name']}: published in {results / v['name']}, skipped", flush=True)
+    check_variants({**spec, "selected": todo}, work)
+    stages = Stages(work, args.dry_run, REPO)
+    base_eval = work / "base" / "eval"
+    if todo:
+        thresholds = ["threshold=1.0", "reference=false"]
+        base = quality_command([f"model={spec['base']}", "checkpoint=null"], base_eval, spec, thresholds)
+        stages.run("base/eval", base, done=has_points(base_eval, [1.0]))
+    for variant in todo:
+        run_variant(stages, variant, work, base_eval, spec)
+        if not args.dry_run:
+            publish(variant, work, results, spec)
+            report(spec, results)
+    if args.dry_run:
+        print("\n".join(stages.commands))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The mask search (scripts/mask_search.py): equal steps per variant, a published variant is skipped as a whole,
+its figures come from the stages' own files, the report tables read them."""
+
+import csv
+import json
+
+import pytest
+import yaml
+from conftest import REPO
+from module_loading import load_module
+
+search = load_module(REPO / "scripts" / "mask_search.py", "mask_search")
+
+
+def spec_file(tmp_path, **changes):
+    spec = yaml.safe_load((REPO / "conf" / "mask_search.yaml").read_text())
+    spec.update(changes)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_is_its_own_variant(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path, steps=123, long_steps=456), None, None)
+    commands = [search.train_overrides(v, tmp_path, spec) for v in spec["selected"]]
+    assert len(commands) == 4 and all("trainer.max_steps=123" in c and "budget.minutes=null" in c for c in commands)
+    long = search.load_spec(spec_file(tmp_path, steps=123, long_steps=456), None, "soft")
+    (chosen,) = long["selected"]
+    assert chosen["name"] == "soft_long" and "trainer.max_steps=456" in search.train_overrides(chosen, tmp_path, long)
+    assert "objective=mars_gated_soft" in chosen["overrides"]
+
+
+@pytest.mark.parametrize("changes", [{"steps": 0}, {"rank": "8"}, {"long_steps": None}])
+def test_a_bad_length_is_refused(tmp_path, changes):
+    with pytest.raises(SystemExit, match="positive integer"):
+        search.load_spec(spec_file(tmp_path, **changes), None, None)
+
+
+def test_unknown_variants_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="unknown variant"):
+        search.load_spec(spec_file(tmp_path), "nope", None)
+    with pytest.raises(SystemExit, match="not a variant"):
+        search.load_spec(spec_file(tmp_path), None, "nope")
+
+
+def test_every_variant_composes_as_train_py_would_compose_it(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path), None, None)
+    search.check_variants(spec, tmp_path)  # raises SystemExit naming the variant otherwise
+    bad = {**spec, "selected": [{"name": "x", "overrides": ["objective.nope=1"], "steps": 3}]}
+    with pytest.raises(SystemExit, match="x"):
+        search.check_variants(bad, tmp_path)
+
+
+def fake_stage_outputs(work, name, spec):
+    """The files each stage writes, as the tools write them."""
+    root = work / name
+    (root / "train").mkdir(parents=True)
+    summary = {"global_step": 400, "tokens_seen": 640000, "seconds_per_step": 6.0, "final": {"loss_mask": 2.5}}
+    (root / "train" / "train_summary.json").write_text(json.dumps(summary))
+    with (root / "train" / "losses.csv").open("w") as f:
+        f.write(
+            "step,loss,loss_mask,loss_ar,tokens_per_s\n" + "".join(f"{s},3.0,{3 - s / 400},,\n" for s in range(1, 41))
+        )
+    cut = root / "rank8"
+    cut.mkdir()
+    table = [[0.61, 0.72, 0.78, 0.8], [0.45, 0.6, 0.65, 0.7], [0.3, 0.5, 0.55, 0.6]]
+    meta = {"calibration": {"temperatures": [1.4, 1.5, 1.4], "ece_after": [0.04, 0.05, 0.05]}}
+    (cut / "mars_config.json").write_text(json.dumps(meta | {"draft_acceptance": {"conditional": table}}))
+    (cut / "adapter_model.safetensors").write_bytes(b"x")
+    for i, tree in enumerate(spec["trees"]):
+        folder = root / "spec" / search.tree_folder(tree)
+        folder.mkdir(parents=True)
+        with (folder / "spec.csv").open("w") as f:
+            w = csv.writer(f)
+            w.writerow(["category", "prompts", "mean_acceptance_length", "tokens_per_forward", "draft_acceptance_rate"])
+            w.writerow(["math", 2, 2.0, 1.9, 0.5] + [])
+            w.writerow(["overall", 16, 1.6 + i / 10, 1.5 + i / 10, 0.6])
+        rows = list(csv.reader((folder / "spec.csv").open()))
+        with (folder / "spec.csv").open("w") as f:
+            w = csv.writer(f)
+            w.writerow(rows[0] + ["identical_outputs"])
+            w.writerows([r + [r[1]] for r in rows[1:]])
+    probe = {"results": [{"threshold": t, "tokens_per_forward": 1 + (1 - t), "mask_fidelity": t - 0.01,
+                          "identical_to_tau_1": 0.5} for t in spec["thresholds"]]}  # fmt: skip
+    (root / "probe.json").write_text(json.dumps(probe))
+    (root / "eval").mkdir()
+    points = [{"task": "Average", "threshold": t, "tokens_per_forward": 1.2, "tokens_per_forward_lo": 1.1,
+               "tokens_per_forward_hi": 1.3, "compare_ar_delta": -0.05, "fidelity": 0.9} for t in spec["thresholds"]]  # fmt: skip
+    (root / "eval" / "points.json").write_text(json.dumps(points))
+
+
+def test_a_published_variant_carries_its_figures_and_is_skipped_next_time(tmp_path, capsys):
+    spec = search.load_spec(spec_file(tmp_path), "reference", None)
+    work, results = tmp_path / "work", tmp_path / "results"
+    (variant,) = spec["selected"]
+    fake_stage_outputs(work, "reference", spec)
+    search.publish(variant, work, results, spec)
+    figures = json.loads((results / "reference" / "figures.json").read_text())
+    assert figures["depth1_top1"] == 0.61 and figures["depth1_top2"] == 0.72 and figures["steps"] == 400
+    assert figures["verify"]["2,1"]["mean_acceptance_length"] == pytest.approx(1.8)
+    assert figures["verify"]["chain"]["identical_outputs"] == 16
+    assert figures["quality"]["0.9"]["compare_ar_delta"] == -0.05
+    assert (results / "reference" / "adapter" / "adapter_model.safetensors").is_file()
+    search.report(spec, results)
+    readme = (results / "README.md").read_text()
+    assert "| **reference** | 400 | 61.0% | 72.0% | 45.0% | 1.60 (1.50) | 1.70 (1.60) | 1.80 (1.70) |" in readme
+    assert "soft_certainty" in readme.split("Not measured yet:")[1]
+    assert (results / "learning_curves.png").stat().st_size > 0
+    # the next run finds it published: no stage runs (the work folder is gone, as on another machine)
+    search.main(["--config", str(spec_file(tmp_path)), "--variants", "reference", "--work", str(tmp_path / "w2"),
+                 "--results", str(results), "--dry-run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "reference: published" in out and "reference/train" not in out
