@@ -798,8 +798,39 @@ def embedded_groups(run: Run, args, profile: Profile) -> None:
             agreement_checks(run, "embedded", bundle, prompts, profile.new_tokens, dtype)
 
 
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device_problem(device: str) -> str | None:
+    """Why ``--device`` cannot run here, in one line naming the fix, or None: checked before any model is built
+    (every check would otherwise fail on its own, one after another)."""
+    if not DEVICE_NAME.fullmatch(device):
+        return f"--device {device!r} is not a device this check runs on: use cuda, cuda:N or cpu"
+    if device == "cpu":
+        return None
+    if torch.version.cuda is None:
+        return (
+            f"--device {device}: torch {torch.__version__} is a CPU build; install a CUDA build of torch "
+            "(https://pytorch.org/get-started/locally/) into this environment (or check the CPU paths: "
+            'make gpu-check GPU_CHECK_ARGS="--device cpu --tiny")'
+        )
+    if not torch.cuda.is_available():
+        return (
+            f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device; "
+            "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 and up"
+    return None
+
+
 def main(argv: list[str] | None = None, watchdog: bool = True) -> int:
     args = parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        print(f"gpu_check.py: {problem}", file=sys.stderr)
+        return 2
     profile = TINY if args.tiny else FULL
     header = dict(started=time.strftime("%Y-%m-%dT%H:%M:%S"), device=args.device, tiny=args.tiny, selected=args.checks)
     run = Run(Path(args.out), args.budget, header, watchdog)

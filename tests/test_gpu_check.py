@@ -102,3 +102,31 @@ def test_tiny_run_of_every_group(gpu_check, tmp_path):
     assert all(f"qwen.bf16.{d}" in checks for d in gpu_check.DECODERS)
     markdown = (tmp_path / "results.md").read_text()
     assert "## Throughput (bf16)" in markdown and "## Training step" in markdown
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("mps", "--device 'mps' is not a device this check runs on: use cuda, cuda:N or cpu"),
+        ("gpu0", "--device 'gpu0' is not a device this check runs on"),
+        ("cuda:x", "--device 'cuda:x' is not a device this check runs on"),
+    ],
+)
+def test_a_device_it_cannot_run_on_is_one_line_before_any_model(gpu_check, tmp_path, capsys, device, message):
+    assert gpu_check.main(["--device", device, "--out", str(tmp_path / "out")], watchdog=False) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # no check ran, no model was built
+
+
+def test_cuda_without_a_cuda_device_points_at_the_fix(gpu_check, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        assert gpu_check.device_problem("cuda") is None
+        assert "CUDA device(s)" in gpu_check.device_problem(f"cuda:{torch.cuda.device_count()}")
+        return
+    assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path / "out")], watchdog=False) == 2
+    err = capsys.readouterr().err
+    fix = "install a CUDA build of torch" if torch.version.cuda is None else "sees no CUDA device"
+    assert fix in err and err.count("\n") == 1 and not (tmp_path / "out").exists()

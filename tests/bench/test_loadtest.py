@@ -1,12 +1,14 @@
 """The load test's client side against a real server on loopback (the tiny random model): a policy's request
 fields reach the server (``verify`` asks for lossless verified decoding, whose outputs equal threshold 1.0's),
-and the summary lines name every policy and a burst that did not run."""
+the summary lines name every policy and a burst that did not run, and every argument out of its range is refused
+naming its flag before any server starts."""
 
 import asyncio
 
+import pytest
 from serving_fixtures import PROMPTS, loaded, one_thread, start_server  # noqa: F401  (fixtures)
 
-from mars.bench.loadtest import burst_line, run_level, saturation_check
+from mars.bench.loadtest import burst_line, load_prompts, parse_args, run_level, saturation_check
 
 
 def test_a_verify_level_is_served_verified_and_lossless(loaded):  # noqa: F811
@@ -45,3 +47,59 @@ def test_summary_lines_name_verify_and_a_burst_not_run():
     assert burst_line({}, 8).startswith("Burst: not run")
     burst = burst_line({"requests": 32, "codes": {"200": 16, "429": 16}}, 8)
     assert burst.startswith("Burst: 32 simultaneous requests (4x max_queue=8)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rates", "-1"], "--rates: -1.0 is not an offered load"),
+        (["--rates", "0"], "--rates: 0.0 is not an offered load"),
+        (["--rates", "nan"], "--rates: nan is not an offered load"),
+        (["--rates", "inf"], "--rates: inf is not an offered load"),
+        (["--rates", "1e9"], r"each rate must be in \(0, 100\]"),
+        (["--rates", "0.3,0.1"], "--rates must increase"),
+        (["--rates", "0.1,0.1"], "--rates must increase"),
+        (["--duration", "1e12"], r"--duration must be in \(0, 3600\]"),
+        (["--duration", "nan"], "--duration must be in"),
+        (["--duration", "0"], "--duration must be in"),
+        (["--rates", "90", "--duration", "100"], "offers about 9000 requests in one level"),
+        (["--level-limit", "-1"], "--level-limit must be in"),
+        (["--duration", "40", "--level-limit", "10"], "--level-limit 10 is shorter than --duration 40"),
+        (["--timeout", "0"], "--timeout must be in"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--max-tokens", "-3"], "--max-tokens must be >= 1, got -3"),
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
+        (["--burst-max-tokens", "0"], "--burst-max-tokens must be >= 1"),
+        (["--max-queue", "0"], "--max-queue 0 leaves the burst"),
+        (["--threshold-min", "0"], r"--threshold-min must be in \(0, 1\]"),
+        (["--target-queue", "-2"], "--target-queue must be a positive number"),
+        (["--max-step-columns", "0"], "--max-step-columns takes an integer >= 1, null or auto"),
+        (["--policies", "tau1.0,verify,tau1.0"], r"--policies names \['tau1.0'\] more than once"),
+    ],
+)
+def test_every_argument_out_of_range_is_refused_naming_its_flag(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        parse_args(argv)
+
+
+def test_arguments_in_range_pass_and_step_columns_take_serve_values():
+    args = parse_args(["--rates", "0.1,0.3", "--duration", "20", "--max-step-columns", "None", "--no-burst"])
+    assert args.rates == [0.1, 0.3] and args.policies == ["tau1.0", "tau0.9", "adaptive"]
+    assert args.max_step_columns == "null"  # Hydra's null: no cap
+    assert parse_args(["--max-step-columns", "8"]).max_step_columns == "8"
+    assert parse_args([]).max_step_columns is None  # serve.yaml's default
+
+
+def test_a_prompt_limit_no_prompt_meets_is_refused_with_the_shortest_length(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n{"prompt": "Name three rivers in Europe."}\n')
+    kept = load_prompts(prompts, 10_000, limit=5)
+    assert kept == ["Say hi.", "Name three rivers in Europe."]
+    with pytest.raises(SystemExit, match=r"--max-prompt-tokens 1: no prompt .*the shortest is (\d+) tokens") as err:
+        load_prompts(prompts, 1, limit=5)
+    shortest = int(str(err.value).split("use --max-prompt-tokens ")[1].split()[0])
+    assert load_prompts(prompts, shortest, limit=5) == ["Say hi."]
+    prompts.write_text('{"prompt": "Hi."}\n{"text": "no prompt"}\n')
+    with pytest.raises(SystemExit, match="line 2: every row needs a non-empty 'prompt' string"):
+        load_prompts(prompts, 10_000, limit=5)

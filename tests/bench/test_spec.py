@@ -1,13 +1,14 @@
 """``mars-bench spec`` end to end on the tiny model: per-category rows and an overall row, verify's outputs
-identical to AR's, vLLM's acceptance figures consistent with one another, and a prompt file without a category
-refused before any model loads."""
+identical to AR's, vLLM's acceptance figures consistent with one another; a prompt file without a category, a line
+that is not UTF-8, an empty or over-long prompt and a category named like the overall row refused naming the line
+before any model loads; the model's shipped MARS checkpoint as the default, and a warning for untrained masks."""
 
 import csv
 import json
 
 import pytest
 
-from mars.bench.spec import main
+from mars.bench.spec import build_parser, main
 
 ARGS = ["--model", "tiny-random", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "5", "--threads", "1"]
 
@@ -62,3 +63,48 @@ def test_a_prompt_file_without_categories_is_refused_before_the_model_loads(tmp_
     with pytest.raises(SystemExit, match="decoding flags: tree must be one of"):
         main([*ARGS, "--tree", "0,1", "--out", str(tmp_path / "out")])
     assert loads == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"category": "chat", "prompt": "Hi."}\n{"category": "chat", "prompt": "caf\xe9"}\n', "line 2: not UTF-8"),
+        (
+            b'{"category": "chat", "prompt": "Hi."}\n\n{"category": "chat", "prompt": "  "}\n',
+            "line 3: the prompt is empty",
+        ),
+        (b'{"category": "Overall", "prompt": "Hi."}\n', "line 1: category 'Overall' is the name of the row over"),
+        (
+            b'{"category": "chat", "prompt": "Hi."}\n{"category": "long", "prompt": "' + b"word " * 2100 + b'"}\n',
+            r"line 2: the prompt has \d+ tokens with the chat template; with --max-new-tokens 5 it would pass the "
+            "model's context of 2048 tokens",
+        ),
+    ],
+)
+def test_a_bad_prompt_is_refused_naming_its_line_before_the_model_loads(tmp_path, monkeypatch, content, message):
+    import mars.models
+
+    loads = []
+    monkeypatch.setattr(mars.models, "load_model", lambda *a, **k: loads.append(a))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(content)
+    with pytest.raises(SystemExit, match=message):
+        main([*ARGS, "--prompts-file", str(prompts), "--out", str(tmp_path / "out")])
+    assert loads == [] and not (tmp_path / "out").exists()
+
+
+def test_the_default_checkpoint_is_the_models_shipped_adapter_and_untrained_masks_are_warned_of(capsys):
+    from mars.bench.spec import REFERENCE, reference_checkpoint, resolve_checkpoint, warn_if_untrained
+    from mars.paths import data_dir
+
+    shipped = str(data_dir() / "adapters" / "smollm2-135m-mars-rank8")
+    assert build_parser().parse_args([]).checkpoint == REFERENCE
+    assert resolve_checkpoint("embedded:smollm2-135m", REFERENCE) == shipped == reference_checkpoint("smollm2-135m")
+    assert resolve_checkpoint("tiny-random", REFERENCE) is None  # a model that ships no MARS checkpoint
+    assert resolve_checkpoint("embedded:smollm2-135m", "none") is None
+    assert warn_if_untrained("embedded:smollm2-135m", shipped) is True
+    assert capsys.readouterr().err == ""
+    assert warn_if_untrained("embedded:smollm2-135m", None) is False
+    assert "the base model embedded:smollm2-135m has had no MARS training" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--checkpoint=/nonexistent: no such folder"):
+        resolve_checkpoint("tiny-random", "/nonexistent")

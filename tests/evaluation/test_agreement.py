@@ -471,12 +471,15 @@ def test_pareto_draws_error_bars_and_the_ar_band(handmade):
         for name, fn in original.items():
             setattr(Axes, name, fn)
     assert png[:4] == b"\x89PNG"
-    ((_args, kwargs),) = calls["errorbar"]
+    # two panels: against tokens per forward, then against the measured speed-up (no interval along it)
+    (_args, kwargs), (speed_args, speed_kwargs) = calls["errorbar"]
+    by_speed = sorted(qa, key=lambda p: p["speedup"])
+    assert list(speed_args[0]) == [p["speedup"] for p in by_speed] and speed_kwargs["xerr"] is None
     # x: each point's own tokens-per-forward interval around it (the plot orders points by tokens per forward)
     by_tpf = sorted(qa, key=lambda p: p["tokens_per_forward"])
     tpf = [(p["tokens_per_forward"], p["tokens_per_forward_lo"], p["tokens_per_forward_hi"]) for p in by_tpf]
     assert kwargs["xerr"] == [[pytest.approx(v - lo) for v, lo, _ in tpf], [pytest.approx(hi - v) for v, _, hi in tpf]]
     assert [p["threshold"] for p in by_tpf] == [p["threshold"] for p in ordered] and kwargs["yerr"] == [low_p, high_p]
-    ((band, _),) = calls["axhspan"]
+    (band, _), (speed_band, _) = calls["axhspan"]
     ref = next(p for p in qa if p["is_reference"])
-    assert band == pytest.approx((100 * ref["accuracy_lo"], 100 * ref["accuracy_hi"]))
+    assert band == pytest.approx((100 * ref["accuracy_lo"], 100 * ref["accuracy_hi"])) == speed_band

@@ -160,6 +160,18 @@ def test_sweep_scores_match_hand_check_and_decoder_stats(make_cfg, loads, tmp_pa
     assert (outcome.output_dir / "pareto_fx_half.png").read_bytes()[:4] == b"\x89PNG"
     table = (outcome.output_dir / "table.md").read_text()
     assert "| **1.0** (AR) | acc | 50.0 |" in table and "tok/fwd" in table and "was added" in table
+
+    # wall clock beside the forwards: tokens/s over tau=1.0's, on the machine each point recorded
+    from mars.hardware import describe
+
+    machine = describe()
+    assert ref["machine"]["cpu"] == machine["cpu"] and ref["machine"]["device"] == "cpu"
+    low_point, ref_point = points[(0.3, "FX_HALF")], points[(1.0, "FX_HALF")]
+    assert ref_point["speedup"] == 1.0
+    assert low_point["speedup"] == pytest.approx(low_point["tokens_per_second"] / ref_point["tokens_per_second"])
+    assert low_point["machine"] == ref_point["machine"] and machine["cpu"] in low_point["machine"]
+    assert "|  | speed-up | 1.00x |" in table and f"|  | speed-up | {low_point['speedup']:.2f}x |" in table
+    assert f"Timed on: {low_point['machine']}." in table
     saved = yaml.safe_load((outcome.output_dir / "config.yaml").read_text())
     assert saved["fingerprint"]["decoding"]["block_size"] == 4 and saved["resolved"]["thresholds"] == [0.3]
 

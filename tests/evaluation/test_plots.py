@@ -60,6 +60,32 @@ def test_pareto_legend_has_an_entry_per_drawn_curve_and_labels_stay_inside():
     assert "95% intervals" in caption and "Wilson interval" in caption and "bootstrap over requests" in caption
 
 
+def test_pareto_draws_the_measured_speedup_beside_tokens_per_forward():
+    from mars.evaluation.plots import pareto_figure, render_pareto
+
+    curves = _curves()
+    for p, speed in zip(curves["a model with a long name B=4"], (1.0, 0.62, 1.35)):
+        p.update(speedup=speed, machine="AMD EPYC (AVX2, 1 threads)")
+    # a verify run's tau=1.0 is verify itself: a speed-up against it is not one against AR, so it is left out
+    verify = _points("v", [(1.0, 0.95, 1.4)])
+    verify[0].update(speedup=1.0, verify_lossless=True, machine="AMD EPYC (AVX2, 1 threads)")
+    fig = pareto_figure("QA", {**curves, "v B=4 (mars_verified)": verify})
+    forwards, speed = fig.axes
+    assert forwards.get_xlabel() == "tokens per forward"
+    assert speed.get_xlabel() == "wall-clock speed-up over τ=1.0 (x)"
+    assert [t.get_text() for t in speed.get_legend().get_texts()][0] == "a model with a long name B=4"
+    assert "v B=4 (mars_verified)" not in [t.get_text() for t in speed.get_legend().get_texts()]
+    assert "v B=4 (mars_verified)" in [t.get_text() for t in forwards.get_legend().get_texts()]
+    curve = [list(line.get_xdata()) for line in speed.get_lines() if len(line.get_xdata()) == 3]
+    assert curve and all(xs == [0.62, 1.0, 1.35] for xs in curve)  # the points at their speed-ups, in order
+    caption = " ".join(t.get_text() for t in fig.texts)
+    assert "measured on AMD EPYC (AVX2, 1 threads)" in caption
+    assert (
+        _png_size(render_pareto("QA", curves, PlotSettings(dpi=60)))[0]
+        > _png_size(render_pareto("QA", _curves(), PlotSettings(dpi=60)))[0]
+    )  # two panels side by side
+
+
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", data[16:24])

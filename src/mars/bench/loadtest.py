@@ -10,7 +10,8 @@ port.  Each load level offers an open-loop Poisson stream of streaming chat requ
 a fixed duration (the same arrival times and prompts for every policy: prompts from
 ``data/prompts/heldout.jsonl``, in file order, short enough to keep prefill cheap); a level ends when
 every request is answered or at a hard time limit (leftovers are cancelled and counted).  Everything is
-bounded: request counts, durations, per-request timeouts, the burst size.
+bounded: request counts, durations, per-request timeouts, the burst size; every flag is checked against its range
+before any server starts (:func:`check_args`), each refusal naming the flag.
 
 Measured per (policy, offered rate): completed requests/s and generated tokens/s (over the span from the
 first arrival to the last completion, so a backlog's drain is included), p50/p95 latency and TTFT (seen
@@ -76,19 +77,41 @@ class Result:
 
 # ------------------------------------------------------------------------------------------------ prompts
 def load_prompts(path: Path, max_prompt_tokens: int, limit: int) -> list[str]:
+    """The first ``limit`` prompts of the JSONL file ``path`` of at most ``max_prompt_tokens`` tokens with the chat
+    template; a file that cannot be read, a row without a ``prompt`` string, or no prompt that short is refused
+    naming the flag (before any server starts)."""
     from mars.models import embedded_tokenizer
 
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SystemExit(f"--prompts {path}: {getattr(err, 'strerror', None) or err}") from None
     tok = embedded_tokenizer()
-    out = []
-    for line in path.read_text().splitlines():
-        prompt = json.loads(line)["prompt"]
+    out, shortest = [], None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line).get("prompt")
+        except (json.JSONDecodeError, AttributeError):
+            prompt = None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SystemExit(f"--prompts {path}, line {number}: every row needs a non-empty 'prompt' string")
         text = tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-        if len(tok(text, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens:
+        length = len(tok(text, add_special_tokens=False)["input_ids"])
+        shortest = length if shortest is None else min(shortest, length)
+        if length <= max_prompt_tokens:
             out.append(prompt)
         if len(out) == limit:
             break
+    if not out:
+        found = f"the shortest is {shortest} tokens with the chat template" if shortest else "it holds no prompt"
+        raise SystemExit(
+            f"--max-prompt-tokens {max_prompt_tokens}: no prompt of --prompts {path} is that short ({found}); "
+            + (f"use --max-prompt-tokens {shortest} or more" if shortest else "give a file with prompts")
+        )
     return out
 
 
@@ -650,13 +673,93 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=str(REPO / "data" / "prompts" / "heldout.jsonl"), help="JSONL, 'prompt' field")
     cli_options.add_out(p, str(REPO / "results" / "serving_load"))
     args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+# Bounds of a run that ends: a level offers at most MAX_LEVEL_REQUESTS requests (the client's connection pool)
+# over at most MAX_SECONDS, at most MAX_RATE requests per second
+MAX_RATE = 100.0
+MAX_SECONDS = 3600.0
+MAX_LEVEL_REQUESTS = 2000
+MAX_QUEUE = 1000  # the burst sends 4x max_queue requests at once
+
+
+def check_args(args) -> None:
+    """Every flag in its range, before any server starts: each refusal names the flag, the value and the range
+    (a negative, zero, NaN or infinite rate or duration would leave a level's schedule without end)."""
+    from mars.bench import cli_options
+
     args.policies = cli_options.comma_list(args.policies, "--policies", allowed=POLICIES)
+    repeated = sorted({p for p in args.policies if args.policies.count(p) > 1})
+    if repeated:
+        raise SystemExit(f"--policies names {repeated} more than once; list each policy once")
     args.rates = cli_options.comma_list(args.rates, "--rates", float)
+    for rate in args.rates:
+        if not (math.isfinite(rate) and 0 < rate <= MAX_RATE):
+            raise SystemExit(f"--rates: {rate!r} is not an offered load; each rate must be in (0, {MAX_RATE:g}] req/s")
+    if any(b <= a for a, b in zip(args.rates, args.rates[1:])):
+        raise SystemExit(f"--rates must increase from level to level (each once), got {args.rates}")
+    _in_range("--duration", args.duration, 0, MAX_SECONDS, "seconds of arrivals per level")
+    busiest = max(args.rates) * args.duration
+    if busiest > MAX_LEVEL_REQUESTS:
+        raise SystemExit(
+            f"--rates {max(args.rates):g} x --duration {args.duration:g} offers about {busiest:.0f} requests in one "
+            f"level, more than the {MAX_LEVEL_REQUESTS} a level may send; lower the rate or the duration"
+        )
+    _in_range("--level-limit", args.level_limit, 0, 2 * MAX_SECONDS, "seconds after a level started")
+    if args.level_limit < args.duration:
+        raise SystemExit(
+            f"--level-limit {args.level_limit:g} is shorter than --duration {args.duration:g}: a level would be cut "
+            "while its arrivals are still being sent; use a level limit >= the duration"
+        )
+    _in_range("--timeout", args.timeout, 0, 2 * MAX_SECONDS, "seconds per request")
+    for flag, value, low in (
+        ("--max-tokens", args.max_tokens, 1),
+        ("--burst-max-tokens", args.burst_max_tokens, 1),
+        ("--max-prompt-tokens", args.max_prompt_tokens, 1),
+        ("--max-batch", args.max_batch, 1),
+        ("--threads", args.threads, 1),
+        ("--max-queue", args.max_queue, 0),
+    ):
+        if value < low:
+            raise SystemExit(f"{flag} must be >= {low}, got {value}")
+    if args.max_queue > MAX_QUEUE:
+        raise SystemExit(
+            f"--max-queue must be <= {MAX_QUEUE} (the burst sends 4x as many requests), got {args.max_queue}"
+        )
+    if args.max_queue == 0 and not args.no_burst:
+        raise SystemExit("--max-queue 0 leaves the burst (4 x max_queue requests) empty: pass --no-burst as well")
+    if not (math.isfinite(args.threshold_min) and 0 < args.threshold_min <= 1):
+        raise SystemExit(f"--threshold-min must be in (0, 1], got {args.threshold_min!r}")
     if args.threshold_min > 0.9 and "tau0.9" in args.policies:
         raise SystemExit(
             "--threshold-min must be <= 0.9 for the tau0.9 policy (the server's bounds hold its threshold)"
         )
-    return args
+    if args.target_queue is not None and not (math.isfinite(args.target_queue) and args.target_queue > 0):
+        raise SystemExit(f"--target-queue must be a positive number of requests, got {args.target_queue!r}")
+    args.max_step_columns = _step_columns(args.max_step_columns)
+
+
+def _in_range(flag: str, value: float, low: float, high: float, unit: str) -> None:
+    """``value`` in (low, high], finite."""
+    if not (math.isfinite(value) and low < value <= high):
+        raise SystemExit(f"{flag} must be in ({low:g}, {high:g}] {unit}, got {value!r}")
+
+
+def _step_columns(value: str | None) -> str | None:
+    """``--max-step-columns`` as serve.py takes it: an integer >= 1, null or auto (None: serve.yaml's default)."""
+    if value is None:
+        return None
+    if value.strip().lower() in ("null", "none", "auto"):
+        return "auto" if value.strip().lower() == "auto" else "null"
+    try:
+        columns = int(value)
+    except ValueError:
+        columns = 0
+    if columns < 1:
+        raise SystemExit(f"--max-step-columns takes an integer >= 1, null or auto, got {value!r}")
+    return str(columns)
 
 
 def server_overrides(args) -> list[str]:

@@ -1,10 +1,11 @@
 """Speculative decoding measured the way the ecosystem reports it: lossless verify against the best AR decoder,
 per prompt category, at batch 1, greedy.
 
-    mars-bench spec --checkpoint data/adapters/smollm2-135m-mars-rank8 --out outputs/bench/spec
+    mars-bench spec --out outputs/bench/spec          # the embedded model with its shipped MARS adapter
     mars-bench spec --checkpoint <dir> --prompts-file my_prompts.jsonl --limit-per-category 16 --tree 2,1
 
-Each prompt (a JSONL row with a ``prompt`` and a ``category``; by default the held-out set,
+The checkpoint defaults to the model's shipped MARS checkpoint, as in evaluate.py and serve.py
+(``--checkpoint none``: the model as it is, with a warning: its masks had no MARS training).  Each prompt (a JSONL row with a ``prompt`` and a ``category``; by default the held-out set,
 ``data/prompts/heldout.jsonl``, the first ``--limit-per-category`` of each category) is decoded by the best AR
 decoder (``ar-cursor`` of ``mars-bench throughput``: the engine at threshold 1.0 through the decode fast path,
 exactly greedy AR) and by verify (``verify=True``; ``--tree``, ``--tree-masks`` and the other verify flags pass
@@ -22,16 +23,25 @@ import csv
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from mars.bench import cli_options, throughput
 from mars.bench.cli_options import check_settings, decoding_values
 from mars.bench.throughput import AR_CURSOR, VERIFIED, Variant
 from mars.decoding.settings import DecodingSettings, decoding_block_size
-from mars.paths import data_dir
+from mars.paths import bundled_path, conf_dir, data_dir
 
 VERIFY = Variant("verify", dict(VERIFIED), fixed_threshold=1.0)
 DECODERS = (AR_CURSOR, VERIFY)
-OVERALL = "overall"
+OVERALL = "overall"  # the row over every prompt: no category of a prompt file may take its name
+REFERENCE = "reference"  # --checkpoint's default: the model's shipped MARS checkpoint
+
+
+class Prompt(NamedTuple):
+    text: str
+    line: int  # its line in the prompt file (1-based), named in every refusal
+
+
 # the decoding flags of this command: the budget, the block size and verify's own settings
 DECODING_FIELDS = (
     "max_new_tokens",
@@ -47,7 +57,12 @@ DECODING_FIELDS = (
 
 def build_parser():
     p = cli_options.parser("mars-bench spec", __doc__)
-    cli_options.add_model(p)
+    cli_options.add_model(
+        p,
+        checkpoint_help="MARS checkpoint folder (overrides --model); reference: --model's shipped MARS checkpoint "
+        "(reference_checkpoint of its conf/model/ file), as evaluate.py and serve.py take it; none: --model as it is",
+    )
+    p.set_defaults(checkpoint=REFERENCE)
     cli_options.add_dtype(p)
     cli_options.add_device(p)
     p.add_argument(
@@ -82,34 +97,145 @@ def parse_args(argv: list[str] | None):
     check_settings("decoding flags", **values)
     for v in DECODERS:
         check_settings(f"decoder {v.name}", **{**values, **v.kwargs})
+    args.checkpoint = resolve_checkpoint(args.model, args.checkpoint)
+    args.mars_trained = warn_if_untrained(args.model, args.checkpoint)
+    check_prompt_lengths(groups, path, args)
     throughput.apply_runtime(args)
     return args, groups
 
 
-def read_categories(path: Path, limit: int) -> dict[str, list[str]]:
-    """Prompts by category, in the file's order, at most ``limit`` per category; a row without a ``category``
-    or a prompt string is refused naming its line."""
+def reference_checkpoint(model: str) -> str | None:
+    """The shipped MARS checkpoint of ``model`` (a conf/model/ file's name, id or name_or_path): its
+    ``reference_checkpoint``, the checkpoint evaluate.py and serve.py decode by default; None where it has none."""
+    import yaml
+
+    for path in sorted((conf_dir() / "model").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if model in (path.stem, cfg.get("id"), cfg.get("name_or_path")) and cfg.get("reference_checkpoint"):
+            return bundled_path(str(cfg["reference_checkpoint"]))
+    return None
+
+
+def resolve_checkpoint(model: str, checkpoint: str | None) -> str | None:
+    """``--checkpoint`` as a folder, or None for the base model: ``reference`` is ``model``'s shipped MARS
+    checkpoint (none where it ships none), ``none``/``null`` the base model, anything else a folder (checked now)."""
+    from mars.metadata import CheckpointError, read_checkpoint
+
+    if checkpoint is None or checkpoint.lower() in ("none", "null"):
+        return None
+    if checkpoint == REFERENCE:
+        return reference_checkpoint(model)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        read_checkpoint(checkpoint, key="--checkpoint")
+    except CheckpointError as err:
+        raise SystemExit(str(err)) from None
+    return checkpoint
+
+
+def warn_if_untrained(model: str, checkpoint: str | None) -> bool:
+    """Whether the masks measured had MARS training; a warning where they had none (a base model, an AR
+    checkpoint): verify stays lossless, but its drafts are then mostly rejected, so the figures measure
+    untrained masks rather than MARS."""
+    from mars.metadata import mars_trained, read_checkpoint
+
+    trained = checkpoint is not None and mars_trained(read_checkpoint(checkpoint, key="--checkpoint"))
+    if not trained:
+        what = f"checkpoint {checkpoint}" if checkpoint else f"the base model {model}"
+        print(
+            f"warning: {what} has had no MARS training: its masks' drafts are mostly rejected, so these figures "
+            "measure untrained masks, not MARS (outputs stay identical to AR). Pass --checkpoint <a MARS checkpoint>"
+            " (the default, reference, is the model's shipped one where conf/model/ names it).",
+            file=sys.stderr,
+        )
+    return trained
+
+
+def check_prompt_lengths(groups: dict[str, list[Prompt]], path: Path, args) -> None:
+    """Every prompt kept, tokenized as the decoders will tokenize it, leaves room in the model's context for
+    ``--max-new-tokens``: the tokenizer and the context are read without the weights, and an over-long prompt is
+    refused naming its line before the model loads (skipped where they cannot be read that way: the load then
+    reports why)."""
+    from mars.decoding.api import encode_prompts
+
+    tokenizer, context = tokenizer_and_context(args.checkpoint or args.model)
+    if tokenizer is None or context is None:
+        return
+    chat = not args.no_chat_template and tokenizer.chat_template is not None
+    for prompt in (p for kept in groups.values() for p in kept):
+        length = len(encode_prompts(tokenizer, [prompt.text], chat)[0])
+        if length + args.max_new_tokens > context:
+            raise SystemExit(
+                f"--prompts-file {path}, line {prompt.line}: the prompt has {length} tokens"
+                f"{' with the chat template' if chat else ''}; with --max-new-tokens {args.max_new_tokens} it would "
+                f"pass the model's context of {context} tokens: shorten it or lower --max-new-tokens to "
+                f"{max(0, context - length)}"
+            )
+
+
+def tokenizer_and_context(source: str):
+    """The tokenizer and context length (``max_position_embeddings``) of the model ``source`` names (a checkpoint
+    or gated adapter folder, a hub id, ``embedded:*`` or ``tiny-random``), read without its weights; (None, None)
+    where they cannot be read so."""
+    import inspect
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mars.adapters import read_adapter_meta
+    from mars.models import build_tiny_random, embedded_model_dir, embedded_tokenizer
+
+    def context_of(name: str, tiny: dict | None) -> int:
+        if name == "tiny-random":
+            default = inspect.signature(build_tiny_random).parameters["max_position_embeddings"].default
+            return int((tiny or {}).get("max_position_embeddings", default))
+        folder = embedded_model_dir() if name.startswith("embedded:") else name
+        return int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+
+    try:
+        adapter = read_adapter_meta(source) if Path(source).is_dir() else None
+        own = source == "tiny-random" or source.startswith("embedded:")
+        tokenizer = embedded_tokenizer() if own else AutoTokenizer.from_pretrained(source)
+        base = str(adapter.get("base_model")) if adapter else source
+        return tokenizer, context_of(base, (adapter or {}).get("base_tiny"))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None, None
+
+
+def read_categories(path: Path, limit: int) -> dict[str, list[Prompt]]:
+    """Prompts by category, in the file's order, at most ``limit`` per category; a line that is not UTF-8 or
+    not JSON, a row without a ``category`` or a prompt string, an empty prompt and a category named like the
+    overall row are refused naming the line."""
+    try:
+        lines = path.read_bytes().splitlines()
     except OSError as err:
         raise SystemExit(f"--prompts-file {path}: {err.strerror}") from None
-    groups: dict[str, list[str]] = {}
-    for number, line in enumerate(lines, 1):
+    groups: dict[str, list[Prompt]] = {}
+    for number, raw in enumerate(lines, 1):
+        where = f"--prompts-file {path}, line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SystemExit(f"{where}: not UTF-8 (byte {err.start + 1}); save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise SystemExit(f"--prompts-file {path}, line {number}: not JSON ({err.msg})") from None
+            raise SystemExit(f"{where}: not JSON ({err.msg})") from None
         prompt = row.get("prompt", row.get("question")) if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not isinstance(row.get("category"), str):
             raise SystemExit(
-                f"--prompts-file {path}, line {number}: every row needs a 'prompt' (or 'question') string and a "
+                f"{where}: every row needs a 'prompt' (or 'question') string and a "
                 "'category' string (the figures are reported per category)"
+            )
+        if not prompt.strip():
+            raise SystemExit(f"{where}: the prompt is empty")
+        if row["category"].strip().lower() == OVERALL:
+            raise SystemExit(
+                f"{where}: category {row['category']!r} is the name of the row over every prompt; rename it"
             )
         kept = groups.setdefault(row["category"], [])
         if len(kept) < limit:
-            kept.append(prompt)
+            kept.append(Prompt(prompt, number))
     if not groups:
         raise SystemExit(f"--prompts-file {path}: no rows")
     return groups
@@ -126,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         settings=DecodingSettings(**{**values, "block_size": block_size}),
         chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
     )
-    prompts = [p for kept in groups.values() for p in kept]
+    prompts = [p.text for kept in groups.values() for p in kept]
     warm = {**common, "settings": common["settings"].replace(max_new_tokens=8)}
     for _ in range(args.warmup):  # allocator, kernels, tokenizer caches
         for v in DECODERS:
@@ -150,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarise(groups: dict[str, list[str]], repeats: list[list[list[dict]]]) -> list[dict]:
+def summarise(groups: dict[str, list[Prompt]], repeats: list[list[list[dict]]]) -> list[dict]:
     """One row per category (its prompts' span of the run, in order) and one over every prompt."""
     rows, start = [], 0
     for name, kept in groups.items():
@@ -207,7 +333,9 @@ def preamble(config: dict) -> list[str]:
     verify = config["settings"][VERIFY.name]
     return [
         "# Speculative decoding: verify against AR, per category\n",
-        f"model `{config.get('checkpoint') or config['model']}`, {config['dtype']} on {config['device']} "
+        f"model `{config.get('checkpoint') or config['model']}`"
+        f"{'' if config.get('mars_trained', True) else ' (no MARS training: untrained masks)'}, "
+        f"{config['dtype']} on {config['device']} "
         f"({hw.get('cuda') or hw.get('cpu') or 'cpu'}), {config['threads']} threads, decode fast path "
         f"{config['fast_path']}; batch 1, greedy, max {verify['max_new_tokens']} new tokens, block size "
         f"{verify['block_size']}, tree `{verify['tree']}` (masks: {verify['tree_masks']}); prompts: "

@@ -5,6 +5,8 @@ decoder statistics are summed over the leaves; its documents are pooled (keyed b
 the intervals.  Every point carries, besides the paper's accuracy and tokens per forward (and under verify
 vLLM's ``mean_acceptance_length``):
 
+- the wall-clock ``speedup``: generated tokens per second over the threshold 1.0 point's of the same task, both
+  measured on the ``machine`` the point names (None where they ran on different machines);
 - 95% intervals (:mod:`mars.evaluation.agreement`): accuracy (Wilson for 0/1 scores, else bootstrap),
   its change from threshold 1.0 as a *paired* bootstrap over the same documents (``accuracy_delta_lo/hi``),
   tokens per forward over requests;
@@ -77,6 +79,8 @@ FIELDS = (
     "batch_tokens_per_forward",
     "mean_acceptance_length",
     "tokens_per_second",
+    "speedup",
+    "machine",
     "wall_seconds",
     "generated_tokens",
     "n_samples",
@@ -229,6 +233,7 @@ def _entry_point(
         "accuracy_delta_hi": delta.hi,
         "n_paired": delta.n,
         **_speed_fields(totals, tpf),
+        "machine": machine_label(summaries),
         "is_reference": threshold == reference,
         "verify_lossless": plan.verify_lossless(threshold),
     }
@@ -255,6 +260,34 @@ def _decoder_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "num_drafts": sum(d.get("num_drafts", 0) for d in dec),
         "num_accepted_tokens": sum(d.get("num_accepted_tokens", 0) for d in dec),
     }
+
+
+def machine_label(summaries: list[dict[str, Any]]) -> str | None:
+    """The machine that decoded a point, from its leaves' summaries (``machine``: :func:`mars.hardware.describe`
+    and the device, recorded as each point finishes): the GPU's name on a GPU, else the CPU's model, its vector
+    ISA and the torch threads; None where no summary records one, ``"several machines"`` where they differ."""
+    labels = set()
+    for summary in summaries:
+        info = summary.get("machine")
+        if not isinstance(info, Mapping):
+            return None
+        if str(info.get("device", "cpu")).startswith("cuda") and info.get("cuda"):
+            labels.add(str(info["cuda"]))
+        else:
+            labels.add(f"{info.get('cpu')} ({info.get('cpu_capability')}, {info.get('threads')} threads)")
+    return labels.pop() if len(labels) == 1 else ("several machines" if labels else None)
+
+
+def add_speedups(points: list[dict[str, Any]], reference: float) -> None:
+    """Each point's ``speedup``: its generated tokens per second over the reference point's of the same task,
+    the wall-clock gain or loss of its threshold; None where either has no throughput or the two ran on
+    different machines (a recorded machine against another, or mixed within a point)."""
+    base = {p["task"]: p for p in points if p["threshold"] == reference}
+    for p in points:
+        ref = base.get(p["task"])
+        same_machine = ref is not None and ref.get("machine") == p.get("machine") != "several machines"
+        fast, slow = p.get("tokens_per_second"), (ref or {}).get("tokens_per_second")
+        p["speedup"] = fast / slow if same_machine and fast and slow else None
 
 
 def _accuracy(kind: str, threshold: float, reference: float, scores: dict | None, summaries, n: int) -> stats.Estimate:
@@ -380,6 +413,7 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
         "wall_seconds": sum(p["wall_seconds"] for p in row),
         "generated_tokens": sum(p["generated_tokens"] for p in row),
         "n_samples": sum(p["n_samples"] for p in row),
+        "machine": row[0]["machine"] if len({p["machine"] for p in row}) == 1 else "several machines",
     }
     point.update(_average_figures(row))
     point["fidelity_tokens"] = (
@@ -477,6 +511,7 @@ def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:
     for p in points:
         if p["task"] in ref_acc and p["accuracy"] is not None and ref_acc[p["task"]] is not None:
             p["accuracy_delta"] = p["accuracy"] - ref_acc[p["task"]]
+    add_speedups(points, reference)
     write_json(store.root / "points.json", points)
     atomic_write_text(store.root / "points.csv", points_csv(points))
     return points

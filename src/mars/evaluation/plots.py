@@ -1,4 +1,5 @@
-"""Pareto plots: accuracy against tokens per forward, one figure per task plus the average.
+"""Pareto plots: accuracy against tokens per forward and, beside it, against the wall-clock speed-up over
+threshold 1.0, one figure per task plus the average.
 
 One curve per model/block label (this run, plus the runs named in ``compare``), each point labelled
 with its threshold and drawn with 95% intervals on both axes: tokens per forward, bootstrap over requests;
@@ -7,7 +8,10 @@ paired interval of their change from threshold 1.0 placed around them.  Each cur
 is a dashed line inside a shaded band (that point's own interval): a bar that stays clear of the dashed
 line is a change beyond noise on the same documents.  The figure says which intervals it draws (a caption
 under the axes), has one legend entry per drawn curve plus one for the reference lines, and keeps every
-threshold label inside the axes.  Format and resolution: ``plots`` in conf/evaluate.yaml (mars.figures).
+threshold label inside the axes.  The speed-up panel (where points carry a measured ``speedup``: generated
+tokens per second over the same run's threshold 1.0 point's, on the machine its caption names) shows what the
+forwards saved cost or gain in time; curves whose threshold 1.0 point is verify itself are left out of it (their
+speed-up would be against verify, not AR).  Format and resolution: ``plots`` in conf/evaluate.yaml (mars.figures).
 """
 
 from __future__ import annotations
@@ -71,54 +75,97 @@ def is_verify_point(p: dict[str, Any]) -> bool:
     return bool(p.get("is_reference")) and label.endswith(VERIFY_DECODINGS)
 
 
+TOKENS, SPEEDUP = "tokens_per_forward", "speedup"  # the x axes: a point's field drawn along each
+X_NAMES = {TOKENS: "tokens per forward", SPEEDUP: "wall-clock speed-up over τ=1.0 (x)"}
+
+
+def speedup_curves(curves: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The curves with a measured speed-up against greedy AR: points with a finite ``speedup``, from curves whose
+    threshold 1.0 point is not verify itself."""
+    out = {}
+    for label, pts in curves.items():
+        if any(p.get("is_reference") and is_verify_point(p) for p in pts):
+            continue
+        kept = [p for p in pts if _finite(p.get(SPEEDUP))]
+        if kept:
+            out[label] = kept
+    return out
+
+
+def speedup_caption(curves: dict[str, list[dict[str, Any]]]) -> str:
+    """What the speed-up axis measures and on which machine(s)."""
+    machines = sorted({str(p["machine"]) for pts in curves.values() for p in pts if p.get("machine")})
+    where = "; ".join(machines) or "a machine not recorded"
+    return (
+        f"Speed-up: generated tokens per second over the same run's τ=1.0 point's, decoder wall clock, "
+        f"measured on {where}; one timing per point, no interval."
+    )
+
+
 def pareto_figure(task: str, curves: dict[str, list[dict[str, Any]]]):
-    """The matplotlib figure of one task; ``curves`` maps a curve label to its points."""
+    """The matplotlib figure of one task; ``curves`` maps a curve label to its points.  Accuracy against tokens
+    per forward, and beside it against the measured wall-clock speed-up where the points carry one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    speed = speedup_curves(curves)
+    panels = [(TOKENS, curves)] + ([(SPEEDUP, speed)] if speed else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.4), squeeze=False)
+    order = {label: i for i, label in enumerate(sorted(curves))}  # one colour and marker per curve in both panels
+    drawn = [_draw_panel(ax, task, panel, x, order) for ax, (x, panel) in zip(axes[0], panels)]
+    caption = interval_caption(drawn[0]) + (" " + speedup_caption(drawn[1]) if len(drawn) > 1 else "")
+    fig.text(0.01, 0.0, caption, fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
+    fig.tight_layout()
+    return fig
+
+
+def _draw_panel(ax, task: str, curves: dict[str, list[dict[str, Any]]], x: str, order: dict[str, int]) -> dict:
+    """Accuracy against the field ``x`` of every curve on ``ax``; returns the curves drawn (finite points)."""
+    import matplotlib.pyplot as plt
+
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labelled = []  # (color, points) per curve, annotated once the axes are final
     ylabel = "accuracy (%)"
     drawn: dict[str, list[dict[str, Any]]] = {}
     has_reference = False
-    for i, (label, pts) in enumerate(sorted(curves.items())):
+    for label, pts in sorted(curves.items()):
         # a point without a finite value would draw nothing yet still get a legend entry
-        pts = [p for p in pts if _finite(p.get("tokens_per_forward")) and _finite(p.get("accuracy"))]
+        pts = [p for p in pts if _finite(p.get(x)) and _finite(p.get("accuracy"))]
         if not pts:
             continue
         drawn[label] = pts
+        i = order[label]
         color = colors[i % len(colors)]
-        pts = sorted(pts, key=lambda p: p["tokens_per_forward"])
-        _draw_curve(ax, i, label, pts, color)
+        pts = sorted(pts, key=lambda p: p[x])
+        _draw_curve(ax, i, label, pts, color, x)
         labelled.append((color, pts))
         if not all(is_verify_point(p) for p in pts):  # verify's accuracy is the AR line by construction
             has_reference = _draw_reference(ax, pts, color) or has_reference
         if any(p.get("score") not in (None, "metric") for p in pts):
             ylabel = f"{pts[0]['score']} vs τ=1.0 output (%)"
-    _label_axes(ax, task, ylabel)
+    if x == SPEEDUP:  # the speed of τ=1.0: points left of it are slower than AR
+        ax.axvline(1.0, color="0.5", linestyle=":", linewidth=1)
+    _label_axes(ax, task, ylabel, x)
     _set_limits(ax)
     for _ in range(2):  # widening the axes moves the labels closer together: place them again once
-        items = [item for color, pts in labelled for item in _threshold_labels(ax, pts, color)]
-        points = [(p["tokens_per_forward"], 100 * p["accuracy"]) for _, pts in labelled for p in pts]
+        items = [item for color, pts in labelled for item in _threshold_labels(ax, pts, color, x)]
+        points = [(p[x], 100 * p["accuracy"]) for _, pts in labelled for p in pts]
         texts = _place_labels(ax, items, points)
         _fit_inside(ax, texts)
     _add_legend(ax, has_reference)
-    fig.text(0.01, 0.0, interval_caption(drawn), fontsize=6.5, ha="left", va="top", wrap=True, color="0.25")
-    fig.tight_layout()
-    return fig
+    return drawn
 
 
-def _draw_curve(ax, i: int, label: str, pts: list[dict[str, Any]], color) -> None:
+def _draw_curve(ax, i: int, label: str, pts: list[dict[str, Any]], color, x: str = TOKENS) -> None:
     """One curve (points sorted by tokens per forward) with its error bars.  Curves of several points get
     hollow markers of different shapes and sizes, so curves that share a point (tau 1.0) stay visible; a
     curve of one point (the base model, a verify run) gets a larger filled marker drawn beneath them, so it
     shows around a hollow marker on the same spot instead of hiding under it (a verify point: a star)."""
-    xs = [p["tokens_per_forward"] for p in pts]
+    xs = [p[x] for p in pts]
     ys = [100 * p["accuracy"] for p in pts]
-    xerr = _errors(pts, "tokens_per_forward", 1.0)
+    xerr = _errors(pts, x, 1.0)
     yerr = _errors(pts, "accuracy", 100.0, paired=True)
     single = len(pts) == 1
     marker = "*" if single and is_verify_point(pts[0]) else MARKERS[i % len(MARKERS)]
@@ -153,13 +200,13 @@ def _draw_reference(ax, pts: list[dict[str, Any]], color) -> bool:
     return True
 
 
-def _label_axes(ax, task: str, ylabel: str) -> None:
-    ax.set_xlabel("tokens per forward")
+def _label_axes(ax, task: str, ylabel: str, x: str = TOKENS) -> None:
+    name = X_NAMES[x]
+    ax.set_xlabel(name)
     ax.set_ylabel(ylabel)
+    short = name.split(" over ")[0]
     ax.set_title(
-        f"{task}: {ylabel.split(' (')[0]} vs tokens per forward"
-        if ylabel.startswith("accuracy")
-        else f"{task} vs tokens per forward",
+        f"{task}: {ylabel.split(' (')[0]} vs {short}" if ylabel.startswith("accuracy") else f"{task} vs {short}",
         fontsize=10,
     )
     ax.grid(True, alpha=0.3)
@@ -213,11 +260,13 @@ def _errors(pts: list[dict[str, Any]], key: str, scale: float, paired: bool = Fa
     return [low, high]
 
 
-def _threshold_labels(ax, pts: list[dict[str, Any]], color, width: float = 45.0, height: float = 12.0) -> list:
-    """One curve's threshold labels as (text, x, y, color); points whose labels would print over each other
-    (e.g. tau 1.0, 0.95 and 0.9 of a barely trained model) share one.  A lossless verify point is labelled
-    as such.  Sizes are in pixels."""
-    xs, ys = [p["tokens_per_forward"] for p in pts], [100 * p["accuracy"] for p in pts]
+def _threshold_labels(
+    ax, pts: list[dict[str, Any]], color, x: str = TOKENS, width: float = 45.0, height: float = 12.0
+) -> list:
+    """One curve's threshold labels as (text, x, y, color), at the points' field ``x`` along the x axis; points
+    whose labels would print over each other (e.g. tau 1.0, 0.95 and 0.9 of a barely trained model) share one.  A
+    lossless verify point is labelled as such.  Sizes are in pixels."""
+    xs, ys = [p[x] for p in pts], [100 * p["accuracy"] for p in pts]
     screen = ax.transData.transform(list(zip(xs, ys)))
     groups: list[list[int]] = []
     for i, (px, py) in enumerate(screen):

@@ -1,7 +1,8 @@
 """The markdown table, laid out like the paper's Tables 4/8: one column per benchmark plus the average;
 per threshold the accuracy with its change from threshold 1.0, the 95% intervals of both (the change as a
-paired bootstrap over the same documents), the tokens per forward with its interval, and the agreement
-with the threshold 1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
+paired bootstrap over the same documents), the tokens per forward with its interval, beside it the wall-clock
+speed-up over threshold 1.0 (measured, on the machine the preamble names), and the agreement with the threshold
+1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
 with its interval), the paired comparisons with the runs named in ``compare``, and throughput."""
 
 from __future__ import annotations
@@ -106,9 +107,13 @@ def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -
         f"τ = {ref} in brackets; *95% CI* = interval of the accuracy (Wilson for right/wrong scores, else "
         f"bootstrap) and, as Δ, of its change from τ = {ref} (paired bootstrap over the same documents); "
         f"*tok/fwd* = generated tokens accepted per forward pass over all steps, with its bootstrap interval "
-        f"over requests; *accept. len* (verify only) = vLLM's mean acceptance length, 1 + drafts accepted per "
-        'draft step (docs/decoding.md, "Acceptance figures"); *agree* = share of outputs whose text is '
+        f"over requests; *speed-up* = generated tokens per second over the τ = {ref} point's of the same task, "
+        f"{_speedup_reference(plan, reference_threshold(metric), ref)}, the decoder's wall clock (a busy machine moves it; – where the two points "
+        "ran on different machines); *accept. len* (verify only) = vLLM's mean acceptance length, 1 + drafts "
+        'accepted per draft step (docs/decoding.md, "Acceptance figures"); *agree* = share of outputs whose text is '
         f"identical to the τ = {ref} output (a fidelity check the paper does not report).",
+        "",
+        f"Timed on: {_machines(points)}.",
     ]
     if _reference_label(dec) != "AR":
         lines += [
@@ -134,6 +139,23 @@ def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -
     return lines
 
 
+def _speedup_reference(plan: Plan, reference: float, ref: str) -> str:
+    """What the speed-up is against: greedy AR, or verify itself where the run's reference point verifies."""
+    if plan.verify_lossless(reference):
+        return f"here verify itself at τ = {ref} (its speed-up over AR: `mars-bench throughput` or `spec`)"
+    return "timed in this run" if _reference_label(plan.decoding) != "AR" else "greedy AR, timed in this run"
+
+
+def _machines(points: list[dict[str, Any]]) -> str:
+    """The machines the points were decoded on (mars.hardware.describe, recorded with each point)."""
+    names = sorted({str(p["machine"]) for p in points if p.get("machine") and p["machine"] != "several machines"})
+    return "; ".join(names) or "not recorded"
+
+
+def _fmt_speedup(p: dict[str, Any] | None) -> str:
+    return "–" if p is None or p.get("speedup") is None else f"{p['speedup']:.2f}x"
+
+
 def _table_head(columns: list[str]) -> list[str]:
     return ["| τ | | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
 
@@ -147,8 +169,8 @@ def _reference_label(decoding) -> str:
 def _main_table(
     columns: list[str], thresholds: list[float], cell: dict, reference: float, label: str = "AR"
 ) -> list[str]:
-    """Per threshold: accuracy (and its change), the intervals, tokens per forward (and the mean acceptance
-    length where drafts were verified) and agreement."""
+    """Per threshold: accuracy (and its change), the intervals, tokens per forward and the wall-clock speed-up
+    over the reference (and the mean acceptance length where drafts were verified) and agreement."""
     lines = ["", *_table_head(columns)]
     for thr in thresholds:
         name = f"**{fmt_threshold(thr)}** ({label})" if thr == reference else f"**{fmt_threshold(thr)}**"
@@ -157,6 +179,7 @@ def _main_table(
             (name, "acc", [_fmt_acc(cell.get((thr, c))) for c in columns]),
             ("", "95% CI", [_fmt_ci(cell.get((thr, c))) for c in columns]),
             ("", "tok/fwd", [_interval_cell(cell.get((thr, c)), "tokens_per_forward", ".2f", 1.0) for c in columns]),
+            ("", "speed-up", [_fmt_speedup(cell.get((thr, c))) for c in columns]),
             *([("", "accept. len", [_fmt(v, ".2f") for v in lengths])] if any(v is not None for v in lengths) else []),
             ("", "agree", [_interval_cell(cell.get((thr, c)), "agreement", ".0f", 100.0, "%") for c in columns]),
         ]

@@ -234,6 +234,8 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
 def _write_points(
     plan: Plan, store: ResultsDir, threshold: float, leaves: list[str], results: dict, lm, seconds: float
 ) -> None:
+    from mars.hardware import describe
+
     for leaf in leaves:
         spec = plan.suite.spec_of_leaf(leaf)
         task_results = results["results"].get(leaf, {})
@@ -247,6 +249,7 @@ def _write_points(
             "accuracy": value,
             "lm_eval": {k: v for k, v in task_results.items() if k != "alias"},
             "decoder": stats.as_dict() if stats else None,
+            "machine": {**describe(), "device": str(lm.device)},  # what the decoder's seconds were measured on
             "batch_size": lm.batch_size,
             "lm_eval_seconds_all_tasks": seconds,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

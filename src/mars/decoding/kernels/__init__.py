@@ -435,7 +435,10 @@ def _build(target: Path, name: str) -> None:
     if not has_compiler():
         raise KernelUnavailable("no C++ compiler (c++ or $CXX) to build the small-M GEMM kernel")
     target.mkdir(parents=True, exist_ok=True)
-    print(f"mars: compiling the CPU decode kernels once into {target} (about a minute) ...", file=sys.stderr)
+    print(
+        f"mars: compiling the CPU decode kernels once into {target} (minutes; `python -m mars.warmup` does it ahead) ...",
+        file=sys.stderr,
+    )
     try:
         cpp_extension.load(
             name=name,
