@@ -15,6 +15,9 @@ Per variant (``outputs/mask_search/<variant>/``, every stage skipped when its re
 7. publish    results/mask_search/<variant>/: the calibrated rank-8 adapter, figures.json, the learning curve,
               the configs and raw tables; figures.json is written last and marks the variant as done
 
+The trained adapter and its learning curve are published as soon as stage 2 ends (the first piece to commit); a
+variant published that far is measured elsewhere without training again.
+
 A published variant is skipped as a whole, so the search continues on any machine from what is committed:
 
     nohup python scripts/mask_search.py > outputs/mask_search.log 2>&1 &   # every unpublished variant (hours)
@@ -136,16 +139,18 @@ def tree_folder(tree: str) -> str:
     return tree.replace(",", "-")
 
 
-def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> Path:
+def run_variant(stages: Stages, variant: dict, work: Path, results: Path, base_eval: Path, spec: dict) -> Path:
     name = variant["name"]
     root = work / name
     hf, cut = root / "train" / "hf", root / f"rank{spec['rank']}"
     env = {} if wait_policy_chosen() else {"OMP_WAIT_POLICY": WAIT_POLICY}
-    stages.run(
-        f"{name}/train", ["train.py", *train_overrides(variant, work, spec)], done=complete_checkpoint(hf), env=env
-    )
+    trained = not stages.dry_run and restore_training(variant, work, results, spec)
+    train = ["train.py", *train_overrides(variant, work, spec)]
+    stages.run(f"{name}/train", train, done=trained or complete_checkpoint(hf), env=env)
     rank_cmd = ["-m", "mars.training.adapter_rank", str(hf), str(cut), "--rank", str(spec["rank"])]
     stages.run(f"{name}/rank", rank_cmd, done=(cut / "adapter_model.safetensors").is_file())
+    if not stages.dry_run:
+        publish_training(variant, work, results, spec)
     bench = ["-m", "mars.bench"]
     calibrate = [*bench, "calibrate", "--checkpoint", str(cut), "--limit", str(spec["calibrate_prompts"])]
     stages.run(f"{name}/calibrate", calibrate, done=calibrated(cut))
@@ -227,6 +232,44 @@ def figures(variant: dict, work: Path, spec: dict) -> dict[str, Any]:
     }
 
 
+TRAINING_FILES = ("losses.csv", "loss_curve.png", "config.yaml", "train_summary.json")
+
+
+def publish_training(variant: dict, work: Path, results: Path, spec: dict) -> None:
+    """The first finished piece of a variant: its rank-cut adapter (before calibration) and its learning curve, so
+    that a search stopped after training continues elsewhere from the measurements."""
+    root, out = work / variant["name"], results / variant["name"]
+    if (out / "adapter" / "adapter_model.safetensors").is_file():
+        return
+    (out / "adapter").mkdir(parents=True, exist_ok=True)
+    for name in TRAINING_FILES:
+        if (root / "train" / name).is_file():
+            shutil.copy(root / "train" / name, out / name)
+    cut = root / f"rank{spec['rank']}"
+    for name in ADAPTER_FILES:
+        if (cut / name).is_file():
+            shutil.copy(cut / name, out / "adapter" / name)
+    print(f"published the trained adapter of {variant['name']} in {out}", flush=True)
+
+
+def restore_training(variant: dict, work: Path, results: Path, spec: dict) -> bool:
+    """A variant whose trained adapter is published but not yet measured: its adapter and training records are
+    copied back into the work folder (no training again); True when the training is thereby done."""
+    root, out = work / variant["name"], results / variant["name"]
+    cut = root / f"rank{spec['rank']}"
+    if (cut / "adapter_model.safetensors").is_file():
+        return (root / "train" / "train_summary.json").is_file()
+    if not (out / "adapter" / "adapter_model.safetensors").is_file() or not (out / "train_summary.json").is_file():
+        return False
+    shutil.copytree(out / "adapter", cut)
+    (root / "train").mkdir(parents=True, exist_ok=True)
+    for name in TRAINING_FILES:
+        if (out / name).is_file():
+            shutil.copy(out / name, root / "train" / name)
+    print(f"=== {variant['name']}: trained adapter restored from {out}", flush=True)
+    return True
+
+
 def publish(variant: dict, work: Path, results: Path, spec: dict) -> None:
     """Copy the variant's small results into the results folder; figures.json last (the variant's done mark)."""
     root, out = work / variant["name"], results / variant["name"]
@@ -236,7 +279,7 @@ def publish(variant: dict, work: Path, results: Path, spec: dict) -> None:
     for name in ADAPTER_FILES:
         if (cut / name).is_file():
             shutil.copy(cut / name, adapter / name)
-    for name in ("losses.csv", "loss_curve.png", "config.yaml", "train_summary.json"):
+    for name in TRAINING_FILES:
         if (root / "train" / name).is_file():
             shutil.copy(root / "train" / name, out / name)
     shutil.copy(root / "probe.json", out / "probe_unseen.json")
@@ -423,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         base = quality_command([f"model={spec['base']}", "checkpoint=null"], base_eval, spec, thresholds)
         stages.run("base/eval", base, done=has_points(base_eval, [1.0]))
     for variant in todo:
-        run_variant(stages, variant, work, base_eval, spec)
+        run_variant(stages, variant, work, results, base_eval, spec)
         if not args.dry_run:
             publish(variant, work, results, spec)
             report(spec, results)

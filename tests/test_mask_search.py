@@ -111,3 +111,18 @@ def test_a_published_variant_carries_its_figures_and_is_skipped_next_time(tmp_pa
                  "--results", str(results), "--dry-run"])  # fmt: skip
     out = capsys.readouterr().out
     assert "reference: published" in out and "reference/train" not in out
+
+
+def test_a_trained_but_unmeasured_variant_is_measured_elsewhere_without_training_again(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path), "soft", None)
+    (variant,) = spec["selected"]
+    results = tmp_path / "results"
+    fake_stage_outputs(tmp_path / "here", "soft", spec)
+    search.publish_training(variant, tmp_path / "here", results, spec)
+    assert (results / "soft" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (results / "soft" / "figures.json").exists()  # not measured: not done
+    elsewhere = tmp_path / "elsewhere"
+    assert not search.restore_training(variant, tmp_path / "nowhere", tmp_path / "empty", spec)
+    assert search.restore_training(variant, elsewhere, results, spec)
+    assert (elsewhere / "soft" / "rank8" / "mars_config.json").is_file()
+    assert (elsewhere / "soft" / "train" / "losses.csv").read_text().startswith("step,loss")
