@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from conftest import REPO
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -181,3 +182,152 @@ def test_offline_mode_loads_a_cached_hub_model_and_names_one_that_is_not_cached(
         load_model("mars-test/tiny")
     cache_a_hub_model(closed_hub, "mars-test/tiny")
     assert load_model("mars-test/tiny").model.config.num_hidden_layers == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The paper's checkpoint format: model_type a2d-qwen2, architecture A2DQwen2LMHeadModel, <|mask|>
+# ------------------------------------------------------------------------------------------------
+PAPER_PROMPTS = [[17, 230, 4051, 99], [8, 9, 10, 11, 12, 13, 14], [300, 301]]
+
+
+def write_paper_folder(folder, *, block_size=None, model_type="a2d-qwen2", architecture="A2DQwen2LMHeadModel"):
+    """A tiny Qwen2 saved as the paper's code saves its models: config.json with its own model type and
+    architecture name, the weights under the plain Qwen2 names, a tokenizer with <|mask|> as its mask token in
+    a spare embedding row."""
+    import json
+
+    tokenizer = embedded_tokenizer()
+    tokenizer.add_special_tokens({"mask_token": "<|mask|>"})
+    model = build_tiny_random(arch="qwen2", vocab_size=len(tokenizer) + 7, num_layers=2, seed=3)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type=model_type, architectures=[architecture])
+    if block_size is not None:
+        config["block_size"] = block_size
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return model
+
+
+def test_a_checkpoint_in_the_paper_format_loads_as_plain_qwen2_with_its_weights_and_mask(tmp_path):
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from mars.models import load_model
+
+    saved = write_paper_folder(tmp_path / "paper")
+    with pytest.raises(ValueError, match="a2d-qwen2"):
+        AutoConfig.from_pretrained(tmp_path / "paper")  # what vanilla transformers does with the paper's format
+    lm = load_model(str(tmp_path / "paper"))
+    assert type(lm.model) is Qwen2ForCausalLM and lm.model.config.model_type == "qwen2"
+    assert (lm.mask.token, lm.mask.how) == ("<|mask|>", "existing") and lm.mask.id == len(lm.tokenizer) - 1
+    expected = saved.state_dict()
+    got = lm.model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_threshold_one_on_a_paper_checkpoint_is_transformers_greedy_token_for_token(tmp_path):
+    from decoding_fixtures import hf_greedy
+
+    from mars.decoding import generate
+    from mars.models import load_model
+
+    write_paper_folder(tmp_path / "paper")
+    lm = load_model(str(tmp_path / "paper"))
+    lm.model.generation_config.eos_token_id = 2
+    out = generate(lm.model, lm.tokenizer, PAPER_PROMPTS, threshold=1.0, max_new_tokens=16)
+    reference = hf_greedy(lm.model, lm.tokenizer, PAPER_PROMPTS, 16)
+    assert out.token_ids == reference and all(len(r) > 4 for r in reference)
+    assert out.stats.mean_row_tokens_per_forward == 1.0
+
+
+def test_paper_weights_that_do_not_fit_the_plain_architecture_are_refused_before_loading(tmp_path):
+    import json
+
+    from mars.models import load_model
+    from mars.paper_checkpoints import PaperFormatError
+
+    write_paper_folder(tmp_path / "paper")
+    config = json.loads((tmp_path / "paper" / "config.json").read_text())
+    config["intermediate_size"] = 96  # the saved MLPs are 128 wide
+    (tmp_path / "paper" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        PaperFormatError, match=r"mlp\.down_proj\.weight: checkpoint \[64, 128\], architecture \[64, 96\]"
+    ):
+        load_model(str(tmp_path / "paper"))
+    config.update(intermediate_size=128, num_hidden_layers=3, layer_types=["full_attention"] * 3)  # a layer too many
+    (tmp_path / "paper" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PaperFormatError, match=r"missing \(model\.layers\.2\."):
+        load_model(str(tmp_path / "paper"))
+    config.update(num_hidden_layers=2, layer_types=["full_attention"] * 2, model_type="a2d-llama")
+    (tmp_path / "paper" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PaperFormatError, match="only \\['a2d-qwen2', 'a2d-qwen3', 'a2d-qwen3-it'\\] are known"):
+        load_model(str(tmp_path / "paper"))
+
+
+def test_the_block_size_of_a_paper_checkpoint_comes_from_it_or_must_be_named(tmp_path):
+    from mars.decoding.settings import decoding_block_size
+    from mars.metadata import mars_trained, read_checkpoint
+
+    write_paper_folder(tmp_path / "says", block_size=8)
+    meta = read_checkpoint(tmp_path / "says")
+    assert meta["mask_token"] == "<|mask|>" and mars_trained(meta) and decoding_block_size(None, meta) == 8
+    write_paper_folder(tmp_path / "silent")
+    meta = read_checkpoint(tmp_path / "silent")
+    assert decoding_block_size(4, meta) == 4
+    with pytest.raises(ValueError, match=r"does not record the block size .* decoding\.block_size=<B>"):
+        decoding_block_size(None, meta)
+
+
+def test_evaluate_runs_on_a_paper_checkpoint_and_refuses_it_without_a_block_size(compose_cfg, tmp_path):
+    from lm_eval_fixtures import suite, write_generation_task
+    from omegaconf import OmegaConf, open_dict
+
+    from mars.evaluation import run as run_eval
+    from mars.evaluation.config import prepare
+
+    write_paper_folder(tmp_path / "paper")
+    tasks = write_generation_task(
+        tmp_path / "tasks", "fx_paper", [{"question": "Say hello.", "answer": "x"}] * 2, max_gen_toks=6
+    )
+
+    def cfg(*overrides):
+        composed = compose_cfg(
+            "evaluate",
+            [f"checkpoint={tmp_path / 'paper'}", "dtype=float32", "plots=false", "thresholds=[1.0,0.9]", *overrides],
+        )
+        with open_dict(composed):
+            composed.benchmarks = OmegaConf.create(suite(tasks, "fx_paper"))
+            composed.output_dir = str(tmp_path / "results")
+        return composed
+
+    with pytest.raises(ValueError, match=r"decoding\.block_size=<B>"):
+        prepare(cfg())  # before any model loads
+    outcome = run_eval(cfg("decoding.block_size=4", "decoding.max_new_tokens=6"))
+    assert outcome.plan.block_size == 4 and outcome.plan.checkpoint_meta["paper_format"] == "a2d-qwen2"
+    assert {p["threshold"] for p in outcome.points} == {1.0, 0.9}
+    assert all(p["tokens_per_forward"] >= 1.0 for p in outcome.points)
+
+
+def test_serve_answers_from_a_paper_checkpoint(tmp_path):
+    import httpx
+    from hydra import compose, initialize_config_dir
+
+    from mars.serving.config import ServeConfig, build_state
+    from mars.serving.server import BackgroundServer
+
+    write_paper_folder(tmp_path / "paper", block_size=4)
+    overrides = [f"checkpoint={tmp_path / 'paper'}", "max_tokens=8", "warmup=false", "device=cpu", "dtype=float32"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        sc = ServeConfig.from_cfg(compose(config_name="serve", overrides=overrides))
+    server = BackgroundServer(build_state(sc)).start()
+    try:
+        reply = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "Say hello.", "max_tokens": 8, "threshold": 1.0}, timeout=60
+        )
+    finally:
+        server.stop()
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1

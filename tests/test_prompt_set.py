@@ -67,6 +67,18 @@ def test_rows_have_the_documented_fields(splits, builder):
             assert row["category"] in sources[row["source"]].categories, (row["id"], row["category"])
 
 
+def test_the_tools_read_the_committed_files_row_for_row(splits):
+    """The reader every tool uses (:mod:`mars.prompt_files`) keeps every row, in order, with its fields."""
+    from mars.prompt_files import read_prompt_file
+
+    for split, rows in splits.items():
+        read = read_prompt_file(DATA / f"{split}.jsonl", require={"id": "", "category": ""})
+        assert [(r.id, r.prompt, r.category, r.source) for r in read] == [
+            (row["id"], row["prompt"], row["category"], row["source"]) for row in rows
+        ]
+        assert [r.line for r in read] == list(range(1, len(rows) + 1))  # one row per line, no blank line
+
+
 def test_size_and_diversity(splits, all_rows, builder):
     assert 5000 <= len(all_rows) <= 8000, len(all_rows)
     assert 350 <= len(splits["heldout"]) <= 450, len(splits["heldout"])

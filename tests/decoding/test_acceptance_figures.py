@@ -39,3 +39,32 @@ def test_generate_reports_them_for_verify_and_none_for_ar(model, tokenizer):  # 
     assert stats.as_dict()["mean_acceptance_length"] == stats.mean_acceptance_length
     plain = generate(model, tokenizer, RAGGED[:1], decoder="ar", max_new_tokens=4).stats
     assert plain.mean_acceptance_length is None and plain.as_dict()["acceptance_by_position"] is None
+
+
+@pytest.mark.parametrize("ending", ["eos", "stop"])
+def test_drafts_verified_past_an_eos_or_a_stop_string_are_not_counted_accepted(model, tokenizer, ending):  # noqa: F811
+    """With the target itself as draft model every draft passes: a row that ends inside a step's drafts (at an
+    EOS or a stop string) counts as accepted only the drafts it emitted.  Every draft step but a row's last also
+    emits the AR token after its drafts, so a row's accepted drafts are at most its tokens less that many."""
+    prompts = RAGGED[:2]
+    reference = generate(model, tokenizer, prompts, decoder="ar", max_new_tokens=12).token_ids
+    end = next(j for j in range(2, 12) if reference[0][j] not in reference[0][:j])  # the row ends at token j
+    kwargs = dict(verify=True, draft_source="model", draft_model="self", max_new_tokens=12)
+    if ending == "eos":
+        model.generation_config.eos_token_id = [2, reference[0][end]]
+        try:
+            out = generate(model, tokenizer, prompts, **kwargs)
+        finally:
+            model.generation_config.eos_token_id = 2
+    else:
+        out = generate(model, tokenizer, prompts, stop=[tokenizer.decode(reference[0][end - 1 : end + 1])], **kwargs)
+    assert out.token_ids[0] == reference[0][: len(out.token_ids[0])] and len(out.token_ids[0]) <= end + 1
+    extra = out.stats.extra
+    for tokens, accepted, steps in zip(
+        out.token_ids, extra["per_row_num_accepted_tokens"], extra["per_row_num_drafts"]
+    ):
+        assert accepted <= len(tokens) - (steps - 1)
+    assert out.stats.num_accepted_tokens == sum(extra["per_row_num_accepted_tokens"])
+    assert out.stats.num_drafts == sum(extra["per_row_num_drafts"]) > 0
+    assert out.stats.num_draft_tokens == sum(extra["per_row_num_draft_tokens"]) == sum(extra["drafts_proposed"])
+    assert out.stats.as_dict()["num_draft_tokens"] == out.stats.num_draft_tokens

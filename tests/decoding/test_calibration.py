@@ -2,7 +2,9 @@
 round trip through mars_config.json and the model loader, with its refusals."""
 
 import dataclasses
+import json
 import logging
+import math
 
 import pytest
 import torch
@@ -62,7 +64,7 @@ def test_mask_temperatures_leave_the_ar_column_alone_and_repeat_the_last_depth()
     assert c.mask_temperatures(1) == [1.0]
     assert c.mask_temperatures(4) == [1.0, 1.5, 2.0, 3.0]
     assert c.mask_temperatures(6) == [1.0, 1.5, 2.0, 3.0, 3.0, 3.0]
-    with pytest.raises(ValueError, match="3 numbers > 0"):
+    with pytest.raises(ValueError, match=r"3 numbers in \[0.125, 8\].*mask depth 2 has 0.0"):
         cal.Calibration(temperatures=(1.5, 0.0, 3.0), block_size=4, checkpoint="sha256:x")
 
 
@@ -153,3 +155,157 @@ def test_the_model_loader_attaches_the_calibration_of_a_gated_adapter_checkpoint
     cal.store_calibration(folder, dataclasses.replace(fitted(folder, block_size=3), checkpoint="sha256:another"))
     with pytest.raises(ValueError, match="belongs to checkpoint sha256:another, not to this one"):
         load_model(str(folder))
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile stored records: refused at load naming the file and the field
+# ------------------------------------------------------------------------------------------------
+def edit_stored(folder, key, change):
+    """Rewrite ``key`` of the folder's mars_config.json by hand, as a user or another tool could."""
+    path = folder / "mars_config.json"
+    data = json.loads(path.read_text())
+    data[key] = change(data[key])
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "temperatures",
+    [
+        [1.5, 1e39, 2.0],  # float32 overflows to inf
+        [1.5, 1e-300, 2.0],  # float32 underflows to 0: every confidence NaN
+        [1.5, 1e-3, 2.0],  # a float32 number, outside the fit's range: every mask accepted
+        [1.5, 8.5, 2.0],
+        [1.5, math.nan, 2.0],
+        [1.5, math.inf, 2.0],
+        [1.5, -2.0, 2.0],
+        [1.5, True, 2.0],
+        [1.5, "2.0", 2.0],
+        [1.5, None, 2.0],
+        [1.5, 2.0],  # one short
+        None,
+        "1.5,2,2.5",
+    ],
+)
+def test_a_stored_temperature_outside_the_fit_range_or_not_a_number_is_refused_naming_file_and_field(
+    tmp_path, temperatures
+):
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    cal.store_calibration(folder, fitted(folder))
+    path = edit_stored(folder, "calibration", lambda c: {**c, "temperatures": temperatures})
+    with pytest.raises(
+        ValueError, match=rf"{path}: calibration\.temperatures must be a list of 3 numbers in \[0.125, 8\]"
+    ):
+        cal.load_calibration(folder, 4)
+
+
+def test_the_fit_range_bounds_themselves_load_and_the_fit_never_leaves_them(tmp_path):
+    low, high = cal.TEMPERATURE_RANGE
+    assert (low, high) == (0.125, 8.0) == tuple(cal.temperature_grid()[[0, -1]].tolist())
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    cal.store_calibration(folder, dataclasses.replace(fitted(folder), temperatures=(low, 1.0, high)))
+    assert cal.load_calibration(folder, 4).temperatures == (low, 1.0, high)
+    logits, correct = synthetic(1.0)
+    always_right = cal.MaskScores.from_logits(logits, torch.ones_like(correct))  # wants T -> 0: the lower bound
+    always_wrong = cal.MaskScores.from_logits(logits, torch.zeros_like(correct))  # wants T -> inf: the upper one
+    assert low <= cal.fit_temperature(always_right.log_top, always_right.correct) <= high
+    assert low <= cal.fit_temperature(always_wrong.log_top, always_wrong.correct) <= high
+
+
+def table(folder, block_size: int = 4) -> cal.DraftAcceptance:
+    rows = [[0.5, 0.6, 0.7, 0.75], [0.4, 0.5, 0.55, 0.6], [0.3, 0.4, 0.45, 0.5]][: block_size - 1]
+    return cal.DraftAcceptance(rows, block_size=block_size, checkpoint=cal.checkpoint_identity(folder), prompts=6)
+
+
+def test_the_calibration_and_the_draft_acceptance_are_stored_in_one_write_and_load_back(tmp_path, monkeypatch):
+    import mars.metadata
+
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    writes = []
+    real = mars.metadata.atomic_write_json
+    monkeypatch.setattr(mars.metadata, "atomic_write_json", lambda *a, **k: writes.append(a[0]) or real(*a, **k))
+    cal.store_calibration(folder, fitted(folder), table(folder))
+    assert writes == [folder / "mars_config.json"]  # both records, one atomic replacement of the file
+    assert cal.load_calibration(folder, 4) == fitted(folder)
+    assert cal.load_draft_acceptance(folder, 4) == table(folder)
+    stored = json.loads((folder / "mars_config.json").read_text())["draft_acceptance"]
+    assert stored["checkpoint"] == fitted(folder).checkpoint and stored["block_size"] == 4
+    with pytest.raises(ValueError, match="belong to different checkpoints"):
+        cal.store_calibration(folder, fitted(folder), dataclasses.replace(table(folder), checkpoint="sha256:other"))
+
+
+BAD_TABLES = {
+    "strings": lambda t: [["0.5", "0.6", "0.7", "0.75"], *t[1:]],
+    "nulls": lambda t: [t[0], [None, None, None, None], t[2]],
+    "nan": lambda t: [[math.nan, 0.6, 0.7, 0.75], *t[1:]],
+    "inf": lambda t: [[0.5, math.inf, 0.7, 0.75], *t[1:]],
+    "negative": lambda t: [t[0], [-0.1, 0.5, 0.55, 0.6], t[2]],
+    "over one": lambda t: [t[0], t[1], [0.3, 0.4, 1.2, 0.5]],
+    "bool": lambda t: [[True, 0.6, 0.7, 0.75], *t[1:]],
+    "flat list": lambda t: t[0][:3],
+    "dict rows": lambda t: [{"top-1": 0.5}, {"top-1": 0.4}, {"top-1": 0.3}],
+    "a string": lambda t: "0.5,0.6",
+    "ragged rows": lambda t: [t[0], t[1][:2], t[2]],
+    "an empty row": lambda t: [t[0], [], t[2]],
+    "a table for block 8": lambda t: t * 2 + [t[0]],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TABLES))
+def test_a_malformed_draft_acceptance_table_is_refused_at_load_naming_file_and_field(tmp_path, kind):
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    cal.store_calibration(folder, fitted(folder), table(folder))
+    path = edit_stored(folder, "draft_acceptance", lambda d: {**d, "conditional": BAD_TABLES[kind](d["conditional"])})
+    with pytest.raises(ValueError, match=rf"{path}: draft_acceptance\.conditional must be a list of 3 rows"):
+        cal.load_draft_acceptance(folder, 4)
+    if kind != "a table for block 8":  # (a well-formed table of 7 depths, but not this checkpoint's 3)
+        from mars.decoding.tree_choice import table_from
+
+        with pytest.raises(ValueError, match=r"draft_acceptance\.conditional must be"):  # never the prior instead
+            table_from(json.loads(path.read_text()))
+
+
+def test_a_draft_acceptance_table_of_another_block_size_or_checkpoint_is_refused_naming_both(tmp_path):
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    cal.store_calibration(folder, fitted(folder), table(folder))
+    path = edit_stored(
+        folder, "draft_acceptance", lambda d: {**d, "block_size": 8, "conditional": (d["conditional"] * 3)[:7]}
+    )
+    with pytest.raises(ValueError, match=rf"{path}: draft_acceptance\.block_size: .* block size 8, .* block size 4"):
+        cal.load_draft_acceptance(folder, 4)
+    mine = cal.checkpoint_identity(folder)
+    path = edit_stored(folder, "draft_acceptance", lambda d: table(folder).to_dict() | {"checkpoint": "sha256:theirs"})
+    with pytest.raises(
+        ValueError, match=rf"draft_acceptance\.checkpoint: .* sha256:theirs, not to this one \({mine}\)"
+    ):
+        cal.load_draft_acceptance(folder, 4)
+    path = edit_stored(folder, "draft_acceptance", lambda d: {"conditional": d["conditional"], "prompts": 6})
+    with pytest.raises(
+        ValueError, match=rf"{path}: draft_acceptance lacks the field\(s\) \['block_size', 'checkpoint'\]"
+    ):
+        cal.load_draft_acceptance(folder, 4)
+
+
+def test_the_loader_and_the_pre_load_check_refuse_a_bad_table_and_attach_a_good_one(tmp_path):
+    from mars.models import attach_calibration
+
+    folder = checkpoint_folder(tmp_path / "ckpt")
+    cal.store_calibration(folder, fitted(folder), table(folder))
+    model = torch.nn.Linear(2, 2)
+    attach_calibration(model, folder, read_metadata(folder).to_dict())
+    assert model.mars_draft_acceptance == table(folder).to_dict()
+    cal.check_stored_records(folder, read_metadata(folder).to_dict())
+    edit_stored(folder, "draft_acceptance", lambda d: {**d, "conditional": [[0.5, "x"]] * 3})
+    for check in (attach_calibration, cal.check_stored_records):
+        with pytest.raises(ValueError, match="draft_acceptance.conditional must be"):
+            args = (model, folder) if check is attach_calibration else (folder,)
+            check(*args, read_metadata(folder).to_dict())
+
+
+def test_the_shipped_adapters_records_load_with_their_identity():
+    from mars.paths import bundled_path
+
+    folder = bundled_path("bundled:adapters/smollm2-135m-mars-rank8")
+    acceptance = cal.load_draft_acceptance(folder, 4)
+    assert acceptance.checkpoint == cal.load_calibration(folder, 4).checkpoint == cal.checkpoint_identity(folder)
+    assert len(acceptance.conditional) == 3 and {len(row) for row in acceptance.conditional} == {4}

@@ -19,9 +19,9 @@ from mars.decoding import generate
 from mars.decoding.engine import DecodeEngine
 from mars.decoding.forward import ModelRunner
 from mars.decoding.kv import RaggedKVCache
-from mars.decoding.settings import DecodingSettings
-from mars.decoding.tree import TreeLayouts, build_template, columns_of, next_candidates
-from mars.decoding.tree_choice import PRIOR, candidate_shapes, choose_shape, expected_tokens
+from mars.decoding.settings import MAX_TREE_COLUMNS, DecodingSettings, tree_columns
+from mars.decoding.tree import TreeLayouts, build_template, columns_of, layouts_for, next_candidates
+from mars.decoding.tree_choice import PRIOR, candidate_shapes, choose_shape, expected_tokens, smaller_shapes
 
 
 def test_a_template_holds_the_nodes_the_root_group_and_a_group_after_each_node():
@@ -239,3 +239,162 @@ def test_a_column_cap_trims_the_tree_before_anything_else_and_keeps_the_output(m
     decoding = plans[1:]  # after the prefill
     assert all(int((p.uncached + p.predictions - 1).sum()) <= 10 for p in decoding if p.tree_layout is not None)
     assert any(p.tree_layout is None for p in decoding)  # 4 rows with their root groups (3 columns each) do not fit
+
+
+def _plans(monkeypatch) -> list:
+    """Every step plan the engine makes from now on, in order."""
+    made = []
+    plan = DecodeEngine._plan
+    monkeypatch.setattr(DecodeEngine, "_plan", lambda self: made.append(plan(self)) or made[-1])
+    return made
+
+
+def _layout_shapes(plans, tree: TreeLayouts) -> set:
+    """The shapes (cut to the depths drafted) the tree rows of the plans fed."""
+    shape_of = [s for s in tree.shapes for _ in range(len(s) + 1)]
+    return {
+        shape_of[a][: tree.drafted[a]]
+        for p in plans
+        if p.tree_layout is not None
+        for a in p.tree_layout[p.tree_layout >= 0]
+    }
+
+
+def test_a_tree_the_column_cap_cuts_shrinks_to_the_largest_that_fits_and_still_drafts(model, tokenizer, monkeypatch):
+    """tree=4 takes 10 columns with its root; under max_step_columns=8 a lone row's steps draft tree 3 (8 columns)
+    instead of the root's masks alone, step after step, and the output stays greedy AR's."""
+    plans = _plans(monkeypatch)
+    prompts = random_prompts((9,), seed=12)
+    kwargs = dict(verify=True, draft_threshold=0.0, max_new_tokens=16)
+    out = generate(model, tokenizer, prompts, tree="4", max_step_columns=8, **kwargs)
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 16)
+    decoding = plans[1:]  # after the prefill
+    assert all(int((p.uncached + p.predictions - 1).sum()) <= 8 for p in decoding)
+    tree = layouts_for((4,), "all", torch.device("cpu"), smaller_shapes((4,), "all"))
+    assert _layout_shapes(decoding, tree) == {(), (3,)}  # the root's masks on the first step, then tree 3
+    assert out.stats.num_drafts >= len(decoding) - 2 and out.stats.num_draft_tokens == 3 * out.stats.num_drafts
+    assert out.stats.extra["tree"] == "4"
+
+
+def test_under_a_cap_a_batch_of_tree_rows_shrinks_its_tree_down_to_a_chain_and_keeps_drafting(
+    model, tokenizer, monkeypatch
+):
+    plans = _plans(monkeypatch)
+    prompts = random_prompts((5, 9, 7), seed=13)
+    out = generate(
+        model, tokenizer, prompts, verify=True, tree="2,1", draft_threshold=0.0, max_step_columns=8, max_new_tokens=16
+    )
+    assert out.token_ids == hf_greedy(model, tokenizer, prompts, 16)
+    decoding = [p for p in plans[1:] if len(p.uncached) == 3]  # while all three rows decode
+    assert all(int((p.uncached + p.predictions - 1).sum()) <= 8 for p in decoding if p.tree_layout is not None)
+    chains = [p for p in decoding if p.tree_layout is None]  # no tree fits: their first-ranked candidates, a chain
+    assert chains and all(p.drafts.sum() > 0 for p in chains)
+    assert all(n > 0 for n in out.stats.extra["per_row_num_drafts"])
+
+
+def test_smaller_shapes_lie_inside_the_tree_and_each_takes_fewer_columns():
+    for shape in [(2, 1), (4,), (3, 2, 1), (1, 1)]:
+        smaller = smaller_shapes(shape, "all", PRIOR)
+        assert smaller[-1] == (1,) if shape != (1,) else smaller == ()
+        columns = [columns_of(shape), *(columns_of(s) for s in smaller)]
+        assert columns == sorted(columns, reverse=True) and len(set(columns)) == len(columns)
+        assert all(len(s) <= len(shape) and all(k <= top for k, top in zip(s, shape)) for s in smaller)
+    assert smaller_shapes((4,), "all", PRIOR) == ((3,), (2,), (1,))
+    with pytest.raises(ValueError, match="not inside"):
+        TreeLayouts((2, 1), "all", torch.device("cpu"), ((3,),))
+
+
+def test_the_settings_count_a_trees_columns_as_its_template_does():
+    for shape in [(1,), (2, 1), (3, 2), (4, 4), (2, 2, 2), (1, 1, 1, 1)]:
+        for masks in ("all", "top"):
+            assert tree_columns(shape, masks) == columns_of(shape, masks), (shape, masks)
+
+
+def test_auto_chooses_only_among_shapes_that_fit_the_cap(model, tokenizer, monkeypatch, caplog):
+    """A noisy timing that finds wide steps cheaper than a one-column step still picks a shape whose step fits
+    max_step_columns, read as a cost that never falls with width; the choice is logged with its figures."""
+    from mars.decoding import tree_choice
+
+    noisy = {1: 1.0, 2: 0.7, 4: 0.6, 6: 0.9, 8: 0.5, 12: 0.4, 16: 1.0, 24: 1.1, 32: 1.2, 48: 1.3, 64: 1.4}
+    monkeypatch.setattr(tree_choice, "step_costs", lambda runner, mask_id, widths: dict(noisy))
+    monkeypatch.setattr(tree_choice, "_chosen", type(tree_choice._chosen)())
+    runner = ModelRunner(model)
+    with caplog.at_level("INFO", logger="mars.decoding.tree_choice"):
+        capped = tree_choice.auto_shape(runner, MASK_ID, 3, "all", max_columns=7)
+    assert 1 + columns_of(capped) <= 8
+    assert capped == (3,)  # every width costs the one column's 1.0: the most expected tokens in 7 columns
+    message = caplog.records[-1].getMessage()
+    assert "tree=auto picks 3" in message and "at most 7 columns" in message and "8: 1.00" in message
+    assert "expected tokens" in message and "prior" in message
+    assert tree_choice.auto_shape(runner, MASK_ID, 3, "all", max_columns=2) is None  # no tree fits: chains
+    out = generate(model, tokenizer, random_prompts((5,), seed=2), verify=True, max_step_columns=8, max_new_tokens=4)
+    assert out.stats.extra["tree"] == "3"
+
+
+def test_costs_never_fall_with_width_and_near_ties_go_to_the_fewest_columns():
+    from mars.decoding.tree_choice import NEAR_TIE, non_decreasing
+
+    assert non_decreasing({4: 0.9, 1: 1.0, 2: 1.2, 8: 1.5}) == {1: 1.0, 2: 1.2, 4: 1.2, 8: 1.5}
+    acceptance = [[0.5, 0.5 + NEAR_TIE / 3], [0.5]]  # a second candidate adds less than the noise margin
+    one, scores = choose_shape(lambda width: 1.0, acceptance, 1, "all")
+    assert one == (1,) and scores[(2,)] > scores[(1,)]
+    capped, _ = choose_shape(lambda width: 1.0, PRIOR, 3, "all", max_columns=5)
+    assert capped == (2,)  # (3,) needs 7 columns
+    assert choose_shape(lambda width: 1.0, PRIOR, 3, "all", max_columns=2) == (None, {})
+
+
+def test_sampled_and_plain_requests_on_an_engine_with_a_tree_shape_decode_as_under_auto(model, tokenizer):
+    """A server's tree is the layout of the requests it applies to: the engine's settings take a shape without
+    verify, and a sampled or non-verifying request beside it decodes as it would with tree='chain'."""
+    prompts = random_prompts((7, 11), seed=9)
+
+    def decode(tree):
+        engine = DecodeEngine(
+            ModelRunner(model), DecodingSettings(tree=tree, max_new_tokens=10), MASK_ID, [2], tokenizer
+        )
+        return _decode(
+            engine,
+            [
+                engine.make_request(prompts[0], verify=True, temperature=0.8, seed=3),
+                engine.make_request(prompts[1], temperature=0.8, seed=4),
+            ],
+        )
+
+    assert decode("2,1") == decode("chain")
+    assert not DecodingSettings(verify=True, tree="2", temperature=0.8).tree_applies
+    assert DecodingSettings(verify=True, tree="2").tree_applies and not DecodingSettings(tree="2").tree_applies
+
+
+@pytest.mark.parametrize(
+    "tree", ["1_0", "+2", "\u0663", "2, 1", "", "2,,1", "x2", 1.0, (2, True), (0, 1), "1,1,1,1,1,1,1,1,1"]
+)
+def test_a_tree_spec_is_ascii_digits_joined_by_comma_or_x(tree):
+    with pytest.raises(ValueError, match="tree must be one of"):
+        DecodingSettings(verify=True, tree=tree)
+    with pytest.raises(ValueError, match="tree must be one of"):
+        DecodingSettings.from_mapping({"verify": True, "tree": tree})
+
+
+@pytest.mark.parametrize("tree", ["2,1", "2x1", (2, 1), [2, 1]])
+def test_a_tree_shape_may_be_text_or_a_tuple_and_reads_as_one_spelling(tree):
+    assert DecodingSettings(verify=True, tree=tree).tree == "2,1"
+    assert DecodingSettings.from_mapping({"verify": "true", "tree": tree}).tree == "2,1"
+    assert DecodingSettings(verify=True, tree=3).tree == DecodingSettings.from_mapping({"tree": "3"}).tree == "3"
+
+
+@pytest.mark.parametrize("tree", ["32,32,32", "49152", "100000", "4,4,2"])
+def test_a_tree_too_large_for_a_step_is_refused_naming_the_limit(tree):
+    with pytest.raises(ValueError, match=f"at most {MAX_TREE_COLUMNS}"):
+        DecodingSettings(verify=True, tree=tree)
+    assert DecodingSettings(verify=True, tree="4,4").tree == "4,4"  # 62 columns
+
+
+def test_a_tree_shape_without_verify_or_with_sampling_is_refused_by_generate(model, tokenizer):
+    prompts = random_prompts((5,), seed=2)
+    with pytest.raises(ValueError, match="needs verify=True|set verify=True"):
+        generate(model, tokenizer, prompts, tree="2,1", max_new_tokens=4)
+    with pytest.raises(ValueError, match="greedy"):
+        generate(model, tokenizer, prompts, verify=True, tree="2", temperature=0.8, max_new_tokens=4)
+    with pytest.raises(ValueError, match="set verify=True"):
+        DecodingSettings(tree="2,1").check_every_row()
+    DecodingSettings(verify=True, tree="2,1", threshold=0.9).check_every_row()  # below 1.0: a chain, as documented

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf, open_dict
 import mars.evaluation  # noqa: F401  (registers the run-name resolver)
 from mars.evaluation import run as run_eval
 from mars.evaluation.config import CheckpointError, ThresholdError, prepare
-from mars.evaluation.store import ResultsDir, ResultsMismatchError, write_json, write_jsonl
+from mars.evaluation.store import VERIFY, ResultsDir, ResultsMismatchError, write_json, write_jsonl
 from mars.evaluation.tasks import UnknownTaskError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +88,7 @@ def make_cfg(compose_cfg, tmp_path):
                 "model=tiny-random",
                 "decoding.max_new_tokens=12",
                 "decoding.batch_size=3",
+                "verify.enabled=false",  # the verify point has its own tests (test_verify_point.py)
                 f"output_dir={out or tmp_path / 'results'}",
                 *(overrides or []),
             ],
@@ -236,7 +237,9 @@ def test_a_rerun_with_another_limit_gets_its_own_folder_instead_of_a_refusal(
     monkeypatch.chdir(tmp_path)  # the default output_dir (outputs/eval/<run_name>) lands here
 
     def cfg(limit: int):
-        composed = compose_cfg("evaluate", ["model=tiny-random", "decoding.max_new_tokens=12", f"limit={limit}"])
+        composed = compose_cfg(
+            "evaluate", ["model=tiny-random", "decoding.max_new_tokens=12", f"limit={limit}", "verify.enabled=false"]
+        )
         with open_dict(composed):
             composed.benchmarks = OmegaConf.create(suite(fixture_task, "fx_qa"))
         return composed
@@ -613,9 +616,10 @@ def test_evaluate_py_end_to_end_on_embedded_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     points = json.loads((out / "points.json").read_text())
     assert {p["threshold"] for p in points} == {1.0, 0.9}
-    assert all(p["agreement"] == 1.0 for p in points if p["threshold"] == 1.0)
+    assert all(p["agreement"] == 1.0 for p in points if p["threshold"] == 1.0)  # the verify point's too
+    assert all(p["outputs_identical"] for p in points if p["mode"] == "verify")
     table = (out / "table.md").read_text().splitlines()
-    assert sum(line.startswith("|  | tok/fwd |") for line in table) == 2  # one row per threshold
+    assert sum(line.startswith("|  | tok/fwd |") for line in table) == 3  # one row per threshold, one for verify
     assert list(out.glob("pareto_*.png"))
 
 
@@ -1237,7 +1241,7 @@ def test_data_parallel_lm_eval_splits_documents_by_rank(tiny_ckpt, fixture_task,
 
 def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_task, tmp_path):
     """torchrun evaluate.py on 2 CPU processes: rank 0 writes the samples of both ranks, equal to a
-    single-process run."""
+    single-process run, and the verify point's (on by default), equal to the threshold 1.0 outputs."""
     torchrun = Path(sys.executable).parent / "torchrun"
     conf = write_suite_conf(tmp_path / "conf", fixture_task, "fx_qa")
     settings = ["thresholds=[1.0,0.5]", "decoding.max_new_tokens=12", "decoding.batch_size=3", "dtype=float32"]
@@ -1270,3 +1274,16 @@ def test_data_parallel_evaluate_py_writes_one_folder(make_cfg, loads, fixture_ta
             (r["doc_id"], r["output"], r["output_ids"]) for r in b
         ]
         assert ResultsDir(out).read_summary(thr, "fx_qa")["decoder"]["requests"] == len(QUESTIONS)
+    verify, ar = ResultsDir(out).read_samples(VERIFY, "fx_qa"), ResultsDir(out).read_samples(1.0, "fx_qa")
+    assert [(r["doc_id"], r["output_ids"]) for r in verify] == [(r["doc_id"], r["output_ids"]) for r in ar]
+
+
+def test_a_decoding_setting_listed_at_its_default_keeps_a_folders_identity(tmp_path):
+    """A folder written before the decoding config listed a setting resumes when it is listed at its default."""
+    store = ResultsDir(tmp_path)
+    saved = {"model": {"name_or_path": "m"}, "decoding": {"name": "mars", "block_size": 4}}
+    store.write_config({}, saved)
+    store.write_point(1.0, "t", [{"doc_id": 0}], {"accuracy": 0.5})
+    store.check_compatible({**saved, "decoding": {"name": "mars", "block_size": 4, "tree": "auto", "seed": None}})
+    with pytest.raises(ResultsMismatchError, match=r"decoding\.tree.*saved 'auto' vs now 'chain'"):
+        store.check_compatible({**saved, "decoding": {"name": "mars", "block_size": 4, "tree": "chain"}})

@@ -272,6 +272,7 @@ def test_quality_suite_end_to_end_on_tiny_model(compose_cfg, tmp_path):
             "limit=2",
             "thresholds=[1.0,0.3]",
             "decoding.max_new_tokens=12",
+            "verify.enabled=false",  # the verify point has its own tests (test_verify_point.py)
             f"output_dir={out}",
         ],
     )

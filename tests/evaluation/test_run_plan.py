@@ -79,6 +79,7 @@ def test_evaluate_states_its_plan_in_one_line_before_the_model_loads(compose_cfg
     assert "base model tiny-random (no MARS training)" in line and "B=4" in line and "decoding mars" in line
     assert "benchmarks fixture (fx_plan): 3 samples per threshold (limit=3)" in line
     assert "thresholds 1.0, 0.7 (2 to run)" in line and str(tmp_path / "o") in line
+    assert "verify point (mars_verified, lossless) on 3 samples" in line  # limit=3 under its default 16
     # the first batch's timing gives the estimate: per threshold, and for the two thresholds of the sweep
     eta = [e for e in events if "per threshold for 3 requests" in e]
     assert eta and "over the first 2" in eta[0] and "2 thresholds to run: about" in eta[0]

@@ -130,9 +130,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_startup_naming_both
     small = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(kept, unk_token=unk)), unk_token=unk)
     build_tiny_random(vocab_size=64).save_pretrained(tmp_path)
     small.save_pretrained(tmp_path)
-    sc = ServeConfig.from_cfg(
-        compose_serve(BASE + ["+decoding.draft_source=model", f"+decoding.draft_model={tmp_path}"])
-    )
+    sc = ServeConfig.from_cfg(compose_serve(BASE + ["decoding.draft_source=model", f"decoding.draft_model={tmp_path}"]))
     with pytest.raises(ValueError, match="does not share the target's tokenizer") as refused:
         build_state(sc, loaded)
     message = str(refused.value)

@@ -1,9 +1,13 @@
 """Benchmarks: every tool that measures speed or cost, behind one command (``mars-bench <tool>``, the same as
 ``python -m mars.bench <tool>``).
 
-Each tool is one module with a ``main(argv)``; :mod:`~mars.bench.cli_options` gives them one command-line style
-(shared flags, the decoding flags derived from :class:`~mars.decoding.settings.DecodingSettings`).  The
-product packages (training, decoding, evaluation, serving) never import from here.
+Each tool is a command module with a ``main(argv)``; :mod:`~mars.bench.cli_options` gives them one command-line
+style (shared flags, prompt files read by :mod:`mars.prompt_files`, the decoding flags derived from
+:class:`~mars.decoding.settings.DecodingSettings`).  The throughput figures are a library the commands share, with
+typed arguments and no command line below them: :mod:`~mars.bench.decoders` (the timed decoders by name),
+:mod:`~mars.bench.loading` (the model, threads and fast path, the run's record), :mod:`~mars.bench.timing` (the
+interleaved timing loop) and :mod:`~mars.bench.tables` (the figures and tables).  The product packages (training,
+decoding, evaluation, serving) never import from here.
 """
 
 # tool name -> module under mars.bench (the name ``mars-bench`` takes, as listed by ``mars-bench --help``)

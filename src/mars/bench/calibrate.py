@@ -9,14 +9,16 @@ of each depth is measured on the second, before and after.  Each prompt is answe
 model's own greedy text) and its masks scored against it by teacher forcing, exactly as ``mars-bench
 reliability`` does (:func:`mars.bench.reliability.teacher_forced_masks`): the masks of every step the greedy
 text could take, and whether each one's argmax is the greedy token.  The fit, the ECE and the stored fields are
-defined in :mod:`mars.decoding.calibration`; decoders load the result with the checkpoint
-(``model.mars_calibration``).  ``--dry-run`` prints the table and writes nothing.
+defined in :mod:`mars.decoding.calibration`; the same steps give the draft acceptance table ``tree=auto`` reads
+(:func:`mars.decoding.tree_choice.acceptance_table`).  Both go into the checkpoint's ``mars_config.json`` in one
+atomic write, and a folder where that write cannot happen is refused before the model loads; decoders load them
+with the checkpoint (``model.mars_calibration``, ``model.mars_draft_acceptance``).  ``--dry-run`` prints the
+tables and writes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -27,22 +29,15 @@ from mars.paths import data_dir
 
 
 def split_by_id(path: str | Path, limit: int | None) -> tuple[list[str], list[str]]:
-    """The prompts of a JSONL file (``id`` and ``prompt`` fields) ordered by the sha256 of their id, the first
-    ``limit`` of them (all: None), as two halves: (fit, held out)."""
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    bad = [
-        i + 1
-        for i, r in enumerate(rows)
-        if not isinstance(r.get("id"), (str, int)) or not isinstance(r.get("prompt"), str)
-    ]
-    if bad:
-        raise SystemExit(f"--prompts {path}: row(s) {bad[:5]} lack an 'id' or a 'prompt' string")
-    rows.sort(key=lambda r: hashlib.sha256(str(r["id"]).encode()).hexdigest())
+    """The prompts of a prompt file (:mod:`mars.prompt_files`; an ``id`` in every row) ordered by the sha256 of their
+    id, the first ``limit`` of them (all: None), as two halves: (fit, held out)."""
+    rows = cli_options.prompt_rows(path, "--prompts", require={"id": "the halves are drawn by a hash of it"})
+    rows.sort(key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())
     rows = rows[:limit] if limit else rows
     half = len(rows) // 2
     if half < 1:
         raise SystemExit(f"--prompts {path}: {len(rows)} prompt(s); a fit half and a held-out half need 2 at least")
-    return [r["prompt"] for r in rows[:half]], [r["prompt"] for r in rows[half:]]
+    return [r.prompt for r in rows[:half]], [r.prompt for r in rows[half:]]
 
 
 def depth_scores(module, texts: list[list[int]], prompt_lengths: list[int], batch_size: int):
@@ -100,14 +95,6 @@ def acceptance_lines(table: list[list[float]]) -> str:
     return "\n".join(lines)
 
 
-def store_draft_acceptance(folder: str, table: list[list[float]], fit_prompts: int) -> None:
-    from mars.metadata import read_metadata, write_metadata
-
-    meta = read_metadata(folder)
-    meta.draft_acceptance = {"conditional": table, "prompts": fit_prompts, "measured": "teacher forcing"}
-    write_metadata(folder, meta)
-
-
 def build_parser():
     p = cli_options.parser("mars-bench calibrate", __doc__)
     p.add_argument(
@@ -124,9 +111,11 @@ def build_parser():
     return p
 
 
-def check_checkpoint(folder: str) -> int:
+def check_checkpoint(folder: str, write: bool = True) -> int:
     """The checkpoint's training block size, refusing before any model loads a folder that is no MARS
-    checkpoint or whose block has no mask to calibrate."""
+    checkpoint, whose block has no mask to calibrate, or (``write``) whose ``mars_config.json`` cannot be
+    replaced: the results would be lost after the whole run."""
+    from mars.calibration_store import check_can_store
     from mars.metadata import MetadataError, read_metadata
 
     if not Path(folder).is_dir():
@@ -139,6 +128,11 @@ def check_checkpoint(folder: str) -> int:
         raise SystemExit(f"--checkpoint {folder}: no mars_config.json, so not a MARS checkpoint (export one first)")
     if meta.block_size < 2:
         raise SystemExit(f"--checkpoint {folder}: block size {meta.block_size} has no mask to calibrate")
+    if write:
+        try:
+            check_can_store(folder)
+        except OSError as err:
+            raise SystemExit(f"--checkpoint {folder}: {err} (or pass --dry-run to write nothing)") from None
     return meta.block_size
 
 
@@ -146,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.limit < 0 or args.max_new_tokens < 1 or args.batch_size < 1:
         raise SystemExit("--limit must be >= 0, --max-new-tokens and --batch-size >= 1")
-    block = check_checkpoint(args.checkpoint)
+    block = check_checkpoint(args.checkpoint, write=not args.dry_run)
     fit_prompts, held_prompts = split_by_id(args.prompts, args.limit or None)
     if args.threads:
         torch.set_num_threads(args.threads)
     from mars.bench.reliability import greedy_mask_module
-    from mars.decoding.calibration import checkpoint_identity, fit_calibration, store_calibration
+    from mars.decoding.calibration import DraftAcceptance, checkpoint_identity, fit_calibration, store_calibration
     from mars.decoding.tree_choice import acceptance_table
     from mars.models import load_model
 
@@ -163,17 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     n = len(fit_prompts)
     fit, fit_ranks = depth_scores(module, texts[:n], lengths[:n], args.batch_size)
     held, held_ranks = depth_scores(module, texts[n:], lengths[n:], args.batch_size)
-    acceptance = acceptance_table(np.concatenate([fit_ranks, held_ranks]))
+    acceptance = DraftAcceptance(
+        conditional=acceptance_table(np.concatenate([fit_ranks, held_ranks])),
+        block_size=block,
+        checkpoint=identity,
+        prompts=len(prompts),
+    )
     calibration = fit_calibration(
         fit, held, block_size=block, checkpoint=identity, fit_prompts=n, eval_prompts=len(held_prompts)
     )
     print(table(calibration, [len(s.correct) for s in fit], [len(s.correct) for s in held]))
-    print(acceptance_lines(acceptance))
+    print(acceptance_lines(acceptance.table()))
     if args.dry_run:
         print("dry run: nothing written")
-    else:
-        print(f"calibration written to {store_calibration(args.checkpoint, calibration)}")
-        store_draft_acceptance(args.checkpoint, acceptance, fit_prompts=len(prompts))
+    else:  # one atomic write of both: a kill leaves the old pair or the new one
+        print(
+            f"calibration and draft acceptance written to {store_calibration(args.checkpoint, calibration, acceptance)}"
+        )
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Every benchmark builds its parser here: the same formatter and description, the same shared flags
 (``--model``, ``--checkpoint``, ``--dtype``, ``--device``, ``--threads``, ``--repeats``, ``--warmup``,
-``--out``), comma-separated lists parsed and checked the same way, and the decoding flags derived from
+``--out``), comma-separated lists parsed and checked the same way, prompt files read by one reader
+(:mod:`mars.prompt_files`, its refusals naming the flag), and the decoding flags derived from
 :class:`~mars.decoding.settings.DecodingSettings`' fields: each field ``foo_bar`` is ``--foo-bar``,
 with the help text, default and allowed values declared once in the dataclass.  A field added there is
 a flag of every benchmark that takes decoding options, without further code.
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from mars.decoding.settings import DecodingSettings
 from mars.hardware import DTYPES
+from mars.prompt_files import PROMPT_FIELDS, PromptFileError, PromptRow, read_prompt_file
 
 DEFAULT_MODEL = "embedded:smollm2-135m"
 
@@ -94,6 +97,23 @@ def positive_ints(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise SystemExit(f"{flag} takes comma-separated positive integers, got {text!r}")
     return values
+
+
+def prompt_rows(
+    path: str | os.PathLike,
+    flag: str,
+    fields: Sequence[str] = PROMPT_FIELDS,
+    require: Mapping[str, str] | None = None,
+) -> list[PromptRow]:
+    """The rows of the prompt file a flag names (:func:`mars.prompt_files.read_prompt_file`): a bad line, or a file
+    without a prompt, refused naming the flag, the file and the line."""
+    try:
+        rows = read_prompt_file(path, fields, require)
+    except PromptFileError as err:
+        raise SystemExit(f"{flag} {err}") from None
+    if not rows:
+        raise SystemExit(f"{flag} {path}: no prompts (one JSON object per line)")
+    return rows
 
 
 # ------------------------------------------------------------------------------------- decoding flags

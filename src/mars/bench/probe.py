@@ -56,7 +56,11 @@ def build_parser():
     p = cli_options.parser("mars-bench probe", __doc__)
     p.add_argument("--checkpoint", required=True, help="an exported HF folder or a Lightning .ckpt")
     p.add_argument("--base", help="base model of a .ckpt (default: from the run's config.yaml)")
-    p.add_argument("--prompts", default=str(data_dir() / "prompts" / "heldout.jsonl"), help="JSONL, 'prompt' field")
+    p.add_argument(
+        "--prompts",
+        default=str(data_dir() / "prompts" / "heldout.jsonl"),
+        help="JSONL, a 'prompt' string or 'messages' per row",
+    )
     p.add_argument("--n", type=int, default=48, help="the first n prompts")
     p.add_argument("--thresholds", default="1.0,0.9,0.8", help="comma-separated (1.0, the reference, is added)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -129,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_prompts(path: str, n: int) -> list[str]:
-    """The ``prompt`` field of the first ``n`` rows of a JSONL file."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:n]
-    return [r["prompt"] for r in rows]
+    """The prompts of the first ``n`` rows of the prompt file ``--prompts`` names (:mod:`mars.prompt_files`)."""
+    return [row.prompt for row in cli_options.prompt_rows(path, "--prompts")[:n]]
 
 
 def chat_prompt_ids(tok, prompts: list[str]) -> list[list[int]]:

@@ -5,29 +5,33 @@ per prompt category, at batch 1, greedy.
     mars-bench spec --checkpoint <dir> --prompts-file my_prompts.jsonl --limit-per-category 16 --tree 2,1
 
 The checkpoint defaults to the model's shipped MARS checkpoint, as in evaluate.py and serve.py
-(``--checkpoint none``: the model as it is, with a warning: its masks had no MARS training).  Each prompt (a JSONL row with a ``prompt`` and a ``category``; by default the held-out set,
+(``--checkpoint none``: the model as it is, with a warning: its masks had no MARS training).  Each prompt (a JSONL
+row with a ``prompt`` and a ``category``, read by :mod:`mars.prompt_files`; by default the held-out set,
 ``data/prompts/heldout.jsonl``, the first ``--limit-per-category`` of each category) is decoded by the best AR
 decoder (``ar-cursor`` of ``mars-bench throughput``: the engine at threshold 1.0 through the decode fast path,
 exactly greedy AR) and by verify (``verify=True``; ``--tree``, ``--tree-masks`` and the other verify flags pass
 through), back to back in an order that rotates from prompt to prompt, ``--repeats`` times.  The decoding and the
-timing are :mod:`mars.bench.throughput`'s.  Per category and overall it reports vLLM's mean acceptance length
-(Spec-Bench's mean accepted tokens; docs/decoding.md, "Acceptance figures"), the draft acceptance rate, tokens per
-forward, both decoders' tokens/s (median over repeats), the wall-clock speed-up over AR measured in the same run
-(median of the per-repeat ratios, [min-max]) and how many prompts verify decoded exactly as AR in every repeat.
+timing are :mod:`mars.bench.timing`'s, the figures :mod:`mars.bench.tables`'.  Per category and overall it
+reports vLLM's mean acceptance length (Spec-Bench's mean accepted tokens; docs/decoding.md, "Acceptance
+figures"), the draft acceptance rate, tokens per forward, both decoders' tokens/s (median over repeats), the
+wall-clock speed-up over AR measured in the same run (median of the per-repeat ratios, [min-max]) and how many
+prompts verify decoded exactly as AR in every repeat.
 Writes ``spec.csv``, ``spec.md`` and ``config.json`` (the resolved settings and the machine) under ``--out``.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from mars.bench import cli_options, throughput
+from mars.bench import cli_options
 from mars.bench.cli_options import check_settings, decoding_values
-from mars.bench.throughput import AR_CURSOR, VERIFIED, Variant
+from mars.bench.decoders import AR_CURSOR, VERIFIED, Variant
+from mars.bench.loading import apply_runtime, load, run_config
+from mars.bench.tables import decoder_row, write_csv
+from mars.bench.timing import DecodeSetup, combine, interleave, warm_up
 from mars.decoding.settings import DecodingSettings, decoding_block_size
 from mars.paths import bundled_path, conf_dir, data_dir
 
@@ -72,15 +76,15 @@ def build_parser():
     p.add_argument(
         "--prompts-file",
         default=None,
-        help="JSONL, one row per prompt with a 'prompt' (or 'question') and a 'category' string; default: the "
+        help="JSONL, one row per prompt with a 'prompt' (or 'question') string or 'messages', and a 'category' "
+        "string; default: the "
         "held-out set data/prompts/heldout.jsonl",
     )
     p.add_argument("--limit-per-category", type=int, default=8, help="the first N prompts of each category")
     p.add_argument("--no-chat-template", action="store_true")
     cli_options.add_out(p, "outputs/bench/spec")
     names = cli_options.add_decoding(p, include=DECODING_FIELDS, defaults={"max_new_tokens": 64, "block_size": None})
-    # throughput.load and apply_runtime read these; this command has no flags for them
-    p.set_defaults(decoding_fields=names, arch_preset=None, adapter_rank=None, no_fast_path=False)
+    p.set_defaults(decoding_fields=names)
     return p
 
 
@@ -100,7 +104,7 @@ def parse_args(argv: list[str] | None):
     args.checkpoint = resolve_checkpoint(args.model, args.checkpoint)
     args.mars_trained = warn_if_untrained(args.model, args.checkpoint)
     check_prompt_lengths(groups, path, args)
-    throughput.apply_runtime(args)
+    args.dtype = apply_runtime(threads=args.threads, device=args.device, dtype=args.dtype)
     return args, groups
 
 
@@ -201,72 +205,46 @@ def tokenizer_and_context(source: str):
 
 
 def read_categories(path: Path, limit: int) -> dict[str, list[Prompt]]:
-    """Prompts by category, in the file's order, at most ``limit`` per category; a line that is not UTF-8 or
-    not JSON, a row without a ``category`` or a prompt string, an empty prompt and a category named like the
-    overall row are refused naming the line."""
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as err:
-        raise SystemExit(f"--prompts-file {path}: {err.strerror}") from None
+    """Prompts by category, in the file's order, at most ``limit`` per category; a bad line (:mod:`mars.prompt_files`),
+    a row without a ``category`` and a category named like the overall row are refused naming the line."""
+    rows = cli_options.prompt_rows(
+        path,
+        "--prompts-file",
+        fields=("prompt", "question"),
+        require={"category": "the figures are reported per category"},
+    )
     groups: dict[str, list[Prompt]] = {}
-    for number, raw in enumerate(lines, 1):
-        where = f"--prompts-file {path}, line {number}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise SystemExit(f"{where}: not UTF-8 (byte {err.start + 1}); save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SystemExit(f"{where}: not JSON ({err.msg})") from None
-        prompt = row.get("prompt", row.get("question")) if isinstance(row, dict) else None
-        if not isinstance(prompt, str) or not isinstance(row.get("category"), str):
+    for row in rows:
+        if row.category.strip().lower() == OVERALL:
             raise SystemExit(
-                f"{where}: every row needs a 'prompt' (or 'question') string and a "
-                "'category' string (the figures are reported per category)"
+                f"--prompts-file {path}, line {row.line}: category {row.category!r} is the name of the row over every "
+                "prompt; rename it"
             )
-        if not prompt.strip():
-            raise SystemExit(f"{where}: the prompt is empty")
-        if row["category"].strip().lower() == OVERALL:
-            raise SystemExit(
-                f"{where}: category {row['category']!r} is the name of the row over every prompt; rename it"
-            )
-        kept = groups.setdefault(row["category"], [])
+        kept = groups.setdefault(row.category, [])
         if len(kept) < limit:
-            kept.append(Prompt(prompt, number))
-    if not groups:
-        raise SystemExit(f"--prompts-file {path}: no rows")
+            kept.append(Prompt(row.prompt, row.line))
     return groups
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch  # (mars.bench.throughput, imported above, has set the OpenMP wait before torch loads)
-
     args, groups = parse_args(argv)
-    model, tokenizer, metadata = throughput.load(args, getattr(torch, args.dtype))
+    model, tokenizer, metadata = load(args.checkpoint or args.model, dtype=args.dtype, device=args.device)
     block_size = decoding_block_size(args.block_size or None, metadata)
     values = {k: v for k, v in decoding_values(args, args.decoding_fields).items() if v is not None}
-    common = dict(
-        settings=DecodingSettings(**{**values, "block_size": block_size}),
-        chat_template=not args.no_chat_template and tokenizer.chat_template is not None,
-    )
+    chat_template = not args.no_chat_template and tokenizer.chat_template is not None
+    setup = DecodeSetup(DecodingSettings(**{**values, "block_size": block_size}), chat_template)
     prompts = [p.text for kept in groups.values() for p in kept]
-    warm = {**common, "settings": common["settings"].replace(max_new_tokens=8)}
-    for _ in range(args.warmup):  # allocator, kernels, tokenizer caches
-        for v in DECODERS:
-            throughput.run_one(model, tokenizer, prompts[:1], warm, v, 1.0)
+    warm_up(model, tokenizer, prompts[:1], setup, DECODERS, 1.0, args.warmup)
     jobs = [(v, 1.0) for v in DECODERS]
     repeats = [
-        throughput.interleave(model, tokenizer, [[p] for p in prompts], common, jobs, rep, f"repeat {rep + 1}")
+        interleave(model, tokenizer, [[p] for p in prompts], setup, jobs, rep, f"repeat {rep + 1}")
         for rep in range(args.repeats)
     ]
     rows = summarise(groups, repeats)
     config = {
-        **throughput.run_config(args, model, [1], [1.0], block_size),
-        "settings": {v.name: common["settings"].replace(**v.kwargs).as_dict() for v in DECODERS},
-        "chat_template": common["chat_template"],
+        **run_config(vars(args), model, device=args.device, batch_sizes=[1], thresholds=[1.0], block_size=block_size),
+        "settings": {v.name: setup.settings.replace(**v.kwargs).as_dict() for v in DECODERS},
+        "chat_template": chat_template,
         "categories": {name: len(kept) for name, kept in groups.items()},
     }
     out = Path(args.out)
@@ -288,12 +266,8 @@ def summarise(groups: dict[str, list[Prompt]], repeats: list[list[list[dict]]]) 
 def category_row(name: str, span: range, repeats: list[list[list[dict]]]) -> dict:
     """Both decoders' totals over the prompts in ``span``, per repeat (``repeats[rep][decoder][prompt]``), as
     throughput's rows, against ``ar-cursor``; identical: prompts whose verify output equals AR's in every repeat."""
-    runs = {
-        v.name: [throughput.combine([parts[j][i] for i in span]) for parts in repeats] for j, v in enumerate(DECODERS)
-    }
-    ar, verify = (
-        throughput.decoder_row(v, runs, AR_CURSOR.name, runs[AR_CURSOR.name][-1]["ids"], 1.0, 1) for v in DECODERS
-    )
+    runs = {v.name: [combine([parts[j][i] for i in span]) for parts in repeats] for j, v in enumerate(DECODERS)}
+    ar, verify = (decoder_row(v, runs, AR_CURSOR.name, runs[AR_CURSOR.name][-1]["ids"], 1.0, 1) for v in DECODERS)
     pairs = list(zip(runs[VERIFY.name], runs[AR_CURSOR.name]))
     identical = sum(all(v["ids"][k] == a["ids"][k] for v, a in pairs) for k in range(len(span)))
     trees = sorted({parts[DECODERS.index(VERIFY)][i]["tree"] for parts in repeats for i in span} - {None})
@@ -320,10 +294,7 @@ def category_row(name: str, span: range, repeats: list[list[list[dict]]]) -> dic
 def write_outputs(rows: list[dict], out: Path, config: dict) -> None:
     """``spec.csv`` (every column), ``spec.md`` (the table) and ``config.json``."""
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-    with (out / "spec.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "spec.csv")
     (out / "spec.md").write_text("\n".join([*preamble(config), *map(table_row, rows)]) + "\n")
 
 

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from mars.bench import cli_options  # noqa: E402
 from mars.bench.throughput import VERIFIED  # noqa: E402
 from mars.hardware import configure_threads  # noqa: E402
+from mars.paths import data_dir  # noqa: E402
 
 DECODERS = {
     "ar-cursor": dict(decoder="mars", cache="cursor", threshold=1.0),
@@ -97,7 +98,7 @@ def draft_transitions(traces: list[list[tuple[int, int]]]) -> dict:
 def build_parser():
     p = cli_options.parser("mars-bench step-breakdown", __doc__)
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts-file", default="data/prompts/heldout.jsonl")
+    p.add_argument("--prompts-file", default=str(data_dir() / "prompts" / "heldout.jsonl"))
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=5)
@@ -179,17 +180,17 @@ def time_decoders(args, decoders: dict, tokenizer, prompts: list[str], rec: Reco
     return runs, steps
 
 
-def trace_drafts(args, model, tokenizer, lines: list[str], rec: Recorder) -> list[list[tuple[int, int]]]:
+def trace_drafts(args, model, tokenizer, prompts: list[str], rec: Recorder) -> list[list[tuple[int, int]]]:
     """Each of the first ``--trace-prompts`` prompts decoded by ``verify``: its steps' (drafts fed, passed)."""
     from mars.decoding import generate
 
     traces = []
-    for line in lines[: args.trace_prompts]:
+    for prompt in prompts[: args.trace_prompts]:
         rec.drafts.clear()
         generate(
             model,
             tokenizer,
-            [json.loads(line)["prompt"]],
+            [prompt],
             max_new_tokens=args.trace_tokens,
             chat_template=True,
             **DECODERS["verify"],
@@ -257,14 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - set(DECODERS))
     if unknown:
         p.error(f"--decoders: unknown {unknown}; known: {list(DECODERS)}")
+    every = [
+        row.prompt for row in cli_options.prompt_rows(args.prompts_file, "--prompts-file")
+    ]  # before the model loads
     threads = configure_threads(args.threads)
     decoders, tokenizer = load_decoders(args, chosen)
     model = decoders["ar-cursor"][0]
-    lines = Path(args.prompts_file).read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines[: args.prompts]]
+    prompts = every[: args.prompts]
     with torch.inference_mode(), Recorder() as rec:
         runs, steps = time_decoders(args, decoders, tokenizer, prompts, rec)
-        traces = trace_drafts(args, model, tokenizer, lines, rec)
+        traces = trace_drafts(args, model, tokenizer, every, rec)
     summary = summarise(runs, len(prompts))
     transitions = draft_transitions(traces)
     table = breakdown_table(args, threads, len(prompts), summary, steps, transitions)

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 import torch
 
 from mars.bench import cli_options
-from mars.bench.throughput import ARCH_PRESETS  # real Qwen2.5 shapes (random weights, no download)
+from mars.bench.loading import ARCH_PRESETS  # real Qwen2.5 shapes (random weights, no download)
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 

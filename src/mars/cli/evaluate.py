@@ -18,8 +18,14 @@ from mars.paths import conf_dir  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    from mars.cli.preflight import check_sources, check_tree_spelling, refuse
     from mars.evaluation import run
 
+    try:
+        check_tree_spelling()
+        check_sources(cfg)  # a model that cannot be fetched is refused before the results folder is made
+    except (ConnectionError, FileNotFoundError, ValueError) as err:
+        refuse(err)
     outcome = run(cfg)
     print(outcome.table)
     print(f"results: {outcome.output_dir}")

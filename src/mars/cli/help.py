@@ -1,11 +1,12 @@
-"""``--help`` of evaluate.py and serve.py: the config groups the entry point composes (not every folder of
-``conf/``: no ``trainer`` or ``objective`` for an evaluation) and each top-level key with its value and its
-help text from the entry point's pydantic schema (:class:`~mars.evaluation.config.EvaluateConfig`,
+"""``--help`` of train.py, evaluate.py and serve.py: the config groups the entry point composes (not every folder
+of ``conf/``: no ``trainer`` or ``objective`` for an evaluation, no ``benchmarks`` or ``decoding`` for training) and
+each top-level key with its value and its help text from the entry point's pydantic schema
+(:class:`~mars.training.config.TrainConfig`, :class:`~mars.evaluation.config.EvaluateConfig`,
 :class:`~mars.serving.config.ServeConfig`).
 
 Hydra prints ``hydra.help.template``; ``conf/hydra/help/<entry>.yaml`` sets it to ``${mars_help:<entry>}``, the
 resolver registered here, which writes the text from the composed config (``_root_``) when ``--help`` asks for
-it.  ``train.py --help`` keeps Hydra's own page.
+it.  Hydra's own flags stay on ``--hydra-help``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import json
 from omegaconf import DictConfig, OmegaConf
 
 SCHEMAS = {
+    "train": ("mars.training.config", "TrainConfig"),
     "evaluate": ("mars.evaluation.config", "EvaluateConfig"),
     "serve": ("mars.serving.config", "ServeConfig"),
 }
 TITLES = {
+    "train": "python train.py (mars-train): MARS continued training, or plain AR SFT with objective=ar",
     "evaluate": "python evaluate.py (mars-eval): benchmark a (MARS) model at one threshold or a threshold sweep",
     "serve": "python serve.py (mars-serve): the OpenAI-compatible MARS server",
 }
-DOCS = {"evaluate": "docs/evaluation.md", "serve": "docs/serving.md"}
+DOCS = {"train": "docs/training.md", "evaluate": "docs/evaluation.md", "serve": "docs/serving.md"}
+NESTED = {"train": "optim.lr=1e-5", "evaluate": "decoding.block_size=8", "serve": "decoding.block_size=8"}
 WIDTH = 110
 
 
@@ -92,7 +96,7 @@ def help_text(entry: str, root: DictConfig) -> str:
     lines += ["== Config groups (group=option; * the current one) ==", ""]
     for group in groups:
         options = ", ".join(o + ("*" if o == choices[group] else "") for o in _group_options(group))
-        lines += _wrap(f"{group}: {options}", "")
+        lines += _wrap(f"{group}: {options}" + ("" if choices[group] else " (none chosen)"), "")
         about = key_help(schema.model_fields[group]) if group in schema.model_fields else ""
         lines += _wrap(about, "    ") if about else []
     lines += ["", "== Keys (key=value) ==", ""]
@@ -100,10 +104,11 @@ def help_text(entry: str, root: DictConfig) -> str:
         if key in groups or key == "hydra" or key not in schema.model_fields:
             continue
         lines.append(f"{key} = {_value(root, key)}")
-        lines += _wrap(key_help(schema.model_fields[key]), "    ")
+        about = key_help(schema.model_fields[key])
+        lines += _wrap(about, "    ") if about else []
     lines.append("")
     lines += _wrap(
-        "Nested keys (e.g. decoding.block_size=8) are listed with their values by --cfg job; Hydra's own flags "
+        f"Nested keys (e.g. {NESTED[entry]}) are listed with their values by --cfg job; Hydra's own flags "
         "(-m, --config-dir, --cfg, ...) by --hydra-help.",
         "",
     )

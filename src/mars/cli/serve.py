@@ -16,9 +16,17 @@ from mars.paths import conf_dir  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="serve")
 def main(cfg: DictConfig) -> None:
+    from mars.cli.preflight import check_sources, check_tree_spelling, refuse
+    from mars.serving.config import ServeConfig
     from mars.serving.server import run
 
-    run(cfg)
+    try:  # a model that cannot be fetched, a bad setting or stored record: one message, before the model loads
+        check_tree_spelling()
+        check_sources(cfg)
+        settings = ServeConfig.from_cfg(cfg)
+    except (ConnectionError, FileNotFoundError, ValueError) as err:
+        refuse(err)
+    run(settings)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+import mars.cli.help  # noqa: F401  (registers the resolver of --help: conf/hydra/help/train.yaml)
 import mars.training  # noqa: F401  (registers the run-name resolver used by train.yaml)
+from mars.cli.preflight import in_multirun
 from mars.logs import quiet_library_notices
 from mars.paths import conf_dir
 
@@ -20,12 +22,19 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
 def main(cfg: DictConfig) -> None:
+    from mars.cli.preflight import refuse
+    from mars.models import HubUnreachableError
+    from mars.training.refusals import RunRefused
     from mars.training.run import run
 
     try:
         run(cfg)
     except Exception as err:
         report_failed_job(err)
+        if isinstance(err, (RunRefused, HubUnreachableError)) and not in_multirun():
+            # refused before anything loaded: the message says what to run instead, a traceback adds nothing, and
+            # the run folder Hydra made for it holds nothing of a run
+            refuse(err)
         raise
 
 
@@ -33,9 +42,8 @@ def report_failed_job(err: Exception) -> None:
     """In a multirun, say at once that a job failed or was refused, and why: Hydra runs the other jobs first
     and raises the first failure only when the whole sweep is done."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    if not in_multirun():
         return  # a single run: Hydra reports it now
     job = HydraConfig.get().job
     overrides = " ".join(HydraConfig.get().overrides.task)

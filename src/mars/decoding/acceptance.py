@@ -118,12 +118,15 @@ def top_probability(logits: torch.Tensor, top_logits: torch.Tensor) -> torch.Ten
 def gumbel_noise(logp: torch.Tensor, generator, columns: Sequence[int] | None = None) -> torch.Tensor:
     """Gumbel noise shaped like ``logp`` ``[rows, positions, vocab]``.  With one generator per row each
     row draws from its own, and only its first ``columns[r]`` positions (zeros after), so what a row
-    draws never depends on the width of the batch it is in."""
+    draws never depends on the width of the batch it is in; a row whose generator is None (a greedy row)
+    draws nothing."""
     if generator is None or isinstance(generator, torch.Generator):
         uniform = torch.rand(logp.shape, device=logp.device, generator=generator, dtype=logp.dtype)
     else:
         uniform = torch.ones_like(logp)
         for r, g in enumerate(generator):
+            if g is None:
+                continue
             width = logp.shape[1] if columns is None else int(columns[r])
             uniform[r, :width] = torch.rand((width, *logp.shape[2:]), device=logp.device, generator=g, dtype=logp.dtype)
     return -torch.log((-torch.log(uniform.clamp_min(1e-20))).clamp_min(1e-20))

@@ -154,8 +154,7 @@ def _one_settings(settings: DecodingSettings | None, decoding: dict[str, Any], p
 def _prepare(model, tokenizer, prompts, s: DecodingSettings, thresholds, mask_token_id, chat_template, stop):
     """Everything checked before any model work: prompt ids, one threshold per row, the mask token,
     room in the context, EOS ids and stop strings."""
-    if s.draft_source != "masks" and not s.verify:  # (a server verifies per request: the settings allow it)
-        raise ValueError(f"draft_source={s.draft_source!r} proposes drafts to verify: it needs verify=True")
+    s.check_every_row()  # (a server verifies per request: its engine's settings allow what these refuse)
     ids = encode_prompts(tokenizer, prompts, chat_template)
     rows = _row_settings(s, thresholds, len(ids))
     mask_token_id = _mask_token(model, tokenizer, s, mask_token_id)
@@ -272,6 +271,7 @@ def draft_statistics(rows) -> dict[str, Any]:
         "draft_acceptance": sum(accepted) / sum(proposed) if sum(proposed) else None,
         **acceptance_figures(proposed, accepted, sum(f.draft_steps for f in rows)),
         "per_row_num_drafts": [f.draft_steps for f in rows],
+        "per_row_num_draft_tokens": [sum(f.draft_proposed) for f in rows],
         "per_row_num_accepted_tokens": [sum(f.draft_accepted) for f in rows],
     }
 

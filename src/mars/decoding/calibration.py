@@ -23,8 +23,11 @@ bin's masks whose argmax is right.  0 is perfectly calibrated.
 ``{"temperatures": [T_1, ..., T_{B-1}], "block_size": B, "checkpoint": <identity>, "ece_before": [...],
 "ece_after": [...], "fit_prompts": n, "eval_prompts": n}``, the identity being :func:`checkpoint_identity`
 (a digest of the folder's weight files: a gated adapter's are its adapter weights), so a calibration copied
-beside other weights is refused.  ``mars-bench calibrate`` fits and stores it; :func:`mars.models.load_model`
-attaches it as ``model.mars_calibration`` (None when absent).
+beside other weights is refused, as is a temperature outside the fit's range ``[1/8, 8]``.  Beside it, in the
+same atomic write, ``draft_acceptance`` (:class:`~mars.calibration_store.DraftAcceptance`: ``tree=auto``'s table,
+with the same block size and identity).  ``mars-bench calibrate`` fits and stores both;
+:func:`mars.models.load_model` attaches them as ``model.mars_calibration`` and ``model.mars_draft_acceptance``
+(None when absent).
 """
 
 from __future__ import annotations
@@ -36,11 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-from mars.calibration_store import (  # noqa: F401  (the stored record, re-exported beside its fitting)
+from mars.calibration_store import (  # noqa: F401  (the stored records, re-exported beside their fitting)
     CALIBRATION_KEY,
+    TEMPERATURE_DOUBLINGS,
+    TEMPERATURE_RANGE,
     Calibration,
+    DraftAcceptance,
+    check_can_store,
+    check_stored_records,
     checkpoint_identity,
     load_calibration,
+    load_draft_acceptance,
     store_calibration,
 )
 
@@ -49,7 +58,7 @@ log = logging.getLogger(__name__)
 ECE_BINS = 15
 # grid points per doubling of T: between two of them a mask's log top-probability is close to linear in log T
 GRID_PER_DOUBLING = 8
-GRID_DOUBLINGS = 3  # the grid spans T = 2**-3 .. 2**3
+GRID_DOUBLINGS = TEMPERATURE_DOUBLINGS  # the grid spans T = 2**-3 .. 2**3, the range a stored one must lie in
 FINE_POINTS = 129  # points of the fine search inside the coarse minimum's bracket
 
 
@@ -102,7 +111,8 @@ def fit_temperature(log_top: torch.Tensor, correct: torch.Tensor) -> float:
     k = int(binary_log_loss(log_top, correct).argmin())
     fine = torch.linspace(float(grid[max(k - 1, 0)]), float(grid[min(k + 1, len(grid) - 1)]), FINE_POINTS)
     best = int(binary_log_loss(_interpolate(log_top, fine), correct).argmin())
-    return float(fine[best].double().exp())
+    low, high = TEMPERATURE_RANGE  # float32 rounding of log T must not step past the bounds
+    return min(max(float(fine[best].double().exp()), low), high)
 
 
 def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, bins: int = ECE_BINS) -> float | None:

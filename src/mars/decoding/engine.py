@@ -53,6 +53,7 @@ counts, which also feeds streaming.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,14 +84,16 @@ from .kv import RaggedKVCache
 from .rows import Finished, Request, RowBatch
 from .settings import LEAN_VERIFY_MASKS, DecodingSettings, is_exact_threshold, tree_shape, validate_threshold
 from .stopping import StopStrings
-from .tree import TreeLayouts, layouts_for, next_candidates
-from .tree_choice import auto_shape
+from .tree import TreeLayouts, columns_of, layouts_for, next_candidates
+from .tree_choice import acceptance_of, auto_shape, smaller_shapes
 from .verify import leading_matches, speculative_accept, typical_drafts
 
 # Off switch for choosing greedy tokens in one kernel pass (acceptance.top_tokens): the same tokens either way.
 # MARS_FAST_PATH=0 turns it off too.
 TOP_TOKENS_ENV = "MARS_TOP_TOKENS"
 AUTO_TREE_DEPTH = 3  # tree=auto looks no deeper: a fourth depth's candidates rarely pass
+
+log = logging.getLogger(__name__)
 
 
 def masks_within(masks: np.ndarray, room: int) -> np.ndarray:
@@ -112,6 +115,7 @@ class StepEvent:
     tokens: list[int]
     forward: int  # the engine's forward count at this step (tokens of one forward share it)
     finished: Finished | None = None
+    error: str | None = None  # why the row left with reason "error" (its first step failed)
 
 
 @dataclass
@@ -143,7 +147,7 @@ class StepPlan:
     verifying: np.ndarray  # rows whose drafts this step verifies
     commit: bool  # this step's real tokens enter the KV cache
     device: torch.device
-    tree_layout: np.ndarray | None = None  # rows verifying a tree: the template (drafted depths), else -1
+    tree_layout: np.ndarray | None = None  # rows verifying a tree: the template (TreeLayouts index), else -1
     tree_inputs: torch.Tensor | None = None  # their inputs after the root, once made (DecodeEngine._tree_inputs)
 
     @cached_property
@@ -162,6 +166,12 @@ class StepPlan:
         if self.tree_layout is None:
             return np.zeros(len(self.uncached), dtype=bool)
         return self.tree_layout >= 0
+
+    @property
+    def tree_drafts(self) -> np.ndarray:
+        """Tree rows whose template holds draft nodes (a tree row's ``drafts``: the depths it drafts; without any,
+        its template is a group of masks after the root, the plain causal layout)."""
+        return self.tree_rows & (self.drafts > 0)
 
     def chain_only(self) -> StepPlan:
         """This plan as the chain verification sees it: the tree rows verify nothing there."""
@@ -289,19 +299,34 @@ class DecodeEngine:
 
     def _resolve_tree(self) -> None:
         """The tree of this engine's greedy lossless verifying rows: the shape ``tree`` names, or for ``auto`` the
-        one :func:`mars.decoding.tree_choice.auto_shape` picks for this model and device (None: chains)."""
+        one :func:`mars.decoding.tree_choice.auto_shape` picks for this model and device among those a lone row's
+        step fits in ``max_step_columns`` (None: chains), with the smaller shapes its steps shrink to under the cap
+        (:func:`mars.decoding.tree_choice.smaller_shapes`)."""
         if self.tree_resolved:
             return
         self.tree_resolved = True
         s = self.settings
         shape = tree_shape(s.tree)
+        room = None if s.max_step_columns is None else s.max_step_columns - 1  # a lone row's root takes one
         if shape is None:
             if s.tree == "chain" or not self._tree_applies():
                 return
-            shape = auto_shape(self.runner, self.mask_id, min(self.max_drafts, AUTO_TREE_DEPTH), s.tree_masks)
+            depth = min(self.max_drafts, AUTO_TREE_DEPTH)
+            shape = auto_shape(self.runner, self.mask_id, depth, s.tree_masks, room)
+            if shape is None:
+                return
         elif len(shape) > self.max_drafts:
             raise ValueError(f"tree={s.tree!r} is {len(shape)} deep; this engine drafts at most {self.max_drafts}")
-        self.tree = layouts_for(tuple(shape), s.tree_masks, self.device)
+        elif room is not None and columns_of(shape, s.tree_masks) > room:
+            log.info(
+                "tree=%s takes %d columns per step, over max_step_columns=%d: its steps draft the largest smaller "
+                "tree that fits",
+                s.tree,
+                1 + columns_of(shape, s.tree_masks),
+                s.max_step_columns,
+            )
+        smaller = smaller_shapes(tuple(shape), s.tree_masks, acceptance_of(self.runner.model))
+        self.tree = layouts_for(tuple(shape), s.tree_masks, self.device, tuple(smaller))
 
     def _tree_applies(self) -> bool:
         """Whether ``tree=auto`` drafts trees here: masks as the source, the cursor cache, exact checks."""
@@ -373,6 +398,12 @@ class DecodeEngine:
         if unknown:
             raise ValueError(f"{unknown} cannot be set per request; per-request settings: {list(allowed)}")
         given = {k: v for k, v in options.items() if v is not None}
+        tree = given.get("tree", "chain")
+        if tree not in ("chain", "auto", self.settings.tree) and tree_shape(tree) != tree_shape(self.settings.tree):
+            raise ValueError(
+                f"tree={tree!r}: this engine drafts tree={self.settings.tree!r} for its rows; a request may verify "
+                "along a chain (tree='chain') or with the engine's own"
+            )
         # one validation for the request: the threshold for the metric, what verify allows, the budget...
         return self.settings.replace(**given) if given else self.settings
 
@@ -459,8 +490,25 @@ class DecodeEngine:
         if len(self.rows):
             events += self._step_rows()
         if joining:
-            events += self._prefill(joining)
+            try:
+                events += self._prefill(joining)
+            except Exception:  # the joining rows' own first step: the running rows' step above stands
+                log.exception("the first step of %d joining row(s) failed; retrying each alone", len(joining))
+                events += self._prefill_each(joining)
         self.seconds += time.perf_counter() - t0
+        return events
+
+    def _prefill_each(self, requests: list[Request]) -> list[StepEvent]:
+        """Each joining request's first step on its own: one that fails leaves at once (reason ``error``, the
+        error on its event) and the others join (a failed prefill leaves this engine's rows as they were)."""
+        events = []
+        for r in requests:
+            try:
+                events += self._prefill([r])
+            except Exception as err:
+                log.exception("the first step of request %s failed", r.id)
+                reason = f"{type(err).__name__}: {err}"
+                events.append(StepEvent(r, [], self.forwards, Finished(r, [], 0, "error"), error=reason))
         return events
 
     def _step_rows(self) -> list[StepEvent]:
@@ -470,7 +518,7 @@ class DecodeEngine:
         self.forwards += 1
         self.rows.host.forwards += 1
         acceptance = self._accept(plan, logits)
-        events = self._emit(self._commit(plan, acceptance))
+        events = self._emit(self._commit(plan, acceptance), plan)
         self.stepped = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -523,46 +571,54 @@ class DecodeEngine:
             if drafts.any():
                 draft_masks = np.where((drafts > 0) & ~self._chains(), 0, draft_masks)
             predictions = np.where(verifying, 1 + drafts + draft_masks, predictions)
-        layout = self._tree_layout(verifying, budget, uncached)
+        layout = self._tree_layout(verifying, budget, uncached, drafts)
         if layout is not None:
             tree = layout >= 0
-            drafts = np.where(tree, layout, drafts)
+            drafts = np.where(tree, self.tree.drafted[np.maximum(layout, 0)], drafts)  # depths of candidates fed
             draft_masks = np.where(tree, 0, draft_masks)  # (the tree's masks are its own)
             predictions = np.where(tree, 1 + self.tree.columns[np.maximum(layout, 0)], predictions)
         predictions = np.where(waiting, 1, predictions)
         if s.max_step_columns is not None:
             fixed = layout >= 0 if layout is not None else np.zeros(len(uncached), dtype=bool)
+            # a lossless sampling row's masks are its next drafts, whose draws decide its samples: kept whole, so
+            # that what it samples never depends on the load
+            fixed = fixed | (verifying & self.rows.host_sampling & self._exact_rows())
             masks = np.where(fixed, 0, predictions - 1 - drafts)  # masks or guesses: what a row can do without
             kept = masks_within(
                 masks, s.max_step_columns - int((uncached + np.where(fixed, predictions - 1, drafts)).sum())
             )
-            predictions, draft_masks = predictions - (masks - kept), np.minimum(draft_masks, kept)
+            predictions = predictions - (masks - kept)
+            draft_masks = np.where(fixed, draft_masks, np.minimum(draft_masks, kept))
         return StepPlan(uncached, predictions, drafts, draft_masks, waiting, verifying, commit, self.device, layout)
 
-    def _tree_layout(self, verifying: np.ndarray, budget: np.ndarray, uncached: np.ndarray) -> np.ndarray | None:
+    def _tree_layout(
+        self, verifying: np.ndarray, budget: np.ndarray, uncached: np.ndarray, drafts: np.ndarray
+    ) -> np.ndarray | None:
         """Per row the tree template it feeds (the depths of candidates it has, within its budget), -1 for rows
         that do not verify a tree (those not verifying, sampling or below their exact threshold: chains).  Under
-        ``max_step_columns`` a step that would exceed it feeds the tree rows' root groups alone, and where even those
-        do not fit, no tree at all (those rows verify nothing this step, as a chain row without drafts): under load
-        the masks give way first."""
+        ``max_step_columns`` the step takes the first of the tree's shapes (its own, then the smaller ones it
+        shrinks to) at which the tree rows fit beside the other rows' real tokens and drafts; where none fits, no
+        tree (None): the tree rows verify their first-ranked candidates as a chain, whose masks the cap trims as
+        any chain's.  Under load a step's drafts shrink, down to a chain, rather than stop."""
         if self.tree is None or not verifying.any():
             return None
         requests = self.rows.records.requests
-        greedy = np.array([r.temperature <= 0 for r in requests], dtype=bool)
+        # (a request may ask for a chain instead: tree="chain" among its settings)
+        treed = [r.temperature <= 0 and getattr(r.settings, "tree", None) != "chain" for r in requests]
+        greedy = np.array(treed, dtype=bool)
         tree = verifying & greedy & self._exact_rows()
         if not tree.any():
             return None
         depths = np.clip(np.minimum(self.rows.host.draft_count, budget - 1), 0, self.tree.depth)
         cap = self.settings.max_step_columns
-        if cap is not None:
-            other = int(uncached[~tree].sum())  # the other rows' real tokens (their AR column is the last of them)
-            for trial in (depths, np.zeros_like(depths)):
-                if other + int((uncached + self.tree.columns[trial])[tree].sum()) <= cap:
-                    depths = trial
-                    break
-            else:
-                return None
-        return np.where(tree, depths, -1)
+        if cap is None:
+            return np.where(tree, self.tree.layout(0, depths), -1)
+        other = int((uncached + drafts)[~tree].sum())  # the other rows' real tokens (with their AR column), drafts
+        for choice in range(len(self.tree.shapes)):
+            layout = self.tree.layout(choice, depths)
+            if other + int((uncached + self.tree.columns[layout])[tree].sum()) <= cap:
+                return np.where(tree, layout, -1)
+        return None
 
     def _masks_fed(self) -> np.ndarray:
         """How many masks each verifying row feeds on a step (``verify_masks``; ``auto`` on a CPU trims the
@@ -622,7 +678,7 @@ class DecodeEngine:
             return self.runner.logits_at(ids, positions, attention, read, **reads_kw)
         kv_length = int(self.rows.host.cached.max()) + width
         self.cache.prepare_step(positions, kv_length)  # each column's keys/values at the next free slot
-        if plan.tree_layout is not None and (plan.tree_layout > 0).any():
+        if plan.tree_drafts.any():
             rope, attention = self._tree_geometry(plan, positions, kv_length)
             return self.runner.logits_at(ids, rope, attention.unsqueeze(1), read, self.cache, **reads_kw)
         attention = torch.arange(kv_length, device=dev).view(1, 1, -1) <= positions.unsqueeze(2)
@@ -644,7 +700,7 @@ class DecodeEngine:
         columns = torch.arange(width, device=self.device)
         after = columns.unsqueeze(0) - fed.uncached.unsqueeze(1)  # [rows, width]: index after the root (< 0: real)
         layout = fed.tree_layout.clamp_min(0)
-        is_tree = (fed.tree_layout > 0).unsqueeze(1)
+        is_tree = ((fed.tree_layout >= 0) & (fed.drafts > 0)).unsqueeze(1)  # rows whose template has nodes
         index = after.clamp(0, X - 1)
         depth = tree.depth_of[layout].gather(1, index)
         root = slots[:, :1] + fed.uncached.unsqueeze(1) - 1
@@ -683,11 +739,11 @@ class DecodeEngine:
             proposals = torch.where((after >= 0) & (after < drafts), drafted, self._proposals(after - drafts))
         else:
             proposals = self._proposals(after)
-        if plan.tree_layout is not None and (plan.tree_layout > 0).any():  # tree rows: their template's inputs
-            layout = plan.on_device.tree_layout
+        if plan.tree_drafts.any():  # tree rows with draft nodes: their template's inputs
+            nodes = (plan.on_device.tree_layout >= 0) & (plan.on_device.drafts > 0)
             fed = self._tree_inputs(plan)
             from_tree = fed.gather(1, after.clamp(0, fed.shape[1] - 1))
-            proposals = torch.where((layout > 0).unsqueeze(1) & (after >= 0), from_tree, proposals)
+            proposals = torch.where(nodes.unsqueeze(1) & (after >= 0), from_tree, proposals)
         return torch.where(after < 0, ids, proposals)
 
     def _proposals(self, offset: torch.Tensor) -> torch.Tensor:
@@ -866,14 +922,18 @@ class DecodeEngine:
         if not sampling and typical is None:
             return predicted, passed  # the passed drafts are the argmax: the predictions are the tokens
         token = predicted.gather(1, passed.unsqueeze(1)).squeeze(1)  # the target's token after them
-        if sampling:
-            generators = self.rows.row_generators()
+        deciding = plan.verifying & (plan.drafts > 0) & self.rows.host_sampling
+        if sampling and deciding.any():
+            # only the sampling rows that fed drafts draw (each from its own generator): a row's random stream is
+            # spent on its own decisions alone, so its samples never depend on its batch; a sampling row without
+            # drafts keeps the token it drew at its AR column, as it would alone
+            generators = [g if d else None for g, d in zip(self.rows.records.generators, deciding)]
             sampled_passed, sampled_token = speculative_accept(
                 logp[:, : widest + 1], rows.draft_log_q[:, :widest], drafts, drafts_fed, generators
             )
-            greedy = rows.temperature <= 0
-            passed = torch.where(greedy, passed, sampled_passed)
-            token = torch.where(greedy, token, sampled_token)
+            speculative = torch.from_numpy(deciding).to(self.device)
+            passed = torch.where(speculative, sampled_passed, passed)
+            token = torch.where(speculative, sampled_token, token)
         width = predicted.shape[1]
         columns = torch.arange(width, device=self.device).unsqueeze(0)
         drafted = torch.nn.functional.pad(rows.drafts, (0, max(0, width - self.max_drafts)))[:, :width]
@@ -939,8 +999,6 @@ class DecodeEngine:
         committed = self._sync(accepted, done, width)
         if moves is not None and committed.verified[plan.tree_rows].any() and bool((moves[0] != moves[1]).any()):
             self.cache.move(*moves)
-        if plan.drafts.any():
-            self._draft_stats(plan, committed.verified)
         return committed
 
     def _path_moves(self, plan: StepPlan, accepted: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1000,7 +1058,8 @@ class DecodeEngine:
         return Committed(count, done_host, eos_host, synced[:, 5], synced[:, drafts_end:])
 
     def _draft_stats(self, plan: StepPlan, verified: np.ndarray) -> None:
-        """Count each draft position's proposals and acceptances (rows that fed no drafts add zeros)."""
+        """Count each draft position's proposals and acceptances (rows that fed no drafts add zeros); ``verified``:
+        the drafts each row emitted (those that passed, up to its EOS or stop string)."""
         host, slots = self.rows.host, np.arange(self.max_drafts)
         proposed = (slots < plan.drafts[:, None]).astype(np.int64)
         tree = plan.tree_rows
@@ -1011,17 +1070,20 @@ class DecodeEngine:
         host.draft_steps += plan.drafts > 0
 
     # ------------------------------------------------------------------ emit and retire
-    def _emit(self, committed: Committed) -> list[StepEvent]:
-        """Each row's new tokens after its stop strings, as events; rows that are done retire."""
+    def _emit(self, committed: Committed, plan: StepPlan) -> list[StepEvent]:
+        """Each row's new tokens after its stop strings, as events, and the drafts among them in the draft counts;
+        rows that are done retire."""
         rows, records, done = self.rows, self.rows.records, committed.done
         events: list[StepEvent] = []
         reasons: dict[int, str] = {}
+        emitted = np.zeros(len(rows), dtype=np.int64)
         for i in range(len(rows)):
             new = committed.tokens[i, : committed.count[i]].tolist()
             if records.requests[i].stops is not None and new and not done[i]:
                 new, reason = self._apply_stops(i, new)
                 if reason is not None:
                     done[i], reasons[i] = True, reason
+            emitted[i] = len(new)
             records.outputs[i].extend(new)
             # a MARS row's tokens after its verified drafts and the AR token came from masks (Jacobi's did not)
             exact_until = int(committed.verified[i])
@@ -1029,6 +1091,8 @@ class DecodeEngine:
             if done[i] and i not in reasons:
                 reasons[i] = "eos" if committed.hit_eos[i] else "length"
             events.append(StepEvent(records.requests[i], new, self.forwards))
+        if plan.drafts.any():  # drafts past an EOS or a stop string were verified, never emitted: not accepted
+            self._draft_stats(plan, np.minimum(committed.verified, emitted))
         if done.any():
             events = self._retire(done, reasons, events)
         return events

@@ -164,6 +164,11 @@ class RowBatch:
     def sampling(self) -> bool:
         return any(r.temperature > 0 for r in self.records.requests)  # (host side: no device op per ask)
 
+    @property
+    def host_sampling(self) -> np.ndarray:
+        """Per row, whether it samples (temperature > 0: it has a generator)."""
+        return np.array([g is not None for g in self.records.generators], dtype=bool)
+
     # ------------------------------------------------------------------ joining and leaving
     def add(self, requests: list[Request], caps: list[int], extra: int) -> None:
         """Append rows; ``extra`` is the room a step needs past a row's budget (window + drafts + trash)."""

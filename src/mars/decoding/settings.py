@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,11 @@ LEAN_VERIFY_MASKS = 2  # verify_masks=auto for lossless rows on a CPU (see the f
 DRAFT_SOURCES = ("masks", "model", "lookup")
 TREE_MODES = ("auto", "chain")  # or a shape: candidates per depth, "2,1"
 TREE_MASKS = ("all", "top")
+# A tree's columns per row (its nodes and their mask groups) at most: every column is a query of the step and a
+# slot of the KV buffer, and past this a tree's columns outgrow anything its deeper candidates could add
+MAX_TREE_COLUMNS = 64
+MAX_TREE_DEPTH = 8
+_TREE_SPEC = re.compile(r"[0-9]+(?:[,x][0-9]+)*")  # ASCII digit groups joined by ',' or 'x'
 AR_CACHES = ("dynamic", "static")
 # Keys of a decoding config that are not decoding settings: the config's name and the batch size
 # (which changes timings, never outputs).
@@ -171,12 +177,16 @@ class DecodingSettings:
         default="auto",
         metadata=_help(
             "verify=True, draft_source=masks: the draft layout. chain: the drafts in a row, masks after them only when "
-            "every draft may pass (chain_drafts, verify_masks); a shape 'k1,k2,...': a tree of the top-k1 candidates of "
-            "the first mask, each followed by the top-k2 of the second, ..., verified in one forward, with a group of "
-            "masks after every node the step may end on so the next step always has drafts; auto: the shape with the "
-            "most expected tokens per second from the step's measured cost per width on this device and the "
-            "checkpoint's acceptance per depth and rank (chain where a tree does not apply: sampling, another draft "
-            "source, a cache other than cursor)"
+            "every draft may pass (chain_drafts, verify_masks); a shape 'k1,k2,...' (or 'k1xk2', or a tuple of "
+            "integers): a tree of the top-k1 candidates of the first mask, each followed by the top-k2 of the second, "
+            "..., verified in one forward, with a group of masks after every node the step may end on so the next "
+            f"step always has drafts (1 to {MAX_TREE_DEPTH} depths, at most {MAX_TREE_COLUMNS} columns per row); "
+            "auto: the shape with the most expected tokens per second from the step's measured cost per width on this "
+            "device and the checkpoint's acceptance per depth and rank, among those that fit max_step_columns (chain "
+            "where a tree does not apply: sampling, another draft source, a cache other than cursor). Greedy rows at "
+            "threshold 1.0 draft the tree, other verifying rows a chain; a step that max_step_columns cannot fit "
+            "drafts the largest smaller tree that fits, down to a chain",
+            per_request=True,
         ),
     )
     tree_masks: str = field(
@@ -230,8 +240,9 @@ class DecodingSettings:
         default=None,
         metadata=_help(
             "cap on the columns one batched decode step computes: masks (or Jacobi guesses) are dropped, the "
-            "longest rows' first, until the step fits; every row keeps its real tokens, its AR column and its "
-            "drafts. Extra columns are nearly free only while a step stays memory-bound (on a 2-core CPU up to "
+            "longest rows' first, until the step fits, and a tree shrinks to the largest smaller tree that fits, down "
+            "to a chain; every row keeps its real tokens, its AR column and its drafts (a sampling row verified at "
+            "threshold 1.0 its masks too: they decide its samples). Extra columns are nearly free only while a step stays memory-bound (on a 2-core CPU up to "
             "about 8 in all), so under load this keeps masks from costing more than they yield. None: no cap. "
             "With a cap a row below threshold 1.0 can decode differently under different loads (verified and "
             "threshold-1.0 rows cannot)"
@@ -320,25 +331,58 @@ class DecodingSettings:
         shape = tree_shape(self.tree)  # raises on a malformed shape
         if shape is None:
             return
+        label = ",".join(map(str, shape))
+        object.__setattr__(self, "tree", label)  # one spelling: "2x1", (2, 1) and [2, 1] are "2,1"
+        columns = tree_columns(shape, self.tree_masks)
+        if columns > MAX_TREE_COLUMNS:
+            raise ValueError(
+                f"tree={label!r} feeds {tree_nodes(shape)} draft nodes in {columns} columns per row (nodes and their "
+                f"mask groups, tree_masks={self.tree_masks!r}); a tree takes at most {MAX_TREE_COLUMNS}: choose fewer "
+                "candidates per depth (e.g. '4,2': 38 columns) or tree='auto'"
+            )
         if self.draft_source != "masks":
             raise ValueError(
-                f"tree={self.tree!r} drafts from the masks; draft_source={self.draft_source!r} verifies a chain "
+                f"tree={label!r} drafts from the masks; draft_source={self.draft_source!r} verifies a chain "
                 "(tree='chain' or 'auto')"
             )
         if self.cache != "cursor":
-            raise ValueError(f"tree={self.tree!r} needs cache='cursor' (its accepted path is moved in the KV cache)")
+            raise ValueError(f"tree={label!r} needs cache='cursor' (its accepted path is moved in the KV cache)")
+        if self.typical_epsilon > 0:
+            raise ValueError(f"tree={label!r} checks drafts against the argmax: typical_epsilon needs tree='chain'")
+        window = self.effective_window
+        if _is_int(window) and len(shape) > window - 1:
+            raise ValueError(f"tree={label!r} is {len(shape)} deep; the window's {window - 1} masks draft at most that")
+
+    def check_every_row(self) -> None:
+        """The rules of settings that every row of a run decodes with (``generate``, an evaluation, a benchmark):
+        a setting only verifying rows read needs ``verify=True`` (another draft source, a tree shape), and a tree
+        shape greedy rows.  A server's engine settings are not held to them: there ``verify`` and ``temperature`` are
+        per request, and a request the server's tree does not apply to (not verifying, sampling, below threshold
+        1.0) decodes as it would under ``tree='auto'``, verifying a chain where it verifies."""
+        if self.draft_source != "masks" and not self.verify:
+            raise ValueError(f"draft_source={self.draft_source!r} proposes drafts to verify: it needs verify=True")
+        if tree_shape(self.tree) is None:
+            return
+        if not self.verify:
+            raise ValueError(
+                f"tree={self.tree!r} lays out the drafts verify checks, and no row verifies: set verify=True "
+                "(or leave tree at 'auto')"
+            )
         if self.temperature > 0:
             raise ValueError(
                 f"tree={self.tree!r} verifies greedy rows; at temperature > 0 verification samples exactly along a "
                 "chain: use tree='chain' or 'auto'"
             )
-        if self.typical_epsilon > 0:
-            raise ValueError(f"tree={self.tree!r} checks drafts against the argmax: typical_epsilon needs tree='chain'")
-        window = self.effective_window
-        if _is_int(window) and len(shape) > window - 1:
-            raise ValueError(
-                f"tree={self.tree!r} is {len(shape)} deep; the window's {window - 1} masks draft at most that"
-            )
+
+    @property
+    def tree_applies(self) -> bool:
+        """Whether a row decoded with these settings drafts a tree where the engine has one (a tree shape, or
+        ``auto`` where it picks a tree): a greedy verifying row at its exact threshold with the masks as drafts and
+        the cursor cache; every other verifying row verifies a chain."""
+        exact = is_exact_threshold(self.threshold, self.metric)
+        usable = self.decoder == "mars" and self.draft_source == "masks" and self.cache == "cursor"
+        greedy = self.temperature == 0 and self.typical_epsilon == 0
+        return self.verify and exact and usable and greedy and self.tree != "chain"
 
     def _check_verify(self) -> None:
         if self.decoder != "mars":
@@ -398,7 +442,8 @@ class DecodingSettings:
         if unknown:
             raise ValueError(f"unknown decoding setting(s) {unknown}; allowed: {sorted(cls.field_names())}")
         nullable = {f.name for f in dataclasses.fields(cls) if f.default is None}
-        values = {k: _coerce(v, nullable=k in nullable) for k, v in values.items()}
+        text = {f.name for f in dataclasses.fields(cls) if f.type == "str"}  # names, never numbers ("1_0" stays)
+        values = {k: v if k in text else _coerce(v, nullable=k in nullable) for k, v in values.items()}
         return cls(**{k: v for k, v in values.items() if v is not None})
 
     def replace(self, **changes: Any) -> DecodingSettings:
@@ -409,20 +454,45 @@ class DecodingSettings:
 
 
 def tree_shape(tree: Any) -> tuple[int, ...] | None:
-    """The candidates per depth of a tree setting ("2,1" -> (2, 1)); None for ``auto`` and ``chain``."""
-    if tree in TREE_MODES:
+    """The candidates per depth of a tree setting: "2,1", "2x1", (2, 1) and [2, 1] are (2, 1), the integer 3 is (3,);
+    None for ``auto`` and ``chain``.  Text is ASCII digit groups joined by ',' or 'x', nothing else (no signs, no
+    digit separators, no other scripts' digits)."""
+    if isinstance(tree, str) and tree in TREE_MODES:
         return None
-    text = str(tree).replace("x", ",")
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(k < 1 for k in shape) or len(shape) > 8:
+    shape = _parse_shape(tree)
+    if shape is None or not 1 <= len(shape) <= MAX_TREE_DEPTH or any(k < 1 for k in shape):
         raise ValueError(
-            f"tree must be one of {list(TREE_MODES)} or candidates per depth such as '2,1' (1 to 8 depths, each "
-            f">= 1), got {tree!r}"
+            f"tree must be one of {list(TREE_MODES)} or candidates per depth such as '2,1' or '2x1' (ASCII digits "
+            f"joined by ',' or 'x', or a tuple of integers; 1 to {MAX_TREE_DEPTH} depths, each >= 1), got {tree!r}"
         )
     return shape
+
+
+def _parse_shape(tree: Any) -> tuple[int, ...] | None:
+    if _is_int(tree):
+        return (tree,)
+    if isinstance(tree, str):
+        return tuple(int(k) for k in re.split("[,x]", tree)) if _TREE_SPEC.fullmatch(tree) else None
+    if isinstance(tree, Sequence) and all(_is_int(k) for k in tree):
+        return tuple(int(k) for k in tree)
+    return None
+
+
+def tree_nodes(shape: Sequence[int]) -> int:
+    """Draft nodes of a tree of ``shape`` candidates per depth: k1 + k1*k2 + ..."""
+    nodes, reach = 0, 1
+    for k in shape:
+        reach *= k
+        nodes += reach
+    return nodes
+
+
+def tree_columns(shape: Sequence[int], masks: str = "all") -> int:
+    """Columns a step of this tree feeds after the root (:mod:`mars.decoding.tree`): its nodes, the root's group of
+    ``D`` masks and a group of ``D`` after every node that carries one (``all``: every node; ``top``: the ``D``
+    nodes of the first-ranked path)."""
+    depth, nodes = len(shape), tree_nodes(shape)
+    return nodes + depth * (1 + (nodes if masks == "all" else depth))
 
 
 def _coerce(value: Any, nullable: bool = False) -> Any:
@@ -451,4 +521,8 @@ def decoding_block_size(requested: int | None, meta: Any = None) -> int:
     trained = meta.get("block_size") if isinstance(meta, Mapping) else getattr(meta, "block_size", None)
     if trained:
         return int(trained)
+    from mars.paper_checkpoints import missing_block_size
+
+    if missing := missing_block_size(meta):  # a paper checkpoint: no default stands in for its training block
+        raise ValueError(missing)
     return next(f.default for f in dataclasses.fields(DecodingSettings) if f.name == "block_size")

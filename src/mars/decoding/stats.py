@@ -7,8 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The speculative-decoding figures in vLLM's terms (docs/decoding.md, "Acceptance figures"): the keys
-# acceptance_figures returns, every one None where no step verified a draft
-ACCEPTANCE_KEYS = ("mean_acceptance_length", "draft_acceptance_rate", "acceptance_by_position")
+# acceptance_figures returns, the counts 0 and the rates None where no step verified a draft
+ACCEPTANCE_KEYS = (
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "mean_acceptance_length",
+    "draft_acceptance_rate",
+    "acceptance_by_position",
+)
 
 
 def acceptance_figures(proposed: Sequence[int], accepted: Sequence[int], draft_steps: int) -> dict[str, Any]:
@@ -56,6 +63,23 @@ class DecodeStats:
     decoder: str = "mars"
     extra: dict[str, Any] = field(default_factory=dict)
     first_token_seconds: float | None = None
+
+    @property
+    def num_drafts(self) -> int | None:
+        """Draft steps: steps on which a row verified at least one draft, over the run's rows (verify only;
+        per row: ``extra["per_row_num_drafts"]``)."""
+        return self.extra.get("num_drafts")
+
+    @property
+    def num_draft_tokens(self) -> int | None:
+        """Draft tokens proposed, every candidate of a tree counted (verify only; per row:
+        ``extra["per_row_num_draft_tokens"]``)."""
+        return self.extra.get("num_draft_tokens")
+
+    @property
+    def num_accepted_tokens(self) -> int | None:
+        """Draft tokens accepted and emitted (verify only; per row: ``extra["per_row_num_accepted_tokens"]``)."""
+        return self.extra.get("num_accepted_tokens")
 
     @property
     def mean_acceptance_length(self) -> float | None:

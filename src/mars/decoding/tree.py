@@ -22,6 +22,10 @@ after the committed text (:meth:`mars.decoding.kv.RaggedKVCache.move`), so they 
 A row whose previous step left ``a < D`` depths of drafts (its first step, a depth whose mask was not sure
 enough, the end of its budget) uses the template of the shape cut to ``a`` depths; its mask groups keep ``D``
 masks.  Template ``0`` is the root group alone: ``D`` masks in a row, which is also the plain causal layout.
+
+Under a cap on a step's columns (``max_step_columns``) a step whose tree rows do not fit takes a smaller shape
+inside the tree (fewer candidates or depths, :func:`mars.decoding.tree_choice.smaller_shapes`), the largest that
+fits, each row cut to the depths it has; where none fits, the rows verify their first-ranked candidates as a chain.
 """
 
 from __future__ import annotations
@@ -125,19 +129,33 @@ def columns_of(shape: tuple[int, ...], masks: str = "all") -> int:
 
 
 class TreeLayouts:
-    """The templates of one shape cut to 0..D depths, stacked as device tensors padded to the widest (``columns``),
-    and the verification of a step's rows against them."""
+    """The templates of one shape cut to 0..D depths (template ``a``: the shape cut to ``a`` depths), then those of
+    each of its ``smaller`` shapes cut to 0..their depths, with mask groups as deep as each (the layouts a step
+    shrinks to where a column cap cannot fit the shape's: inside the shape, no deeper and no wider at any depth),
+    stacked as device tensors padded to the widest (``columns``), and the verification of a step's rows against
+    them."""
 
-    def __init__(self, shape: tuple[int, ...], masks: str, device: torch.device):
+    def __init__(self, shape: tuple[int, ...], masks: str, device: torch.device, smaller=()):
         self.shape, self.masks, self.depth = tuple(shape), masks, len(shape)
         self.width = max(shape)  # candidates kept per depth
-        self.templates = [build_template(shape[:d], self.depth, masks) for d in range(self.depth + 1)]
+        self.shapes = (self.shape, *(tuple(s) for s in smaller))
+        for s in self.shapes[1:]:
+            if len(s) > self.depth or any(k > top for k, top in zip(s, shape)):
+                raise ValueError(f"tree {s} is not inside tree {self.shape}: it would draft candidates it has not")
+        self.templates: list[Template] = []
+        self.first = []  # per shape: the index of its template cut to no depth
+        drafted = []  # per template: the depths it drafts candidates at
+        for s in self.shapes:
+            self.first.append(len(self.templates))
+            self.templates += [build_template(s[:d], len(s), masks) for d in range(len(s) + 1)]
+            drafted += range(len(s) + 1)
+        self.drafted = np.array(drafted)
         t = self.templates
         self.columns = np.array([x.columns for x in t])  # per template
         self.nodes_at_depth = np.zeros((len(t), self.depth), dtype=np.int64)
         for a, x in enumerate(t):
             np.add.at(self.nodes_at_depth[a], x.node_depth - 1, 1)
-        X, N = int(self.columns.max()), t[-1].nodes
+        X, N = int(self.columns.max()), max(x.nodes for x in t)
 
         def stack(get, size, fill, dtype=torch.long):
             out = np.full((len(t), *size), fill)
@@ -168,6 +186,11 @@ class TreeLayouts:
     @property
     def label(self) -> str:
         return ",".join(map(str, self.shape))
+
+    def layout(self, choice: int, depths: np.ndarray) -> np.ndarray:
+        """Per row the template of shape ``choice`` (0: the tree's own, then its smaller shapes) cut to the depths
+        of candidates the row has (``depths``, at most the tree's depth)."""
+        return self.first[choice] + np.minimum(depths, len(self.shapes[choice]))
 
     def draft_tokens(self, layout: torch.Tensor, candidates: torch.Tensor, mask_id: int) -> torch.Tensor:
         """``[rows, columns]``: each row's input after its root under its template ``layout``: the candidate of its
@@ -207,9 +230,11 @@ class TreeLayouts:
 
 
 @functools.cache
-def layouts_for(shape: tuple[int, ...], masks: str, device: torch.device) -> TreeLayouts:
-    """One :class:`TreeLayouts` per shape, masks and device (its tensors are read, never written)."""
-    return TreeLayouts(shape, masks, device)
+def layouts_for(
+    shape: tuple[int, ...], masks: str, device: torch.device, smaller: tuple[tuple[int, ...], ...] = ()
+) -> TreeLayouts:
+    """One :class:`TreeLayouts` per shape, smaller shapes, masks and device (its tensors are read, never written)."""
+    return TreeLayouts(shape, masks, device, smaller)
 
 
 @dataclass

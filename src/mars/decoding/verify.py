@@ -29,13 +29,15 @@ from .acceptance import leading_run
 
 def _uniform(shape: tuple[int, ...], rows: int, generator, device, counts: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, *shape]`` uniforms.  With one generator per row each row draws from its own, and only
-    ``counts[r]`` of them along the first axis (ones after), so a row's draws never depend on its batch."""
+    ``counts[r]`` of them along the first axis (ones after), so a row's draws never depend on its batch; a row
+    whose generator is None draws nothing (ones: its result is not used)."""
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand((rows, *shape), generator=generator, device=device)
     out = torch.ones((rows, *shape), device=device)
     sizes = [shape[0]] * rows if counts is None else counts.tolist()
     for r, g in enumerate(generator):
-        out[r, : sizes[r]] = torch.rand((int(sizes[r]), *shape[1:]), generator=g, device=device)
+        if g is not None:
+            out[r, : sizes[r]] = torch.rand((int(sizes[r]), *shape[1:]), generator=g, device=device)
     return out
 
 
@@ -86,7 +88,8 @@ def speculative_accept(
     ``p_logp`` ``[rows, k+1, vocab]``: target (AR) log-probabilities at the column before each draft and
     after the last; ``q_logp`` ``[rows, k, vocab]``: the distributions the drafts were sampled from;
     ``drafts`` ``[rows, k]``, of which the first ``n_drafts[r]`` are real.  Returns ``(accepted, token)``:
-    how many drafts each row keeps and the token that follows them (resampled or bonus).
+    how many drafts each row keeps and the token that follows them (resampled or bonus).  ``generator``: one for
+    all rows, or one per row, where a row given None draws nothing and its results mean nothing.
     """
     rows, k = drafts.shape
     device = drafts.device

@@ -19,6 +19,17 @@ vLLM's ``mean_acceptance_length``):
   0.9 against the AR-SFT model trained for as many steps.  points.json lists every compared run under
   ``compare``; points.csv has the first one's columns.
 
+The lossless verify point (``mode: verify``; the threshold points are ``mode: threshold``) gets rows of its own,
+after every threshold's, at threshold 1.0 but apart from the reference point (``is_reference`` false): tokens per
+forward and mean acceptance length over the samples it decoded (the first ``verify.limit`` of each task);
+``outputs_identical``, whether every output equals the threshold 1.0 output of the same document token for token;
+the accuracy of the threshold 1.0 point (``accuracy_from: reference``) where they are identical (verify is lossless
+by construction, so its few samples measure only its speed), else its own samples' with the paired change
+(``accuracy_from: samples``); and ``speedup``, its tokens per second over those of the threshold 1.0 point on the
+same samples (each sample's share of its batch's decoder time; ``speedup_samples: all_samples`` where that
+point's samples predate those times and its whole throughput stands in), ``reference_tokens_per_second`` the
+latter.
+
 A suite entry may say ``score: chrf`` (or ``token_f1``, ``exact``): its accuracy is then that similarity
 to the threshold 1.0 output rather than lm-eval's metric (the held-out prompts have no gold answer), and it is
 left out of the Average's accuracy.  The ``Average`` row is the unweighted mean over the suite's entries
@@ -37,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from mars.evaluation import agreement as stats
-from mars.evaluation.config import Plan, reference_threshold
-from mars.evaluation.store import ResultsDir, write_json
+from mars.evaluation.config import Plan, is_lossless_verify, reference_threshold
+from mars.evaluation.store import VERIFY, Point, ResultsDir, write_json
 from mars.evaluation.tasks import score_kinds
 from mars.persistence import atomic_write_text
 
@@ -61,6 +72,7 @@ FIELDS = (
     "model",
     "block_size",
     "threshold",
+    "mode",
     "task",
     "lm_eval_task",
     "metric",
@@ -114,7 +126,25 @@ FIELDS = (
     "compare_ar_delta_hi",
     "is_reference",
     "verify_lossless",
+    "outputs_identical",
+    "n_identical",
+    "accuracy_from",
+    "speedup_samples",
+    "reference_tokens_per_second",
+    "verify_config",
+    "verify_limit",
 )
+THRESHOLD, VERIFY_MODE = "threshold", "verify"  # a point's ``mode``
+
+
+def is_verify(p: dict[str, Any]) -> bool:
+    """Whether a point is the verify point (points.json files written before ``mode`` hold threshold points only)."""
+    return p.get("mode") == VERIFY_MODE
+
+
+def row_of(p: dict[str, Any]) -> Point:
+    """The table row of a point: its threshold, or VERIFY."""
+    return VERIFY if is_verify(p) else p["threshold"]
 
 
 def _nanmean(values: list[float | None]) -> float | None:
@@ -139,10 +169,10 @@ class _Samples:
         self.store = store
         self._cache: dict[tuple[float, str], dict] = {}
 
-    def complete(self, threshold: float, leaves: list[str]) -> bool:
+    def complete(self, threshold: Point, leaves: list[str]) -> bool:
         return bool(leaves) and all(self.store.is_complete(threshold, leaf) for leaf in leaves)
 
-    def rows(self, threshold: float, leaves: list[str]) -> dict[tuple[str, Any], dict] | None:
+    def rows(self, threshold: Point, leaves: list[str]) -> dict[tuple[str, Any], dict] | None:
         if not self.complete(threshold, leaves):
             return None
         out = {}
@@ -152,7 +182,7 @@ class _Samples:
             out.update({(leaf, doc): row for doc, row in self._cache[(threshold, leaf)].items()})
         return out
 
-    def scores(self, threshold: float, leaves: list[str], kind: str, reference: float) -> dict | None:
+    def scores(self, threshold: Point, leaves: list[str], kind: str, reference: float) -> dict | None:
         """Per-document score: lm-eval's (``metric``) or the similarity to the reference output."""
         rows = self.rows(threshold, leaves)
         if rows is None:
@@ -222,6 +252,7 @@ def _entry_point(
         "model": plan.model_label,
         "block_size": plan.block_size,
         "threshold": threshold,
+        "mode": THRESHOLD,
         "task": spec.label,
         "lm_eval_task": spec.name,
         "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
@@ -246,6 +277,101 @@ def _entry_point(
     _flatten_compare(point)
     extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs}
     return point, {**extras, "compare": compared_scores}
+
+
+def _verify_entry(
+    plan: Plan, samples: _Samples, spec, reference: float, kind: str, ref_point: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """One suite entry's verify point (see the module's docstring) and what its Average needs; None until every
+    leaf's verify point is on disk.  ``ref_point``: the entry's threshold 1.0 point, if complete."""
+    store = samples.store
+    if not samples.complete(VERIFY, spec.leaves):
+        return None
+    summaries = [store.read_summary(VERIFY, leaf) for leaf in spec.leaves]
+    recorded = summaries[0].get("verify") or {}
+    totals = _decoder_totals(summaries)
+    rows = samples.rows(VERIFY, spec.leaves) or {}
+    ref_rows = samples.rows(reference, spec.leaves) if ref_point is not None else None
+    pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
+    same = sum(_same_output(a, b) for a, b in pairs)
+    identical = (len(pairs) == len(rows) and same == len(rows)) if ref_rows else None
+    scores = samples.scores(VERIFY, spec.leaves, kind, reference)
+    ref_all = samples.scores(reference, spec.leaves, kind, reference) if ref_rows else None
+    ref_scores = {k: ref_all[k] for k in scores or {} if k in ref_all} if ref_all is not None else None
+    if identical:  # lossless: every document's output, hence its score, is the reference's
+        keys = ("accuracy", "accuracy_lo", "accuracy_hi", "accuracy_interval")
+        acc_fields, delta = {k: ref_point.get(k) for k in keys}, stats.Estimate(0.0, 0.0, 0.0, len(rows))
+    else:
+        acc = _accuracy(kind, VERIFY, reference, scores, summaries, totals["n"])
+        acc_fields = {**acc.fields("accuracy"), "accuracy_interval": acc.method}
+        delta = _paired(scores, ref_scores)
+    counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
+    tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
+    ar_tokens, ar_seconds, basis = _reference_time(pairs, ref_point)
+    point: dict[str, Any] = {
+        "label": plan.verify_label(str(recorded.get("config") or "mars_verified")),
+        "model": plan.model_label,
+        "block_size": plan.block_size,
+        "threshold": reference,
+        "mode": VERIFY_MODE,
+        "task": spec.label,
+        "lm_eval_task": spec.name,
+        "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
+        "score": kind,
+        **acc_fields,
+        "accuracy_from": "reference" if identical else "samples",
+        "accuracy_delta": delta.value,
+        "accuracy_delta_lo": delta.lo,
+        "accuracy_delta_hi": delta.hi,
+        "n_paired": delta.n,
+        **_speed_fields(totals, tpf),
+        "machine": machine_label(summaries),
+        "is_reference": False,
+        "verify_lossless": is_lossless_verify(dict(recorded.get("settings") or {}), reference),
+        "outputs_identical": identical,
+        "n_identical": same if ref_rows else None,
+        "verify_config": recorded.get("config"),
+        "verify_limit": recorded.get("limit"),
+    }
+    _add_verify_speedup(point, ar_tokens, ar_seconds, basis, ref_point)
+    point.update(_agreement_fields(pairs, False))
+    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
+    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+    point["compare"] = []
+    _flatten_compare(point)
+    extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs, "compare": []}
+    return point, {**extras, "ar_tokens": ar_tokens, "ar_seconds": ar_seconds, "basis": basis}
+
+
+def _same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two samples' outputs are the same: token for token where both record their ids, else as text."""
+    if a.get("output_ids") is not None and b.get("output_ids") is not None:
+        return a["output_ids"] == b["output_ids"]
+    return a.get("output") == b.get("output")
+
+
+def _reference_time(pairs: list, ref_point: dict[str, Any] | None) -> tuple[float, float, str | None]:
+    """The threshold 1.0 point's generated tokens and decoder seconds on the verify point's samples (each sample's
+    share of its batch), or over all its samples where its rows predate per-sample times."""
+    if pairs and all(ref.get("seconds") is not None and ref.get("tokens") is not None for _, ref in pairs):
+        return (
+            float(sum(ref["tokens"] for _, ref in pairs)),
+            float(sum(ref["seconds"] for _, ref in pairs)),
+            "same_samples",
+        )
+    if ref_point is not None and ref_point.get("wall_seconds"):
+        return float(ref_point["generated_tokens"]), float(ref_point["wall_seconds"]), "all_samples"
+    return 0.0, 0.0, None
+
+
+def _add_verify_speedup(point: dict[str, Any], ar_tokens: float, ar_seconds: float, basis, ref_point) -> None:
+    """The verify point's wall-clock speed-up over the threshold 1.0 point (None across machines)."""
+    ar_speed = ar_tokens / ar_seconds if ar_seconds > 0 else None
+    same_machine = ref_point is not None and ref_point.get("machine") == point.get("machine") != "several machines"
+    fast = point.get("tokens_per_second")
+    point["reference_tokens_per_second"] = ar_speed
+    point["speedup"] = fast / ar_speed if same_machine and fast and ar_speed else None
+    point["speedup_samples"] = basis if point["speedup"] is not None else None
 
 
 def _decoder_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,18 +405,21 @@ def machine_label(summaries: list[dict[str, Any]]) -> str | None:
 
 
 def add_speedups(points: list[dict[str, Any]], reference: float) -> None:
-    """Each point's ``speedup``: its generated tokens per second over the reference point's of the same task,
-    the wall-clock gain or loss of its threshold; None where either has no throughput or the two ran on
-    different machines (a recorded machine against another, or mixed within a point)."""
-    base = {p["task"]: p for p in points if p["threshold"] == reference}
+    """Each threshold point's ``speedup``: its generated tokens per second over the reference point's of the same
+    task, the wall-clock gain or loss of its threshold; None where either has no throughput or the two ran on
+    different machines (a recorded machine against another, or mixed within a point).  The verify point carries
+    its own (over the reference point on its samples)."""
+    base = {p["task"]: p for p in points if p["threshold"] == reference and not is_verify(p)}
     for p in points:
+        if is_verify(p):
+            continue
         ref = base.get(p["task"])
         same_machine = ref is not None and ref.get("machine") == p.get("machine") != "several machines"
         fast, slow = p.get("tokens_per_second"), (ref or {}).get("tokens_per_second")
         p["speedup"] = fast / slow if same_machine and fast and slow else None
 
 
-def _accuracy(kind: str, threshold: float, reference: float, scores: dict | None, summaries, n: int) -> stats.Estimate:
+def _accuracy(kind: str, threshold: Point, reference: float, scores: dict | None, summaries, n: int) -> stats.Estimate:
     """The entry's accuracy with its interval: lm-eval's aggregate for a metric-scored entry, else the mean
     similarity to the reference output (exactly the value itself at the reference)."""
     acc = stats.mean_interval((scores or {}).values(), binary=None if kind in ("metric", "exact") else False)
@@ -399,7 +528,8 @@ def _average(row: list[dict[str, Any]], extras: list[dict[str, Any]], others: li
     paired bootstrap (identical outputs everywhere: a zero-width interval)."""
     metric = [i for i, p in enumerate(row) if p["score"] == "metric"]
     point = {
-        **{k: row[0][k] for k in ("label", "model", "block_size", "threshold", "is_reference", "verify_lossless")},
+        **{k: row[0].get(k) for k in ("label", "model", "block_size", "threshold", "mode", "is_reference")},
+        "verify_lossless": all(p.get("verify_lossless") for p in row),
         "task": AVERAGE,
         "lm_eval_task": None,
         "metric": "mean over tasks",
@@ -512,9 +642,42 @@ def collect_points(plan: Plan, store: ResultsDir) -> list[dict[str, Any]]:
         if p["task"] in ref_acc and p["accuracy"] is not None and ref_acc[p["task"]] is not None:
             p["accuracy_delta"] = p["accuracy"] - ref_acc[p["task"]]
     add_speedups(points, reference)
+    points.extend(_verify_points(plan, samples, reference, kinds, points))
     write_json(store.root / "points.json", points)
     atomic_write_text(store.root / "points.csv", points_csv(points))
     return points
+
+
+def _verify_points(
+    plan: Plan, samples: _Samples, reference: float, kinds: dict[str, str], points: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The verify point's rows (after every threshold's, so that a reader taking the first row at threshold 1.0
+    gets the reference point), with their Average."""
+    ref = {p["task"]: p for p in points if p["threshold"] == reference}
+    built = [
+        b
+        for spec in plan.suite.tasks
+        if (b := _verify_entry(plan, samples, spec, reference, kinds.get(spec.name, "metric"), ref.get(spec.label)))
+    ]
+    row, extras = [b[0] for b in built], [b[1] for b in built]
+    if len(row) == len(plan.suite.tasks) and len(row) > 1:
+        average = _average(row, extras, [])
+        identical = [p["outputs_identical"] for p in row]
+        metric = [p for p in row if p["score"] == "metric"]
+        average.update(
+            outputs_identical=None if None in identical else all(identical),
+            accuracy_from="reference" if all(identical) else "samples",
+            accuracy_delta=_nanmean([p["accuracy_delta"] for p in metric]),
+            n_identical=None if None in identical else sum(p["n_identical"] for p in row),
+            verify_config=row[0]["verify_config"],
+            verify_limit=row[0]["verify_limit"],
+        )
+        bases = {e["basis"] for e in extras}
+        basis = bases.pop() if len(bases) == 1 else (None if None in bases else "all_samples")
+        ar = (sum(e["ar_tokens"] for e in extras), sum(e["ar_seconds"] for e in extras))
+        _add_verify_speedup(average, *ar, basis, ref.get(AVERAGE))
+        row.append(average)
+    return row
 
 
 def points_csv(points: list[dict[str, Any]]) -> str:

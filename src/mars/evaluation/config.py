@@ -1,9 +1,10 @@
 """Turn an ``evaluate.yaml`` config into a checked plan, before any model is loaded.
 
 Everything that can be wrong with the request fails here with a message naming the bad value: a
-threshold outside (0, 1] (or an empty sweep), any decoding setting (through DecodingSettings), an
-unknown task, a checkpoint folder without a mask token, a results folder holding results of a different
-configuration, tasks that would run model-written code where no sandbox can be made.  Nothing is
+threshold outside (0, 1] (or an empty sweep), any decoding setting (through DecodingSettings), the verify
+point's settings (``verify``: its sample limit, its decoding config), an unknown task, a checkpoint folder
+without a mask token, a results folder holding results of a different configuration, tasks that would run
+model-written code where no sandbox can be made.  Nothing is
 written before all of it has passed.  This module imports neither torch nor lm-eval at import time
 (evaluate.py imports it to register the run-name resolver).
 """
@@ -18,7 +19,7 @@ from typing import Annotated, Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, BeforeValidator, Field, InstanceOf
 
-from mars.config_schema import DtypeName, OpenSection, about, validated
+from mars.config_schema import DtypeName, OpenSection, Section, about, validated
 from mars.decoding.settings import decoding_block_size
 from mars.figures import PlotSettings, plot_settings
 from mars.metadata import (
@@ -193,6 +194,21 @@ class EvalDecoding(OpenSection):
     batch_size: Annotated[int, Field(ge=1), about("prompts decoded together (outputs do not depend on it)")]
 
 
+class VerifySection(Section):
+    """``verify``: the lossless verify point every sweep includes beside its thresholds."""
+
+    enabled: Annotated[bool, about("false: no verify point")]
+    limit: Annotated[
+        Annotated[int, Field(ge=1, description="samples per task; null: as many as the sweep")] | None,
+        about("samples per task it decodes (the first ones): its outputs are tau=1.0's, so a few measure its speed"),
+    ]
+    decoding: Annotated[
+        str,
+        Field(pattern=r"^[A-Za-z0-9_-]+$", description="the name of a decoding config of conf/decoding/"),
+        about("the lossless verify config it decodes with (conf/decoding/): mars_verified, mars_lookup, ..."),
+    ]
+
+
 class EvaluateConfig(OpenSection):
     """``evaluate.yaml``: the type and range of every key an evaluation reads (values: the YAML files).  The
     descriptions are what ``python evaluate.py --help`` prints (mars.cli.help)."""
@@ -214,6 +230,13 @@ class EvaluateConfig(OpenSection):
         list[float] | float | None, about("a sweep, e.g. [1.0,0.9,0.8] (wins over threshold; 1.0 is always added)")
     ]
     reference: Annotated[bool, about("a single threshold also runs the AR reference point (deltas, agreement)")]
+    verify: Annotated[
+        VerifySection | None,
+        about(
+            "the lossless verify point beside the thresholds: {enabled, limit (samples per task), decoding (its "
+            "config)}; tau=1.0 with verified drafts, its tokens per forward and speed-up over the AR point"
+        ),
+    ] = None
     limit: Annotated[
         float | None,
         AfterValidator(lambda v: v if v is None else _positive_limit(v)),
@@ -238,9 +261,132 @@ class EvaluateConfig(OpenSection):
     ]
 
 
+# ------------------------------------------------------------------------------------------------
+# The verify point
+# ------------------------------------------------------------------------------------------------
+# The settings a verify point takes from the run's decoding, so that it decodes the reference point's samples (the
+# block, the acceptance metric, the token budget, greedy or not) and is timed as that point is (the cache, the cap on
+# a step's columns, the batch size); every other setting comes from its own decoding config.
+SHARED_DECODING_KEYS = (
+    "block_size",
+    "metric",
+    "max_new_tokens",
+    "temperature",
+    "seed",
+    "cache",
+    "cache_block",
+    "max_step_columns",
+    "batch_size",
+)
+
+
+def is_lossless_verify(decoding: Any, threshold: float) -> bool:
+    """Whether decoding settings (a mapping or DecodingSettings) at ``threshold`` are lossless verify: drafts checked
+    against the greedy AR choice (not Medusa's typical acceptance), greedy, at the exact threshold: the AR output at
+    more tokens per forward."""
+    get = decoding.get if isinstance(decoding, dict) else lambda key: getattr(decoding, key, None)
+    exact = threshold == reference_threshold(str(get("metric") or "probability"))
+    return bool(get("verify")) and exact and not get("typical_epsilon") and not get("temperature")
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """The lossless verify point: the reference threshold decoded with verified drafts (the settings of the decoding
+    config ``config`` over the run's SHARED_DECODING_KEYS) on the first ``limit`` samples of every task (None: as
+    many as the sweep), in the results folder's ``verify`` point."""
+
+    config: str
+    decoding: dict[str, Any]
+    limit: int | None
+    threshold: float
+
+    def settings(self):
+        from mars.decoding.settings import DecodingSettings
+
+        return DecodingSettings.from_mapping(self.decoding, threshold=self.threshold)
+
+    def identity(self) -> dict[str, Any]:
+        """What a finished verify point must have been decoded with to be reused (its summary records it)."""
+        return {"config": self.config, "settings": self.settings().as_dict(), "limit": self.limit}
+
+    def samples(self, cut: int) -> int:
+        """Samples of a task it decodes, given how many the sweep evaluates (``cut``)."""
+        return cut if self.limit is None else min(cut, self.limit)
+
+
+def decoding_config(name: str) -> dict[str, Any]:
+    """The decoding config ``name`` (``conf/decoding/<name>.yaml`` with its defaults) as Hydra composes it: on the
+    running application's search path (``--config-dir`` folders included), else on the package's configs."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    from mars.paths import conf_dir
+
+    try:
+        if GlobalHydra.instance().is_initialized():
+            cfg = compose(config_name=f"decoding/{name}")
+        else:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                cfg = compose(config_name=f"decoding/{name}")
+    except MissingConfigException:
+        options = sorted(p.stem for p in (conf_dir() / "decoding").glob("*.yaml"))
+        raise ValueError(
+            f"verify.decoding={name!r} names no decoding config: choose one of {options} (conf/decoding/), or "
+            "verify.enabled=false for no verify point"
+        ) from None
+    return OmegaConf.to_container(cfg.get("decoding") or {}, resolve=True)
+
+
+def verify_plan(section: VerifySection | None, decoding: dict[str, Any], thresholds: list[float]) -> VerifyPlan | None:
+    """The verify point of a run (None: ``verify.enabled=false``, or a run it does not apply to, logged saying why);
+    its decoding config composed and every setting checked, or refused naming ``verify.decoding`` and the fix."""
+    from mars.decoding.settings import DecodingSettings
+
+    if section is None or not section.enabled:
+        return None
+    reference = reference_threshold(str(decoding.get("metric", "probability")))
+    skip = None
+    if decoding.get("verify"):
+        skip = (
+            f"decoding={decoding.get('name')} verifies at every point already (its τ={reference:.1f} point is verify)"
+        )
+    elif reference not in thresholds:
+        skip = f"the sweep has no τ={reference:.1f} point (reference=false), the point it is measured against"
+    elif decoding.get("temperature"):
+        skip = "decoding.temperature > 0 samples, and the verify point reproduces greedy AR"
+    if skip:
+        log.info("no verify point: %s", skip)
+        return None
+    name = section.decoding
+    composed = decoding_config(name)
+    mapping = {**composed, **{k: decoding[k] for k in SHARED_DECODING_KEYS if k in decoding}}
+    fix = "name another config with verify.decoding=..., or verify.enabled=false for no verify point"
+    try:
+        settings = DecodingSettings.from_mapping(mapping, threshold=reference)
+        settings.check_every_row()
+    except ValueError as err:
+        raise ValueError(
+            f"verify.decoding={name!r} (over this run's {', '.join(SHARED_DECODING_KEYS)}): {err}; {fix}"
+        ) from None
+    if not settings.verify:
+        raise ValueError(
+            f"verify.decoding={name!r} does not verify (its verify is false): the verify point needs a verify "
+            f"config such as mars_verified; {fix}"
+        )
+    if not is_lossless_verify(settings, reference):
+        raise ValueError(
+            f"verify.decoding={name!r} is lossy (typical_epsilon {settings.typical_epsilon:g}): the verify point "
+            f"reproduces the τ={reference:.1f} output, so its accuracy is that point's; evaluate typical acceptance as "
+            f"a run of its own (decoding={name}); {fix}"
+        )
+    return VerifyPlan(config=name, decoding=mapping, limit=section.limit, threshold=reference)
+
+
 @dataclass
 class CheckedConfig:
-    """What the config says once checked: the thresholds to run, the block size and decoding settings."""
+    """What the config says once checked: the thresholds to run, the block size and decoding settings, the verify
+    point."""
 
     settings: EvaluateConfig
     thresholds: list[float]
@@ -248,6 +394,7 @@ class CheckedConfig:
     block_size: int
     decoding: dict[str, Any]
     checkpoint_meta: dict[str, Any] | None
+    verify: VerifyPlan | None = None
 
 
 def check_config(resolved: dict[str, Any]) -> CheckedConfig:
@@ -262,16 +409,17 @@ def check_config(resolved: dict[str, Any]) -> CheckedConfig:
     decoding = {**resolved["decoding"], "block_size": block}
     reference = reference_threshold(str(decoding.get("metric", "probability")))
     try:
-        DecodingSettings.from_mapping(decoding, threshold=reference)
+        DecodingSettings.from_mapping(decoding, threshold=reference).check_every_row()
     except ValueError as err:
         raise ValueError(f"decoding: {err}") from None
+    verify = verify_plan(settings.verify, decoding, thresholds)
     for warning in (
         block_size_mismatch((checkpoint_meta or {}).get("block_size"), block),
         untrained_thresholds(resolved, checkpoint_meta, thresholds, decoding),
     ):
         if warning:
             log.warning(warning)
-    return CheckedConfig(settings, thresholds, added, block, decoding, checkpoint_meta)
+    return CheckedConfig(settings, thresholds, added, block, decoding, checkpoint_meta, verify)
 
 
 def untrained_thresholds(
@@ -317,19 +465,26 @@ class Plan:
     checkpoint_meta: dict[str, Any] | None = None
     compare: list[Path] = field(default_factory=list)
     task_manager: Any = field(default=None, repr=False)
+    verify: VerifyPlan | None = None  # the lossless verify point beside the thresholds (None: none this run)
 
     def verify_lossless(self, threshold: float) -> bool:
-        """Whether the point at ``threshold`` is lossless verify: drafts checked against the greedy AR choice
-        (not Medusa's typical acceptance), greedy, at the exact threshold: the AR output at more tokens per
-        forward (drawn and labelled apart in the plots)."""
-        d = self.decoding
-        exact = threshold == reference_threshold(str(d.get("metric", "probability")))
-        return bool(d.get("verify")) and exact and not d.get("typical_epsilon") and not d.get("temperature")
+        """Whether the sweep's point at ``threshold`` is lossless verify (:func:`is_lossless_verify`: drawn and
+        labelled apart in the plots)."""
+        return is_lossless_verify(self.decoding, threshold)
 
     @property
     def curve_label(self) -> str:
         name = str(self.decoding.get("name") or "mars")
         return f"{self.model_label} B={self.block_size}" + ("" if name == "mars" else f" ({name})")
+
+    def verify_label(self, config: str = "mars_verified") -> str:
+        """The curve label of the verify point (a curve of its own: it shares the AR point's accuracy, not its
+        line)."""
+        return (
+            f"{self.model_label} B={self.block_size} (verify"
+            + ("" if config == "mars_verified" else f", {config}")
+            + ")"
+        )
 
 
 def fingerprint_of(resolved: dict, block_size: int, suite) -> dict[str, Any]:
@@ -407,4 +562,5 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
         checkpoint_meta=checked.checkpoint_meta,
         compare=compare,
         task_manager=manager,
+        verify=checked.verify,
     )

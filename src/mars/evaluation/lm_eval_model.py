@@ -14,7 +14,8 @@ per-request ``max_gen_toks``, capped at the configured ``max_new_tokens`` (the p
 
 Resume: given a results folder (``use_results_dir``), every decoded batch is appended to the point's
 partial cache (store.RequestCache) and a request found there is not decoded again, so a killed run
-resumes at (threshold, task, sample).
+resumes at (threshold, task, sample).  A sweep moves the model from point to point: ``set_threshold`` (the
+sweep's settings at a threshold) and ``set_verify`` (the verify point's own settings, kept under its own point).
 
 Data parallel: launched by ``torchrun``/``accelerate launch`` (``WORLD_SIZE`` > 1) the model joins the
 process group through accelerate (as lm-eval's HFLM does) and reports its rank and world size; lm-eval
@@ -51,6 +52,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from mars.decoding.settings import DecodingSettings
+from mars.evaluation.store import VERIFY
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class RequestRecord:
     from_mask: list[bool]
     fidelity: dict[str, int] | None = None  # mars.decoding.fidelity.token_fidelity of this output
     resumed: bool = False
+    seconds: float | None = None  # its share of its batch's decoder time (a verify point is timed per sample)
 
 
 def _as_bool(value: Any) -> bool:
@@ -191,7 +194,7 @@ class MarsLM(TemplateLM):
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
         # validated before a model is loaded: a typo costs nothing
-        DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        DecodingSettings.from_mapping(settings, threshold=float(threshold)).check_every_row()
         if model is None:
             if pretrained is None:
                 raise ValueError("MarsLM needs a model (model=..., tokenizer=...) or pretrained=<path or hub id>")
@@ -203,6 +206,8 @@ class MarsLM(TemplateLM):
         self.mask_token_id = mask_token_id if mask_token_id is not None else tokenizer.mask_token_id
         # one validated object (mars.decoding.settings); the threshold is set per sweep point
         self.settings = DecodingSettings.from_mapping(settings, threshold=float(threshold))
+        self._sweep_settings = self.settings  # the thresholds' settings, kept while the verify point decodes
+        self.point: float | str = self.settings.threshold  # the results folder's point being decoded
         self.max_new_tokens = self.settings.max_new_tokens
         self.threshold = self.settings.threshold
         self.fidelity = _as_bool(fidelity)
@@ -284,8 +289,18 @@ class MarsLM(TemplateLM):
         self.task_stats: dict[str, TaskStats] = defaultdict(TaskStats)
 
     def set_threshold(self, threshold: float) -> None:
-        self.settings = self.settings.replace(threshold=float(threshold))
-        self.threshold = self.settings.threshold
+        """Decode the sweep's point at ``threshold``."""
+        self.settings = self._sweep_settings.replace(threshold=float(threshold))
+        self.threshold = self.point = self.settings.threshold
+
+    def set_verify(self, settings: DecodingSettings) -> None:
+        """Decode the verify point: its own settings, its generations cached under its own point."""
+        self.settings, self.threshold, self.point = settings, settings.threshold, VERIFY
+
+    @property
+    def point_label(self) -> str:
+        """The point being decoded, as the progress bar and the time estimate name it."""
+        return f"verify tau={self.threshold:g}" if self.point == VERIFY else f"tau={self.threshold:g}"
 
     def use_results_dir(self, results_dir, salt: str) -> None:
         """Keep finished generations in ``results_dir``'s partial cache (keys salted with ``salt``, the
@@ -385,8 +400,8 @@ class MarsLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs: list[str | None] = [None] * len(requests)
         groups = self._group_requests(requests)
-        bar = tqdm(total=len(requests), desc=f"generate tau={self.threshold:g}", disable=disable_tqdm)
-        self._eta = _Eta(len(requests), self.threshold, self.thresholds_to_run) if self._rank == 0 else None
+        bar = tqdm(total=len(requests), desc=f"generate {self.point_label}", disable=disable_tqdm)
+        self._eta = _Eta(len(requests), self.point_label, self.thresholds_to_run) if self._rank == 0 else None
         partial: dict[str, dict[str, dict]] = {}
         for (task, _), members in groups.items():
             self._generate_group(requests, task, members, outputs, bar, partial)
@@ -421,8 +436,8 @@ class MarsLM(TemplateLM):
         cache = None
         if self.results_dir is not None:
             if task not in partial:
-                partial[task] = self.results_dir.load_partial(self.threshold, task)
-            cache = self.results_dir.request_cache(self.threshold, task, self._rank)
+                partial[task] = self.results_dir.load_partial(self.point, task)
+            cache = self.results_dir.request_cache(self.point, task, self._rank)
         done = partial.get(task, {})
         todo = []
         for i in members:
@@ -516,6 +531,7 @@ class MarsLM(TemplateLM):
             from_mask=row["from_mask"],
             fidelity=row.get("fidelity"),
             resumed=resumed,
+            seconds=row["seconds"],
         )
         self.cache_hook.add_partial("generate_until", request.args, row["text"])
 
@@ -584,8 +600,8 @@ class _Eta:
     """The time a threshold's generations will take, estimated once from the first decoded batch (the
     longest prompts of the first task: an estimate on the high side) and logged as one line."""
 
-    def __init__(self, total: int, threshold: float, thresholds: int):
-        self.total, self.threshold, self.thresholds = total, threshold, max(1, int(thresholds))
+    def __init__(self, total: int, label: str, thresholds: int):
+        self.total, self.label, self.thresholds = total, label, max(1, int(thresholds))
         self.resumed, self.done, self.logged = 0, 0, False
         self.start = time.perf_counter()
 
@@ -597,7 +613,7 @@ class _Eta:
         self.logged = True
         each = (time.perf_counter() - self.start) / self.done
         line = (
-            f"tau={self.threshold:g}: about {_duration(each * todo)} per threshold for {todo:,} requests "
+            f"{self.label}: about {_duration(each * todo)} per threshold for {todo:,} requests "
             f"({each:.2f} s each over the first {self.done})"
         )
         if self.thresholds > 1:

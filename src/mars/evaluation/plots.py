@@ -11,7 +11,10 @@ under the axes), has one legend entry per drawn curve plus one for the reference
 threshold label inside the axes.  The speed-up panel (where points carry a measured ``speedup``: generated
 tokens per second over the same run's threshold 1.0 point's, on the machine its caption names) shows what the
 forwards saved cost or gain in time; curves whose threshold 1.0 point is verify itself are left out of it (their
-speed-up would be against verify, not AR).  Format and resolution: ``plots`` in conf/evaluate.yaml (mars.figures).
+speed-up would be against verify, not AR).  A run's verify point (``mode: verify``, a curve of its own label) is a
+star labelled ``verify (lossless)`` in both panels, at the threshold 1.0 accuracy it shares by construction, its
+speed-up measured over the AR point on its own samples.  Format and resolution: ``plots`` in conf/evaluate.yaml
+(mars.figures).
 """
 
 from __future__ import annotations
@@ -96,9 +99,11 @@ def speedup_caption(curves: dict[str, list[dict[str, Any]]]) -> str:
     """What the speed-up axis measures and on which machine(s)."""
     machines = sorted({str(p["machine"]) for pts in curves.values() for p in pts if p.get("machine")})
     where = "; ".join(machines) or "a machine not recorded"
+    verify = any(p.get("mode") == "verify" for pts in curves.values() for p in pts)
     return (
-        f"Speed-up: generated tokens per second over the same run's τ=1.0 point's, decoder wall clock, "
-        f"measured on {where}; one timing per point, no interval."
+        "Speed-up: generated tokens per second over the same run's τ=1.0 point's"
+        + (" (verify: on the samples it decoded)" if verify else "")
+        + f", decoder wall clock, measured on {where}; one timing per point, no interval."
     )
 
 

@@ -2,16 +2,18 @@
 per threshold the accuracy with its change from threshold 1.0, the 95% intervals of both (the change as a
 paired bootstrap over the same documents), the tokens per forward with its interval, beside it the wall-clock
 speed-up over threshold 1.0 (measured, on the machine the preamble names), and the agreement with the threshold
-1.0 output.  Then an agreement section (exact, chrF, token F1, per-token fidelity, each
-with its interval), the paired comparisons with the runs named in ``compare``, and throughput."""
+1.0 output; after the threshold 1.0 row the lossless verify point's (its accuracy, whether its outputs are the
+threshold 1.0 outputs, tokens per forward, speed-up, acceptance length).  Then an agreement section (exact, chrF,
+token F1, per-token fidelity, each with its interval), the paired comparisons with the runs named in ``compare``,
+and throughput."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mars.evaluation.aggregate import AVERAGE
+from mars.evaluation.aggregate import AVERAGE, is_verify, row_of
 from mars.evaluation.config import Plan, reference_threshold
-from mars.evaluation.store import ResultsDir
+from mars.evaluation.store import VERIFY, Point, ResultsDir
 from mars.persistence import atomic_write_text
 
 
@@ -74,16 +76,36 @@ def render_table(plan: Plan, points: list[dict[str, Any]]) -> str:
     reference = reference_threshold(metric)
     ref = fmt_threshold(reference)
     columns = [spec.label for spec in plan.suite.tasks] + ([AVERAGE] if len(plan.suite.tasks) > 1 else [])
-    cell = {(p["threshold"], p["task"]): p for p in points}
-    thresholds = sorted({p["threshold"] for p in points}, reverse=(metric != "entropy"))
+    cell = {(row_of(p), p["task"]): p for p in points}
+    thresholds = sorted({p["threshold"] for p in points if not is_verify(p)}, reverse=(metric != "entropy"))
+    rows = table_rows(thresholds, reference, any(is_verify(p) for p in points))
     lines = _preamble(plan, points, metric, ref)
-    lines += _main_table(columns, thresholds, cell, reference, _reference_label(plan.decoding))
-    lines += _agreement_section(columns, thresholds, cell, ref)
+    lines += _main_table(columns, rows, cell, reference, _reference_label(plan.decoding))
+    lines += _agreement_section(columns, rows, cell, ref)
     lines += _compare_section(columns, thresholds, cell, points, ref)
-    lines += _throughput_section(columns, thresholds, cell)
-    n = {p["task"]: p["n_samples"] for p in points}
-    lines += ["", "Samples per task: " + ", ".join(f"{c} {n.get(c, 0)}" for c in columns if c != AVERAGE) + "."]
+    lines += _throughput_section(columns, rows, cell)
+    lines += ["", "Samples per task: " + _sample_counts(points, columns, verify=False) + "."]
+    if any(is_verify(p) for p in points):
+        lines[-1] += " Verify point: " + _sample_counts(points, columns, verify=True) + "."
     return "\n".join(lines) + "\n"
+
+
+def table_rows(thresholds: list[float], reference: float, verify: bool) -> list[Point]:
+    """The table's rows: the thresholds in sweep order, the verify point right after the reference threshold."""
+    rows: list[Point] = list(thresholds)
+    if verify:
+        rows.insert(rows.index(reference) + 1 if reference in rows else 0, VERIFY)
+    return rows
+
+
+def row_name(row: Point) -> str:
+    """A row's name in the agreement and throughput sections: the threshold, or ``verify``."""
+    return "verify" if row == VERIFY else fmt_threshold(row)
+
+
+def _sample_counts(points: list[dict[str, Any]], columns: list[str], verify: bool) -> str:
+    n = {p["task"]: p["n_samples"] for p in points if is_verify(p) == verify}
+    return ", ".join(f"{c} {n.get(c, 0)}" for c in columns if c != AVERAGE)
 
 
 def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -> list[str]:
@@ -136,6 +158,32 @@ def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -
         ]
     if plan.reference_added:
         lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
+    lines += _verify_note([p for p in points if is_verify(p)], ref)
+    return lines
+
+
+def _verify_note(verify: list[dict[str, Any]], ref: str) -> list[str]:
+    """What the verify row is, and why a few samples per task are enough for it."""
+    if not verify:
+        return []
+    config = verify[0].get("verify_config") or "mars_verified"
+    limit = verify[0].get("verify_limit")
+    how_many = f"at most the first {limit} samples of each task" if limit else "the sweep's samples"
+    text = (
+        f"*verify* = τ = {ref} decoded with verified drafts (`{config}`; `verify.enabled=false` leaves it out): "
+        f"lossless, its outputs are the τ = {ref} outputs by construction (*identical* = samples whose output equals "
+        f"τ = {ref}'s token for token), so its accuracy is τ = {ref}'s and it decodes {how_many} (`verify.limit`), "
+        f"enough to measure its speed; its *speed-up* is over the τ = {ref} point's decoder time on those same samples"
+    )
+    if any(p.get("speedup_samples") == "all_samples" for p in verify):
+        text += f" (over all of τ = {ref}'s samples where they predate per-sample times)"
+    lines = ["", text + "."]
+    if any(p.get("outputs_identical") is False for p in verify):
+        lines += [
+            "",
+            f"**Verify's outputs differ from τ = {ref}'s on some samples**, which lossless verify never does: its "
+            "accuracy there is its own samples', with the change on the same documents.",
+        ]
     return lines
 
 
@@ -166,13 +214,15 @@ def _reference_label(decoding) -> str:
     return f"typical ε={eps:g}" if decoding.get("verify") and eps > 0 else "AR"
 
 
-def _main_table(
-    columns: list[str], thresholds: list[float], cell: dict, reference: float, label: str = "AR"
-) -> list[str]:
+def _main_table(columns: list[str], points: list[Point], cell: dict, reference: float, label: str = "AR") -> list[str]:
     """Per threshold: accuracy (and its change), the intervals, tokens per forward and the wall-clock speed-up
-    over the reference (and the mean acceptance length where drafts were verified) and agreement."""
+    over the reference (and the mean acceptance length where drafts were verified) and agreement; the verify
+    point's rows after the reference's."""
     lines = ["", *_table_head(columns)]
-    for thr in thresholds:
+    for thr in points:
+        if thr == VERIFY:
+            lines += _verify_rows(columns, cell, reference)
+            continue
         name = f"**{fmt_threshold(thr)}** ({label})" if thr == reference else f"**{fmt_threshold(thr)}**"
         lengths = [_get(cell, (thr, c), "mean_acceptance_length") for c in columns]
         rows = [
@@ -188,7 +238,42 @@ def _main_table(
     return lines
 
 
-def _throughput_section(columns: list[str], thresholds: list[float], cell: dict) -> list[str]:
+def _verify_rows(columns: list[str], cell: dict, reference: float) -> list[str]:
+    """The verify point: its accuracy (the reference's where its outputs are identical), how many of its outputs are
+    identical to the reference's, tokens per forward, speed-up over the reference, mean acceptance length."""
+    points = [cell.get((VERIFY, c)) for c in columns]
+    lengths = [(p or {}).get("mean_acceptance_length") for p in points]
+    rows = [
+        (
+            f"**verify** (τ={fmt_threshold(reference)}, lossless)",
+            "acc",
+            [_fmt_verify_acc(p, reference) for p in points],
+        ),
+        ("", "identical", [_fmt_identical(p) for p in points]),
+        ("", "tok/fwd", [_interval_cell(p, "tokens_per_forward", ".2f", 1.0) for p in points]),
+        ("", "speed-up", [_fmt_speedup(p) for p in points]),
+        *([("", "accept. len", [_fmt(v, ".2f") for v in lengths])] if any(v is not None for v in lengths) else []),
+    ]
+    return [f"| {first} | {what} | " + " | ".join(cells) + " |" for first, what, cells in rows]
+
+
+def _fmt_verify_acc(p: dict[str, Any] | None, reference: float) -> str:
+    if p is None or p.get("accuracy") is None:
+        return "–"
+    if p.get("accuracy_from") == "reference":
+        return f"{100 * p['accuracy']:.1f} (= τ {fmt_threshold(reference)})"
+    delta = p.get("accuracy_delta")
+    return f"{100 * p['accuracy']:.1f}" + ("" if delta is None else f" ({100 * delta:+.1f} on its samples)")
+
+
+def _fmt_identical(p: dict[str, Any] | None) -> str:
+    if p is None or p.get("n_identical") is None:
+        return "–"
+    return f"{p['n_identical']}/{p['n_samples']}"
+
+
+def _throughput_section(columns: list[str], thresholds: list[Point], cell: dict) -> list[str]:
+    """Tokens per second and decoder seconds per row (the verify point's over its own samples)."""
     lines = [
         "",
         "## Throughput",
@@ -200,12 +285,12 @@ def _throughput_section(columns: list[str], thresholds: list[float], cell: dict)
     for thr in thresholds:
         cells_tps = [_fmt(_get(cell, (thr, c), "tokens_per_second"), ".1f") for c in columns]
         cells_wall = [_fmt(_get(cell, (thr, c), "wall_seconds"), ".1f") for c in columns]
-        lines.append(f"| **{fmt_threshold(thr)}** | tok/s | " + " | ".join(cells_tps) + " |")
+        lines.append(f"| **{row_name(thr)}** | tok/s | " + " | ".join(cells_tps) + " |")
         lines.append("|  | wall s | " + " | ".join(cells_wall) + " |")
     return lines
 
 
-def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, ref: str) -> list[str]:
+def _agreement_section(columns: list[str], thresholds: list[Point], cell: dict, ref: str) -> list[str]:
     lines = [
         "",
         f"## Agreement with the τ = {ref} output",
@@ -227,7 +312,7 @@ def _agreement_section(columns: list[str], thresholds: list[float], cell: dict, 
                 continue
             n = p.get("n_samples")
             lines.append(
-                f"| {fmt_threshold(thr)} | {c} | {n if n is not None else '–'} | "
+                f"| {row_name(thr)} | {c} | {n if n is not None else '–'} | "
                 + " | ".join(
                     _interval_cell(p, k)
                     for k in ("agreement", "agreement_chrf", "agreement_token_f1", "fidelity", "ar_equal", "mask_share")

@@ -1,12 +1,15 @@
 """``evaluate.py``'s body: a threshold sweep over a benchmark suite with the model loaded once.
 
 Nothing is written before the whole config has been checked (config.prepare: thresholds, every
-decoding setting, tasks, checkpoint, results folder, code sandbox).  Then, for every threshold (the AR
-reference point first) the leaf tasks whose samples file is not complete run through lm-eval with the
-MARS lm-eval model (:mod:`mars.evaluation.lm_eval_model`), which appends every decoded batch to the point's partial cache and each finished
-(threshold, task) point is written at once, so an interrupted sweep resumes where it stopped, down to
-the sample.  Then the folder's points are aggregated into points.json/csv, the paper-style table and the
-Pareto plots, and optionally sent to W&B.
+decoding setting, the verify point, tasks, checkpoint, results folder, code sandbox).  Then, for every point (the AR
+reference point first, the lossless verify point next, then the other thresholds) the leaf tasks whose samples file
+is not complete run through lm-eval with the MARS lm-eval model (:mod:`mars.evaluation.lm_eval_model`), which
+appends every decoded batch to the point's partial cache and each finished (point, task) is written at once, so an
+interrupted sweep resumes where it stopped, down to the sample.  The verify point decodes the first
+``verify.limit`` samples of every task with its own settings (its outputs are the reference's by construction, so
+those measure its speed); its summary records those settings, and a finished one decoded with others is decoded
+again.  Then the folder's points are aggregated into points.json/csv, the paper-style table and the Pareto plots,
+and optionally sent to W&B.
 
 Data parallel (``torchrun --nproc-per-node N evaluate.py ...`` or ``accelerate launch evaluate.py ...``):
 every rank loads the model, lm-eval gives each rank every N-th document, the per-request records are
@@ -29,7 +32,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mars.evaluation.config import Plan, prepare, reference_threshold
-from mars.evaluation.store import ResultsDir, fingerprint_hash, threshold_key
+from mars.evaluation.store import VERIFY, Point, ResultsDir, fingerprint_hash, threshold_key
 from mars.evaluation.tasks import code_sandbox, primary_metric, task_manager
 from mars.persistence import fingerprint_differences, folder_lock
 
@@ -43,7 +46,7 @@ class EvalOutcome:
     points: list[dict]
     table: str
     plots: list[Path]
-    computed: list[tuple[float, str]]  # (threshold, task) points computed by this call
+    computed: list[tuple[Point, str]]  # (threshold or VERIFY, task) points computed by this call
     lm: Any = None
 
 
@@ -110,8 +113,9 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
-    """One lm-eval pass over ``leaves`` at the lm-eval model's current threshold."""
+def _run_lm_eval(plan: Plan, lm, leaves: list[str], samples: dict[str, list[int]] | None = None) -> dict:
+    """One lm-eval pass over ``leaves`` at the lm-eval model's current point: the sweep's ``limit`` samples per
+    task, or the documents ``samples`` names per task."""
     from lm_eval.evaluator import evaluate
 
     from mars.logs import folded_lm_eval_task_logs
@@ -136,7 +140,8 @@ def _run_lm_eval(plan: Plan, lm, leaves: list[str]) -> dict:
         return evaluate(
             lm=lm,
             task_dict=loaded,
-            limit=plan.resolved.get("limit"),
+            limit=None if samples is not None else plan.resolved.get("limit"),
+            samples=samples,
             bootstrap_iters=0,
             log_samples=True,
             system_instruction=suite.system_instruction,
@@ -162,10 +167,12 @@ def _samples_per_task(plan: Plan, leaves: list[str]) -> dict[str, int]:
     return counts
 
 
-def plan_line(plan: Plan, todo: dict[float, list[str]], samples: dict[str, int]) -> str:
+def plan_line(
+    plan: Plan, todo: dict[float, list[str]], samples: dict[str, int], verify: list[str] | None = None
+) -> str:
     """One line saying what the run is about to do, before the model loads: the model or checkpoint (and
     whether its masks had MARS training), the decoding, the tasks with their samples per threshold, the
-    thresholds still to run, and where the results go."""
+    thresholds still to run, the verify point, and where the results go."""
     from mars.metadata import mars_trained
 
     checkpoint = plan.resolved.get("checkpoint")
@@ -176,17 +183,31 @@ def plan_line(plan: Plan, todo: dict[float, list[str]], samples: dict[str, int])
         model = f"base model {(plan.resolved.get('model') or {}).get('name_or_path')} (no MARS training)"
     running = [t for t, leaves in todo.items() if leaves]
     per_threshold = sorted({sum(samples.get(leaf, 0) for leaf in todo[t]) for t in running})
-    counts = f"{per_threshold[0]:,}" + (f" to {per_threshold[-1]:,}" if len(per_threshold) > 1 else "")
     names = [spec.name for spec in plan.suite.tasks]
     tasks = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     limit = plan.resolved.get("limit")
+    if running:
+        counts = f"{per_threshold[0]:,}" + (f" to {per_threshold[-1]:,}" if len(per_threshold) > 1 else "")
+        sweep = f"{counts} samples per threshold" + (f" (limit={limit:g})" if limit is not None else "")
+        sweep += f"; thresholds {', '.join(threshold_key(t) for t in running)} ({len(running)} to run)"
+    else:
+        sweep = "every threshold finished"
     return (
         f"plan: {plan.model_label}: {model}, B={plan.block_size}, decoding {plan.decoding.get('name') or 'mars'}; "
-        f"benchmarks {plan.suite.name} ({tasks}): {counts} samples per threshold"
-        + (f" (limit={limit:g})" if limit is not None else "")
-        + f"; thresholds {', '.join(threshold_key(t) for t in running)} ({len(running)} to run); "
-        f"results in {plan.output_dir}"
+        f"benchmarks {plan.suite.name} ({tasks}): {sweep}; "
+        + _verify_words(plan, samples, verify)
+        + f"results in {plan.output_dir}"
     )
+
+
+def _verify_words(plan: Plan, samples: dict[str, int], verify: list[str] | None) -> str:
+    """The plan line's words on the verify point."""
+    if plan.verify is None:
+        return ""
+    if not verify:
+        return "verify point finished; "
+    n = sum(plan.verify.samples(samples.get(leaf, 0)) for leaf in verify)
+    return f"verify point ({plan.verify.config}, lossless) on {n:,} samples; "
 
 
 def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: str | None) -> list[dict]:
@@ -224,6 +245,7 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
                 output_ids=record.output_ids,
                 from_mask=record.from_mask,
                 resumed=record.resumed,
+                seconds=record.seconds,
             )
             if record.fidelity is not None:
                 row["fidelity"] = record.fidelity
@@ -232,10 +254,11 @@ def _sample_rows(task: str, logged: list[dict], lm, metric: str | None, filt: st
 
 
 def _write_points(
-    plan: Plan, store: ResultsDir, threshold: float, leaves: list[str], results: dict, lm, seconds: float
+    plan: Plan, store: ResultsDir, point: Point, leaves: list[str], results: dict, lm, seconds: float
 ) -> None:
     from mars.hardware import describe
 
+    threshold = plan.verify.threshold if point == VERIFY else point
     for leaf in leaves:
         spec = plan.suite.spec_of_leaf(leaf)
         task_results = results["results"].get(leaf, {})
@@ -254,8 +277,10 @@ def _write_points(
             "lm_eval_seconds_all_tasks": seconds,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        store.write_point(threshold, leaf, rows, summary)
-        store.discard_partial(threshold, leaf)  # the point holds every generation now
+        if point == VERIFY:
+            summary["verify"] = plan.verify.identity()  # what it was decoded with: reused only for the same
+        store.write_point(point, leaf, rows, summary)
+        store.discard_partial(point, leaf)  # the point holds every generation now
 
 
 def _gather_records(lm) -> None:
@@ -272,6 +297,31 @@ def _gather_records(lm) -> None:
             total = lm.task_stats[task]
             for name, value in values.items():
                 setattr(total, name, getattr(total, name) + value)
+
+
+def verify_done(plan: Plan, store: ResultsDir, leaf: str) -> bool:
+    """Whether the verify point of ``leaf`` is finished with the settings this run decodes it with (one decoded
+    with other settings or another limit is decoded again, replacing it)."""
+    if plan.verify is None or not store.is_complete(VERIFY, leaf):
+        return False
+    try:
+        saved = store.read_summary(VERIFY, leaf).get("verify")
+    except (OSError, ValueError):
+        return False
+    if saved == plan.verify.identity():
+        return True
+    log.info("the verify point of %s was decoded with other settings or another limit: decoding it again", leaf)
+    return False
+
+
+def _running_order(plan: Plan, todo: dict[float, list[str]], verify: list[str]) -> list[tuple[Point, list[str]]]:
+    """The points to decode: the reference threshold first, the verify point right after it (the two it compares are
+    timed as close together as they can be), then the other thresholds."""
+    order: list[tuple[Point, list[str]]] = [(thr, leaves) for thr, leaves in todo.items() if leaves]
+    if verify:
+        after = next((i + 1 for i, (thr, _) in enumerate(order) if thr == plan.verify.threshold), 0)
+        order.insert(after, (VERIFY, verify))
+    return order
 
 
 def _attach_log_file(store: ResultsDir) -> logging.Handler:
@@ -313,9 +363,10 @@ def _claim_folder(plan: Plan, store: ResultsDir) -> logging.Handler:
         # prepare() let it through: no complete point, so nothing of the old config is kept
         log.info("%s held no complete point of its earlier config: starting it afresh", store.root)
         store.discard_partial()
-    for thr, leaf in store.partial_points():  # left behind by a kill right after a point completed
-        if store.is_complete(thr, leaf):
-            store.discard_partial(thr, leaf)
+    for point, leaf in store.partial_points():  # left behind by a kill right after a point completed
+        finished = verify_done(plan, store, leaf) if point == VERIFY else store.is_complete(point, leaf)
+        if finished:
+            store.discard_partial(point, leaf)
     handler = _attach_log_file(store)
     store.write_config(plan.resolved, plan.fingerprint)
     return handler
@@ -328,40 +379,52 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
     from mars.figures import plot_settings
 
     todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
-    for thr, leaves in todo.items():
+    verify = [leaf for leaf in plan.suite.leaves if not verify_done(plan, store, leaf)] if plan.verify else []
+    for point, leaves in [*todo.items(), *([(VERIFY, verify)] if plan.verify else [])]:
         done = len(plan.suite.leaves) - len(leaves)
         if done:
             log.info(
-                "threshold %s: %d of %d tasks already complete in %s, skipped",
-                threshold_key(thr),
+                "%s: %d of %d tasks already complete in %s, skipped",
+                "verify point" if point == VERIFY else f"threshold {threshold_key(point)}",
                 done,
                 len(plan.suite.leaves),
                 store.root,
             )
 
-    computed: list[tuple[float, str]] = []
+    computed: list[tuple[Point, str]] = []
     if plan.resolved.get("threads"):
         from mars.hardware import configure_threads
 
         configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
-    if any(todo.values()):
+    if any(todo.values()) or verify:
+        needed = sorted({x for ls in [*todo.values(), verify] for x in ls})
+        samples = _samples_per_task(plan, needed) if rank == 0 or verify else {}
         if rank == 0:
-            log.info(plan_line(plan, todo, _samples_per_task(plan, sorted({x for ls in todo.values() for x in ls}))))
+            log.info(plan_line(plan, todo, samples, verify))
         if lm is None:
             lm = build_lm(plan, load_for_plan(plan))
         lm.fidelity = bool(plan.resolved.get("fidelity", True))
         lm.use_results_dir(store, fingerprint_hash(plan.fingerprint))
-        running = [(thr, leaves) for thr, leaves in todo.items() if leaves]
-        for i, (thr, leaves) in enumerate(running):
-            lm.thresholds_to_run = len(running) - i  # this one included: the time estimate covers them all
-            lm.set_threshold(thr)
-            log.info("threshold %s: running %s", threshold_key(thr), ", ".join(leaves))
+        running = _running_order(plan, todo, verify)
+        thresholds_left = sum(point != VERIFY for point, _ in running)
+        for point, leaves in running:
             t0 = time.perf_counter()
-            results = _run_lm_eval(plan, lm, leaves)
+            if point == VERIFY:
+                lm.thresholds_to_run = 1  # its own estimate: it decodes a few samples per task
+                lm.set_verify(plan.verify.settings())
+                log.info("verify point (%s): running %s", plan.verify.config, ", ".join(leaves))
+                first = {leaf: list(range(plan.verify.samples(samples[leaf]))) for leaf in leaves}
+                results = _run_lm_eval(plan, lm, leaves, samples=first)
+            else:
+                lm.thresholds_to_run = thresholds_left  # this one included: the time estimate covers them all
+                thresholds_left -= 1
+                lm.set_threshold(point)
+                log.info("threshold %s: running %s", threshold_key(point), ", ".join(leaves))
+                results = _run_lm_eval(plan, lm, leaves)
             _gather_records(lm)
             if rank == 0:
-                _write_points(plan, store, thr, leaves, results, lm, time.perf_counter() - t0)
-            computed.extend((thr, leaf) for leaf in leaves)
+                _write_points(plan, store, point, leaves, results, lm, time.perf_counter() - t0)
+            computed.extend((point, leaf) for leaf in leaves)
     if rank != 0:
         return EvalOutcome(plan, store.root, [], "", [], computed, lm)
 

@@ -6,7 +6,9 @@ Layout (``outputs/eval/<run-name>/``)::
     samples/<threshold>/<task>.jsonl per-sample outputs, metrics and decoder stats of one point
     samples/<threshold>/<task>.json  the point's summary (lm-eval metrics, tokens/forward, timing);
                                      written last, so its presence marks the point complete
-    partial/<threshold>/<task>.jsonl append-only cache of the point's finished generations (one line
+    samples/verify/<task>.jsonl|json the lossless verify point (threshold 1.0 with verified drafts, on the
+                                     first samples of each task; its summary records its settings)
+    partial/<point>/<task>.jsonl     append-only cache of the point's finished generations (one line
                                      per request, keyed by a hash of prompt + settings + config
                                      fingerprint), written after every decoded batch: a killed run
                                      resumes at (threshold, task, sample) and decodes only what is
@@ -61,9 +63,45 @@ def threshold_key(threshold: float) -> str:
     return repr(float(round(float(threshold), 6)))
 
 
+# The lossless verify point: a point of its own beside the thresholds (at threshold 1.0, so no threshold can
+# name it), and the name of its folders
+VERIFY = "verify"
+Point = float | str  # a threshold, or VERIFY
+
+
+def point_key(point: Point) -> str:
+    """Folder name of a point: its threshold's (:func:`threshold_key`), or ``verify``."""
+    return VERIFY if point == VERIFY else threshold_key(point)
+
+
+def _point_of(name: str) -> Point | None:
+    """The point a folder name stands for (None: no point's folder)."""
+    if name == VERIFY:
+        return VERIFY
+    try:
+        return float(name)
+    except ValueError:
+        return None
+
+
+def canonical_fingerprint(fingerprint: dict) -> dict:
+    """``fingerprint`` with every decoding setting it does not list at its default: a setting that the decoding
+    config starts to list at its default (or stops listing) changes no output, so it does not change a folder's
+    identity either."""
+    from dataclasses import MISSING, fields
+
+    from mars.decoding.settings import DecodingSettings
+
+    defaults = {f.name: f.default for f in fields(DecodingSettings) if f.default is not MISSING}
+    decoding = fingerprint.get("decoding")
+    if not isinstance(decoding, dict):
+        return fingerprint
+    return {**fingerprint, "decoding": {**defaults, **decoding}}
+
+
 def fingerprint_hash(fingerprint: dict) -> str:
     """A short stable hash of a config fingerprint (salts the partial cache's request keys)."""
-    text = json.dumps(fingerprint, sort_keys=True, default=json_default)
+    text = json.dumps(canonical_fingerprint(fingerprint), sort_keys=True, default=json_default)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
@@ -100,22 +138,23 @@ class ResultsDir:
     def config_path(self) -> Path:
         return self.root / CONFIG_FILE
 
-    def samples_path(self, threshold: float, task: str) -> Path:
-        return self.root / "samples" / threshold_key(threshold) / f"{task}.jsonl"
+    # A point is a threshold or VERIFY (the lossless verify point) throughout.
+    def samples_path(self, threshold: Point, task: str) -> Path:
+        return self.root / "samples" / point_key(threshold) / f"{task}.jsonl"
 
-    def summary_path(self, threshold: float, task: str) -> Path:
-        return self.root / "samples" / threshold_key(threshold) / f"{task}.json"
+    def summary_path(self, threshold: Point, task: str) -> Path:
+        return self.root / "samples" / point_key(threshold) / f"{task}.json"
 
-    def partial_path(self, threshold: float, task: str, rank: int = 0) -> Path:
+    def partial_path(self, threshold: Point, task: str, rank: int = 0) -> Path:
         suffix = f".rank{rank}" if rank else ""
-        return self.root / "partial" / threshold_key(threshold) / f"{task}{suffix}.jsonl"
+        return self.root / "partial" / point_key(threshold) / f"{task}{suffix}.jsonl"
 
     # -- partial generations -------------------------------------------------------------------
-    def request_cache(self, threshold: float, task: str, rank: int = 0) -> RequestCache:
+    def request_cache(self, threshold: Point, task: str, rank: int = 0) -> RequestCache:
         """Where this process appends the finished generations of a point in progress."""
         return RequestCache(self.partial_path(threshold, task, rank))
 
-    def load_partial(self, threshold: float, task: str) -> dict[str, dict]:
+    def load_partial(self, threshold: Point, task: str) -> dict[str, dict]:
         """Every finished generation of the point on disk (all ranks' files)."""
         folder = self.partial_path(threshold, task).parent
         rows: dict[str, dict] = {}
@@ -124,21 +163,20 @@ class ResultsDir:
                 rows.update(RequestCache(path).load())
         return rows
 
-    def partial_points(self) -> list[tuple[float, str]]:
-        """(threshold, task) of every point with partial generations on disk."""
+    def partial_points(self) -> list[tuple[Point, str]]:
+        """(point, task) of every point with partial generations on disk."""
         base = self.root / "partial"
         points = set()
         if base.is_dir():
             for folder in base.iterdir():
-                try:
-                    threshold = float(folder.name)
-                except ValueError:
+                point = _point_of(folder.name)
+                if point is None:
                     continue
                 for path in folder.glob("*.jsonl"):
-                    points.add((threshold, path.name.removesuffix(".jsonl").split(".rank")[0]))
-        return sorted(points)
+                    points.add((point, path.name.removesuffix(".jsonl").split(".rank")[0]))
+        return sorted(points, key=lambda p: (point_key(p[0]), p[1]))
 
-    def discard_partial(self, threshold: float | None = None, task: str | None = None) -> None:
+    def discard_partial(self, threshold: Point | None = None, task: str | None = None) -> None:
         """Drop the partial cache of one point (after it completed), or all of it."""
         if threshold is None:
             shutil.rmtree(self.root / "partial", ignore_errors=True)
@@ -162,14 +200,14 @@ class ResultsDir:
             return None  # a torn config.yaml cannot vouch for anything
         return saved.get("fingerprint") if isinstance(saved, dict) else None
 
-    def complete_points(self) -> list[tuple[float, str]]:
-        """(threshold, task) of every complete point in the folder."""
+    def complete_points(self) -> list[tuple[Point, str]]:
+        """(point, task) of every complete point in the folder: the thresholds', then the verify point's."""
         points = []
-        for threshold in self.thresholds_on_disk():
-            folder = self.root / "samples" / threshold_key(threshold)
+        for point in [*self.thresholds_on_disk(), VERIFY]:
+            folder = self.root / "samples" / point_key(point)
             for summary in sorted(folder.glob("*.json")):
-                if self.is_complete(threshold, summary.stem):
-                    points.append((threshold, summary.stem))
+                if self.is_complete(point, summary.stem):
+                    points.append((point, summary.stem))
         return points
 
     def check_compatible(self, fingerprint: dict) -> None:
@@ -184,7 +222,7 @@ class ResultsDir:
         saved_fp = self.saved_fingerprint()
         if saved_fp is None:
             return
-        diff = fingerprint_differences(saved_fp, fingerprint)
+        diff = fingerprint_differences(canonical_fingerprint(saved_fp), canonical_fingerprint(fingerprint))
         if diff and self.complete_points():
             details = "; ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, saved, now in diff[:8])
             raise ResultsMismatchError(
@@ -214,7 +252,7 @@ class ResultsDir:
         atomic_write_text(self.config_path, yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
 
     # -- points --------------------------------------------------------------------------------
-    def is_complete(self, threshold: float, task: str) -> bool:
+    def is_complete(self, threshold: Point, task: str) -> bool:
         summary, samples = self.summary_path(threshold, task), self.samples_path(threshold, task)
         if not (summary.is_file() and samples.is_file()):
             return False
@@ -224,25 +262,21 @@ class ResultsDir:
         except (ValueError, OSError):  # a damaged file (JSONDecodeError is a ValueError) is not complete
             return False
 
-    def write_point(self, threshold: float, task: str, samples: list[dict], summary: dict) -> None:
+    def write_point(self, threshold: Point, task: str, samples: list[dict], summary: dict) -> None:
         # samples first, summary last: the summary is the completion mark
         write_jsonl(self.samples_path(threshold, task), samples)
         write_json(self.summary_path(threshold, task), {**summary, "n_samples": len(samples)})
 
-    def read_summary(self, threshold: float, task: str) -> dict:
+    def read_summary(self, threshold: Point, task: str) -> dict:
         return json.loads(self.summary_path(threshold, task).read_text())
 
-    def read_samples(self, threshold: float, task: str) -> list[dict]:
+    def read_samples(self, threshold: Point, task: str) -> list[dict]:
         return read_jsonl(self.samples_path(threshold, task))
 
     def thresholds_on_disk(self) -> list[float]:
+        """The thresholds with a samples folder (the verify point's is not one)."""
         base = self.root / "samples"
         if not base.is_dir():
             return []
-        out = []
-        for child in base.iterdir():
-            try:
-                out.append(float(child.name))
-            except ValueError:
-                continue
-        return sorted(out, reverse=True)
+        points = [_point_of(child.name) for child in base.iterdir()]
+        return sorted((p for p in points if isinstance(p, float)), reverse=True)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mars.evaluation.aggregate import FIELDS, INTERVAL_KEYS
+from mars.evaluation.aggregate import FIELDS, INTERVAL_KEYS, is_verify
 from mars.evaluation.config import Plan
 from mars.evaluation.report import fmt_threshold
 from mars.evaluation.store import ResultsDir
@@ -58,7 +58,7 @@ def log_to_wandb(
     for thr in sorted({p["threshold"] for p in points}, reverse=True):
         metrics: dict[str, Any] = {"threshold": thr}
         for p in points:
-            if p["threshold"] != thr:
+            if p["threshold"] != thr or is_verify(p):  # the verify point's figures: in the points table
                 continue
             # every figure with its 95% interval (``<key>_lo``/``<key>_hi``), plus throughput
             keys = [k for base in INTERVAL_KEYS for k in (base, f"{base}_lo", f"{base}_hi")]
@@ -70,7 +70,7 @@ def log_to_wandb(
     images = [path for path in plots if path.suffix == ".png"]  # W&B shows images; pdf/svg stay in the folder
     run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in images})
     for p in points:
-        if p.get("task") == "Average":
+        if p.get("task") == "Average" and not is_verify(p):
             run.summary[f"average/accuracy@{fmt_threshold(p['threshold'])}"] = p["accuracy"]
             run.summary[f"average/tokens_per_forward@{fmt_threshold(p['threshold'])}"] = p["tokens_per_forward"]
     run_dir = Path(run.dir).parent

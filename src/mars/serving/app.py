@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
-from mars.decoding.settings import DecodingSettings
+from mars.decoding.settings import DecodingSettings, tree_shape
 
 from .guard import HostRule, RequestGuard
 from .metrics import CONTENT_TYPE_LATEST
@@ -413,6 +413,8 @@ def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float, dic
     overrides.pop("seed", None)  # range-checked by the schema; the sampler's generator takes any such seed
     if overrides.get("verify"):
         overrides.setdefault("threshold", s.reference)
+    if "tree" in overrides:
+        request_tree(s, overrides)
     try:
         checked = s.replace(**overrides)
     except ValueError as err:
@@ -420,6 +422,27 @@ def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float, dic
     threshold = checked.threshold if body.threshold is not None else None  # None: the server's policy decides
     options = {k: getattr(checked, k) for k in overrides if k not in ("threshold", "verify", "temperature")}
     return threshold, checked.temperature, options
+
+
+def request_tree(settings: DecodingSettings, overrides: dict) -> None:
+    """A request's ``tree``: ``chain`` (its verified drafts in a row), or the server's own tree (``auto`` or the
+    server's shape: the override is dropped); the engine drafts one tree for its batch, so another shape is a 400."""
+    tree = overrides["tree"]
+    try:
+        shape = tree_shape(tree)
+    except ValueError as err:
+        raise APIError(400, str(err), "tree") from None
+    if tree == "chain":
+        return
+    if tree == "auto" or tree == settings.tree or (shape is not None and shape == tree_shape(settings.tree)):
+        del overrides["tree"]
+        return
+    raise APIError(
+        400,
+        f"tree={tree!r}: this server drafts tree={settings.tree!r} (its decoding.tree) for every verify request; "
+        "a request may ask for 'chain' or the server's own ('auto')",
+        "tree",
+    )
 
 
 def _param(message: str, overrides: dict) -> str | None:

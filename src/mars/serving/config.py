@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
 from mars.config_schema import DtypeName, OpenSection, about, validated
-from mars.decoding.settings import DecodingSettings, decoding_block_size, is_exact_threshold
+from mars.decoding.settings import DecodingSettings, decoding_block_size, is_exact_threshold, tree_shape
 from mars.metadata import mars_trained, read_checkpoint
 from mars.paths import bundled_path
 
@@ -125,7 +125,10 @@ class ServeConfig(OpenSection):
                 stacklevel=2,
             )
         if self.checkpoint:
+            from mars.calibration_store import check_stored_records
+
             self.checkpoint_meta = read_checkpoint(self.checkpoint)
+            check_stored_records(self.checkpoint, self.checkpoint_meta)  # a bad record fails now, not at warm-up
         self._settings = serving_settings(self.decoding, self.checkpoint_meta, self.device)
         # checks the bounds, the threshold and the adaptive settings without a model
         policy = build_policy(
@@ -249,7 +252,31 @@ def serving_settings(decoding: dict[str, Any], meta: dict[str, Any] | None, devi
         )
     if settings.verify:
         raise ValueError("decoding.verify is per request on the server (the 'verify' body field)")
+    check_verify_requests(settings)
     return settings
+
+
+def check_verify_requests(settings: DecodingSettings) -> None:
+    """What a verify request will decode with, checked before the model loads: the server's settings with
+    ``verify`` (the decoding settings' own rules for it), and a tree shape that its rows' draft slots can hold
+    (``draft_length``, the window's masks)."""
+    if settings.decoder != "mars":
+        return  # verify requests are refused per request (they draft with the MARS masks)
+    try:
+        verified = settings.replace(verify=True, threshold=settings.reference)
+    except ValueError as err:
+        raise ValueError(f"decoding: verify requests could not run: {err}") from None
+    shape = tree_shape(verified.tree)
+    window = verified.effective_window
+    if shape is None or not isinstance(window, int):
+        return
+    slots = min(verified.effective_draft_length, window - 1)  # a verifying row's drafts, as the engine counts them
+    if len(shape) > slots:
+        raise ValueError(
+            f"decoding.tree={verified.tree!r} is {len(shape)} deep, but a verifying row drafts at most {slots} "
+            f"(decoding.draft_length={verified.draft_length}, window {window}): use a tree of at most {slots} "
+            f"depth(s), tree=chain, or a larger draft_length"
+        )
 
 
 def _is_loopback(host: str) -> bool:

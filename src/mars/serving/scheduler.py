@@ -13,9 +13,14 @@ fails that job only (its row is cancelled and leaves at the next step).  That in
 needs that can fail on its own before it joins the batch: its request (threshold, budget, stop strings)
 and its sampler, whose seed ``torch.Generator`` may refuse (the engine would build it inside the
 batched admission, where one bad seed would fail every row); then detokenizing and delivering to its client.
-A failure of the batched forward itself cannot be pinned on one row: the rows of that step fail (500),
-the engine is rebuilt empty and the loop goes on with the queue.  Cancellation (a client that
-disconnected) marks the row; the engine retires it at its next step.
+Where a failure happens inside the engine, it is narrowed down to the job it belongs to: an admission into
+an empty engine that fails is retried one job at a time on a new engine (only the job that fails again
+fails); a job joining running rows takes its first step apart from them, and the engine fails that one alone
+(:meth:`~mars.decoding.engine.DecodeEngine.step`); a step that fails before a job decoded any token sends
+that job back to the head of the queue, to be admitted on its own.  Only the rows that had decoded tokens
+when a batched forward failed are lost with it (500): their state went with the step.  The engine is then
+rebuilt empty and the loop goes on with the queue.  Cancellation (a client that disconnected) marks the row;
+the engine retires it at its next step.
 
 Shutdown (:meth:`EngineLoop.drain`): new jobs are refused at once (503), running and waiting ones get the
 grace period, then what is left is cancelled with 503 and the thread ends.
@@ -98,6 +103,7 @@ class Job:
     acceptance: dict = field(default_factory=dict)  # verify: vLLM's acceptance figures (set when it finishes)
     failed: bool = False
     stream: TextStream | None = None
+    alone: bool = False  # a step failed before this job decoded anything: it is admitted on its own next time
 
     @property
     def tokens_per_forward(self) -> float:
@@ -240,6 +246,8 @@ class EngineLoop:
         with self._lock:
             cancels, self._cancels = self._cancels, set()
             free = self.max_batch - self.engine.live
+            if self.pending and self.pending[0].alone and not self.engine.live:
+                free = min(free, 1)  # retried after a failed step: alone, so that a second failure is its own
             admit = [self.pending.popleft() for _ in range(min(max(free, 0), len(self.pending)))]
             waiting = len(self.pending)
             deadline = self._deadline
@@ -307,11 +315,38 @@ class EngineLoop:
             requests.append(req)
             self.live[job.id] = job
         if requests:
-            try:
-                self.engine.admit(requests)
-            except Exception:
-                log.exception("engine.admit failed")
+            self._admit_requests(requests)
+
+    def _admit_requests(self, requests: list) -> None:
+        """``engine.admit``; where it fails on an empty engine (nobody else's rows in it), the requests are
+        admitted one at a time on a new engine and only those that fail on their own fail."""
+        empty = not self.engine.live
+        try:
+            self.engine.admit(requests)
+            return
+        except Exception:
+            if not empty:
+                log.exception("engine.admit failed beside running rows")
                 self._fail_running(500, "the engine failed to admit requests")
+                return
+            log.exception("admitting %d request(s) failed; admitting them one at a time", len(requests))
+        self.engine = self._make_engine()
+        admitted: list = []
+        for req in requests:
+            try:
+                self.engine.admit([req])
+                admitted.append(req)
+            except Exception as err:  # this request's own: the ones before it are admitted again, without it
+                log.exception("request %s could not be admitted", req.id)
+                self._fail(self.live.pop(req.id), 500, f"could not start decoding: {type(err).__name__}: {err}")
+                self.engine = self._make_engine()
+                if admitted:
+                    try:
+                        self.engine.admit(admitted)
+                    except Exception:
+                        log.exception("engine.admit failed")
+                        self._fail_running(500, "the engine failed to admit requests")
+                        return
 
     def _step(self) -> None:
         rows = self.engine.live
@@ -320,7 +355,7 @@ class EngineLoop:
             events = self.engine.step()
         except Exception as err:
             log.exception("engine step failed with %d rows", rows)
-            self._fail_running(500, f"the decoding step failed: {type(err).__name__}: {err}")
+            self._step_failed(f"the decoding step failed: {type(err).__name__}: {err}")
             return
         seconds = time.perf_counter() - t0
         self.steps += 1
@@ -377,11 +412,10 @@ class EngineLoop:
         job.forwards = f.forwards
         self.finished_total += 1
         self.metrics.finished.labels(f.reason).inc()
-        if f.reason == "error":
+        if f.reason == "error":  # this row's own failure (its stop strings, its first step): the others go on
             job.failed = True
-            self._send(
-                job, JobEvent(job, done=True, finish_reason="error", error="checking stop strings failed", status=500)
-            )
+            message = getattr(ev, "error", None) or "checking stop strings failed"
+            self._send(job, JobEvent(job, done=True, finish_reason="error", error=message, status=500))
             return
         rest, final = job.stream.finish(f.token_ids)
         latency = now - job.created
@@ -415,6 +449,21 @@ class EngineLoop:
             self._send(job, JobEvent(job, done=True, finish_reason="error", error=message, status=status))
         except Exception:
             log.exception("could not tell request %s that it failed", job.id)
+
+    def _step_failed(self, message: str) -> None:
+        """A batched step failed: the jobs that had decoded tokens fail with it (their rows' state went with the
+        step); those that had not (admitted for this step) go back to the head of the queue, each to be admitted
+        on its own, so that a failure of theirs fails them alone."""
+        fresh = [j for j in self.live.values() if not j.failed and j.forwards == 0]
+        for job in fresh:
+            del self.live[job.id]
+            job.alone, job.admitted, job.stream = True, None, None
+        if len(fresh) == 1 and not self.live:  # it was alone already: the failure is its own
+            job = fresh.pop()
+            self.live[job.id] = job
+        self._fail_running(500, message)
+        with self._lock:
+            self.pending.extendleft(reversed(fresh))
 
     def _fail_running(self, status: int, message: str) -> None:
         self.engine_failures += 1

@@ -91,10 +91,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(cfg) -> None:
-    """``python serve.py ...``: check the config, load the model, serve until interrupted."""
+    """``python serve.py ...``: check the config (``cfg``: the composed serve.yaml, or a checked
+    :class:`~mars.serving.config.ServeConfig`), load the model, serve until interrupted."""
     from .config import ServeConfig, build_state
 
-    sc = ServeConfig.from_cfg(cfg)
+    sc = cfg if isinstance(cfg, ServeConfig) else ServeConfig.from_cfg(cfg)
     log.info("%s; loading the model", sc.describe())  # what is served, before the minutes a large model may take
     state = build_state(sc)
     app = create_app(state)

@@ -50,6 +50,7 @@ from mars.persistence import (
     file_sha256,
     read_appended_jsonl,
 )
+from mars.prompt_files import prompt_of, read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -82,47 +83,16 @@ class PromptSpec:
             raise ValueError(f"distill.prompts.limit must be a positive integer or null, got {self.limit!r}")
 
 
-def _prompt_of(row: dict[str, Any], field: str) -> str | None:
-    value = row.get(field)
-    if isinstance(value, str):
-        return value
-    messages = row.get("messages")
-    if isinstance(messages, list):
-        user = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
-        if isinstance(user, str):
-            return user
-    return None
-
-
 def _read_jsonl(path: Path, field: str) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"prompt file {path} cannot be read as UTF-8 text: {err}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
-        prompt = _prompt_of(row, field) if isinstance(row, dict) else None
-        if not prompt or not prompt.strip():
-            raise ValueError(
-                f"{path}, line {number}: no prompt (expected a non-empty {field!r} string or a "
-                f"'messages' list with a user turn), found keys {sorted(row) if isinstance(row, dict) else row!r}"
-            )
-        rows.append(
-            {
-                "id": str(row.get("id", f"{path.stem}-{number}")),
-                "prompt": prompt,
-                **{k: row[k] for k in ("source", "category") if k in row},
-            }
-        )
-    return rows
+    """The prompt file's rows as ``{"id", "prompt", ...}`` (``source`` and ``category`` where given)."""
+    return [
+        {
+            "id": row.id,
+            "prompt": row.prompt,
+            **{k: v for k, v in (("source", row.source), ("category", row.category)) if v is not None},
+        }
+        for row in read_prompt_file(path, fields=(field,))
+    ]
 
 
 def load_prompts(spec: PromptSpec) -> list[dict[str, Any]]:
@@ -145,7 +115,7 @@ def load_prompts(spec: PromptSpec) -> list[dict[str, Any]]:
         ds = datasets.load_dataset(spec.hub_id, split=spec.split)
         rows = []
         for i, row in enumerate(ds):
-            prompt = _prompt_of(row, spec.field)
+            prompt = prompt_of(row, (spec.field,))
             if prompt and prompt.strip():
                 rows.append({"id": f"{spec.hub_id.replace('/', '_')}-{i}", "prompt": prompt})
         where = f"{spec.hub_id} ({spec.split})"
