@@ -12,6 +12,10 @@
   with tree auto, at batch 1, 4 and 16, timed by `mars.bench.throughput`
 - train: one bf16 step of a gated adapter on the Qwen2.5-0.5B shapes (finite loss, adapter gradients only,
   peak memory, seconds)
+- recipe: the paper's recipe as train.py composes it (experiment=paper_0.5b/mars_b4: FSDP on one GPU, bf16,
+  activation checkpointing, gradient accumulation) on the Qwen2.5-0.5B shapes with random weights, for a few
+  optimizer steps, killed after a sharded checkpoint and resumed from it; the measured step time and the cost
+  of a paper stage projected from it on this GPU
 
 Each check runs under its own time limit, within one budget for the whole run, so a hang costs that check and
 not the run. Writes results.json and its rendering results.md under --out after every check.
@@ -59,9 +63,9 @@ DECODERS = {
     "verify-tree-auto": dict(verify=True, tree="auto"),
     "verify-tree-2,1": dict(verify=True, tree="2,1"),
 }
-GROUPS = ("fp32", "bf16", "throughput", "train", "embedded")
+GROUPS = ("fp32", "bf16", "throughput", "train", "embedded", "recipe")
 # seconds per check, each also bounded by what is left of the run's budget
-LIMITS = dict(environment=30, build=120, decode=60, warmup=90, throughput=120, train=120, embedded=180)
+LIMITS = dict(environment=30, build=120, decode=60, warmup=90, throughput=120, train=120, embedded=180, recipe=300)
 GRACE = 20  # seconds past the budget before a check stuck in native code (no signal reaches it) ends the process
 GATED = AdapterSettings(kind="gated_lora", rank=8, alpha=16.0)  # the reference adapter's settings
 REFERENCE_ADAPTER = "bundled:adapters/smollm2-135m-mars-rank8"
@@ -640,6 +644,194 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+# ------------------------------------------------------------------------------------------------ the paper's recipe
+# A paper stage: about 2M Dolci rows x 5 epochs at 384 rows a step (about 26k optimizer steps), on 8 GPUs; the
+# paper's own figures (H200-hours) for a MARS stage: 0.5B 33, 7B 202 (docs/training.md)
+DOLCI_ROWS, PAPER_EPOCHS, PAPER_BATCH, PAPER_GPUS = 2_000_000, 5, 384, 8
+PAPER_MARS_GPU_HOURS = 33
+RECIPE_STEPS, RECIPE_KILL = 5, 3  # optimizer steps of the run; the first run stops after this many
+
+
+@dataclass(frozen=True)
+class RecipeShape:
+    rows_per_device: int
+    global_batch: int  # small, so a few steps fit the check: the time per row projects to the paper's 384
+    prompt_tokens: int
+    response_tokens: int
+    precision: str
+
+
+RECIPE = {False: RecipeShape(8, 32, 120, 380, "bf16-mixed"), True: RecipeShape(2, 4, 6, 20, "32-true")}
+
+
+def recipe_model_folder(profile: Profile, folder: Path) -> Path:
+    """The random Qwen model of the profile with the id tokenizer (and a chat template) saved as a model folder,
+    which train.py loads like any other."""
+    model = qwen_model(profile, "cpu")
+    tokenizer = id_tokenizer(profile.tokenizer_size)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<3> {{ m['content'] }} <2> {% endfor %}{% if add_generation_prompt %}<3> {% endif %}"
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def recipe_rows(path: Path, shape: RecipeShape, rows: int, vocab: int) -> Path:
+    g = torch.Generator().manual_seed(7)
+
+    def text(n: int) -> str:
+        return " ".join(f"<{i}>" for i in torch.randint(FIRST_ID, vocab, (n,), generator=g).tolist())
+
+    lines = [
+        json.dumps({"prompt": text(shape.prompt_tokens), "response": text(shape.response_tokens)}) for _ in range(rows)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class StepClock:
+    """Wall-clock seconds of each optimizer step (a Lightning callback)."""
+
+    def __init__(self, device: str, stop_after: int | None = None):
+        from lightning.pytorch.callbacks import Callback
+
+        clock = self
+
+        class _Clock(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if stop_after is not None and trainer.global_step >= stop_after:
+                    raise RecipeStop(f"stopped after step {trainer.global_step}")
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step != clock.step:
+                    synchronize(device)
+                    now = time.perf_counter()
+                    clock.seconds.append(now - clock.last)
+                    clock.step, clock.last = trainer.global_step, now
+
+            def on_train_start(self, trainer, pl_module):
+                clock.step, clock.last = trainer.global_step, time.perf_counter()
+
+        self.callback, self.seconds, self.step, self.last = _Clock(), [], 0, 0.0
+
+
+class RecipeStop(RuntimeError):
+    """The kill of the first run: raised when the batch after its last step starts, as a crash would."""
+
+
+def recipe_config(folder: Path, rows: Path, shape: RecipeShape, out: Path, device: str):
+    from hydra import compose, initialize_config_dir
+
+    import mars.training  # noqa: F401  (train.yaml's run-name resolver)
+
+    overrides = [
+        "experiment=paper_0.5b/mars_b4",
+        f"model.name_or_path={folder}",
+        "model.made_by=null",
+        "data=jsonl",
+        f"data.path={rows}",
+        f"data.batch_size={shape.rows_per_device}",
+        "data.num_workers=0",
+        f"global_batch={shape.global_batch}",
+        "trainer.accelerator=" + ("gpu" if device.startswith("cuda") else "cpu"),
+        "trainer.devices=" + (f"[{int(device.partition(':')[2] or 0)}]" if device.startswith("cuda") else "1"),
+        "trainer.strategy=fsdp",
+        "+trainer.fsdp.sharding_strategy=FULL_SHARD",
+        "+trainer.fsdp.state_dict_type=sharded",
+        f"trainer.precision={shape.precision}",
+        f"trainer.max_steps={RECIPE_STEPS}",
+        "gradient_checkpointing=true",
+        "checkpoint_every=1",
+        "checkpoint_minutes=null",
+        "logger=none",
+        "callbacks=none",
+        f"output_dir={out}",
+    ]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def recipe_check(profile: Profile, device: str) -> Outcome:
+    """train.py's own run on the paper's composition: killed after a sharded checkpoint, resumed from it."""
+    shape = RECIPE[profile is TINY]
+    grouped = torch.distributed.is_initialized()
+    try:
+        return _recipe_runs(profile, shape, device)
+    finally:
+        if torch.distributed.is_initialized() and not grouped:  # the one-process group Lightning's FSDP made
+            torch.distributed.destroy_process_group()
+
+
+def _recipe_runs(profile: Profile, shape: RecipeShape, device: str) -> Outcome:
+    import tempfile
+
+    from mars.training.checkpointing import verify_sharded_checkpoint
+    from mars.training.run import run as train
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-recipe-") as tmp:
+        tmp = Path(tmp)
+        folder = recipe_model_folder(profile, tmp / "model")
+        rows = recipe_rows(tmp / "rows.jsonl", shape, RECIPE_STEPS * shape.global_batch, profile.tokenizer_size)
+        out = tmp / "run"
+        first = StepClock(device, stop_after=RECIPE_KILL)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            train(recipe_config(folder, rows, shape, out, device), callbacks=[first.callback])
+        except RecipeStop:
+            pass
+        last = out / "checkpoints" / "last.ckpt"
+        shards = sorted(p.name for p in last.iterdir()) if last.is_dir() else []
+        checkpoint_bytes = sum(p.stat().st_size for p in last.iterdir()) if last.is_dir() else 0
+        verified = last.is_dir() and verify_sharded_checkpoint(last)
+        second = StepClock(device)
+        train(recipe_config(folder, rows, shape, out, device), callbacks=[second.callback])
+        summary = json.loads((out / "train_summary.json").read_text())
+        config = (out / "config.yaml").read_text()
+    return recipe_outcome(shape, first, second, summary, config, shards, checkpoint_bytes, verified, device)
+
+
+def recipe_outcome(shape, first, second, summary, config, shards, checkpoint_bytes, verified, device) -> Outcome:
+    timed = first.seconds[1:] + second.seconds[1:]  # each run's first step pays one-off costs
+    step = sorted(timed)[len(timed) // 2] if timed else float("nan")
+    per_row = step / shape.global_batch
+    paper_steps = math.ceil(DOLCI_ROWS * PAPER_EPOCHS / PAPER_BATCH)
+    gpu_hours = per_row * PAPER_BATCH * paper_steps / 3600  # one GPU's rows per second, as 8 GPUs share them
+    accumulation = shape.global_batch // shape.rows_per_device
+    resumed = summary["global_step"] == RECIPE_STEPS and summary["steps_this_run"] == RECIPE_STEPS - RECIPE_KILL
+    passed = resumed and verified and f"accumulate_grad_batches: {accumulation}" in config and math.isfinite(step)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else None
+    details = dict(
+        composition="experiment=paper_0.5b/mars_b4 (FSDP, sharded checkpoints, activation checkpointing)",
+        precision=shape.precision,
+        rows_per_device=shape.rows_per_device,
+        global_batch=shape.global_batch,
+        accumulation=accumulation,
+        tokens_per_row=shape.prompt_tokens + shape.response_tokens,
+        steps=RECIPE_STEPS,
+        killed_after=RECIPE_KILL,
+        resumed_steps=summary["steps_this_run"],
+        sharded_checkpoint_files=shards,
+        sharded_checkpoint_mb=round(checkpoint_bytes / 2**20, 1),
+        shard_digests_verified=verified,
+        step_seconds=step,
+        seconds_per_row=per_row,
+        paper_stage_steps=paper_steps,
+        paper_stage_gpu_hours_projected=gpu_hours,
+        paper_stage_hours_on_8_gpus=gpu_hours / PAPER_GPUS,
+        paper_mars_stage_gpu_hours_reported=PAPER_MARS_GPU_HOURS,
+        peak_memory_gib=peak,
+    )
+    summary_line = (
+        f"{step:.2f} s per step of {shape.global_batch} rows ({accumulation} x {shape.rows_per_device}); a paper stage "
+        f"({paper_steps:,} steps of {PAPER_BATCH}) projects to {gpu_hours:.0f} GPU-hours here (the paper: "
+        f"{PAPER_MARS_GPU_HOURS} H200-hours for 0.5B MARS); sharded checkpoint {checkpoint_bytes / 2**20:.0f} MB, "
+        f"digests {'verified' if verified else 'NOT verified'}, resumed for {summary['steps_this_run']} step(s)"
+    )
+    return Outcome("pass" if passed else "fail", summary_line, details)
+
+
 # ------------------------------------------------------------------------------------------------ environment
 def environment(device: str) -> Outcome:
     import peft
@@ -843,6 +1035,8 @@ def main(argv: list[str] | None = None, watchdog: bool = True) -> int:
         run.check("qwen.train.bf16-step", "train", LIMITS["train"], train_check, profile, args.device)
     if "embedded" in args.checks:
         embedded_groups(run, args, profile)
+    if "recipe" in args.checks:
+        run.check("qwen.recipe.paper-steps", "recipe", LIMITS["recipe"], recipe_check, profile, args.device)
     for group in GROUPS:
         if group not in args.checks:
             run.skip(f"{group}", group, "not selected (--checks)")

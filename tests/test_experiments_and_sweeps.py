@@ -4,6 +4,7 @@ broken config cannot land."""
 
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ TINY = [
     "trainer.precision=32-true",
     "trainer.max_steps=1",
     "trainer.accumulate_grad_batches=1",
+    "global_batch=null",
     "gradient_checkpointing=false",
     "logger=none",
 ]
@@ -83,13 +85,14 @@ def test_the_paper_grid_is_complete():
 
 # Settings whose value the one tiny CPU step never reaches: the epoch count, log and checkpoint cadence (one
 # step ends first), the lr and warmup (a number in the same optimizer), the hub id (data.source=jsonl), FSDP's
-# options (strategy=auto) and the loader's worker count (trained both ways below). Points that differ only
-# there take the same code path: the default suite trains one of them; -m slow trains every distinct point.
+# options (strategy=auto), the loader's worker count (trained both ways below) and the recipe's name (a label the
+# config check reads). Points that differ only there take the same code path: the default suite trains one of
+# them; -m slow trains every distinct point.
 SAME_PATH = {
     "optim": ("lr", "warmup_ratio"),
     "trainer": ("max_epochs", "log_every_n_steps", "fsdp"),
     "data": ("hub_id", "num_workers"),
-    "": ("checkpoint_every",),
+    "": ("checkpoint_every", "checkpoint_minutes", "recipe"),
 }
 
 
@@ -158,6 +161,10 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
     folders, checkpoints = set(), set()
     for label, overrides in points:
         cfg = compose_cfg("evaluate", overrides)
+        if "+sweep=eval_grid" in overrides:
+            assert cfg.benchmarks.name == "paper", label  # the paper's six tasks ...
+            # ... whose lm-eval task index takes about 20 s a point to build: the plan is checked on the offline suite
+            cfg = compose_cfg("evaluate", [*overrides, "benchmarks=offline"])
         assert cfg.checkpoint in exports, f"{label}: {cfg.checkpoint} is not written by any training sweep"
         block, objective = exports[cfg.checkpoint]
         ckpt = tmp_path / cfg.checkpoint
@@ -175,3 +182,60 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
         assert str(plan.output_dir).startswith("outputs/eval/"), label
     # each point gets its own results folder
     assert len(folders) == len(checkpoints)
+
+
+# ------------------------------------------------------------------------------------------------
+# The paper's sweeps: launched as dry runs (composition and checks, nothing trained), every point the paper's setup
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def closed_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    import mars.models
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    mars.models._hub_unreachable.cache_clear()
+    yield
+    mars.models._hub_unreachable.cache_clear()
+
+
+def check_paper_point(cfg, experiment: str, stage1_exports: dict[str, str]) -> None:
+    size, name = experiment.removeprefix("paper_").split("/")
+    assert cfg.model.id == f"qwen2.5-{size}", experiment
+    assert cfg.block == int(name.rsplit("_b", 1)[1]), experiment
+    assert (cfg.data.source, cfg.data.hub_id, cfg.data.max_length) == ("hub", "allenai/Dolci-Instruct-SFT", 512)
+    assert cfg.global_batch == 384 and cfg.recipe == "paper" and cfg.optim.lr == 5.0e-6, experiment
+    assert cfg.model.name_or_path == stage1_exports[size], experiment  # the start checkpoint: stage 1's export
+    assert cfg.export_dir == f"outputs/train/paper-qwen2.5-{size}-{cfg.objective.name}-b{cfg.block}-e5/hf"
+
+
+def test_the_paper_sweeps_launch_as_dry_runs_of_the_papers_experiments(
+    compose_cfg, tmp_path, monkeypatch, capfd, closed_hub
+):
+    from mars.cli.train import main
+
+    stage1 = {s: compose_cfg("train", [f"experiment=paper_{s}/ar_sft"]).export_dir for s in ("0.5b", "7b")}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "+sweep=paper_grid", "dry_run=true"])
+    main()  # Hydra's multirun: every job composes, is checked and prints its plan; nothing loads
+    grid = yaml.safe_load((REPO / "sweeps" / "hydra" / "paper_grid.yaml").read_text())
+    experiments = grid["hydra"]["sweeper"]["params"]["experiment"].split(",")
+    assert len(experiments) == 14
+    for experiment in experiments:
+        size, name = experiment.removeprefix("paper_").split("/")
+        objective, block = name.rsplit("_b", 1)
+        job = tmp_path / "outputs" / "multirun" / "train" / f"paper-qwen2.5-{size}-{objective}-b{block}-e5"
+        check_paper_point(OmegaConf.load(job / ".hydra" / "config.yaml"), experiment, stage1)
+    wandb = [p for p in WANDB_SWEEPS if p.name == "wandb_paper_grid.yaml"]
+    points = [point for path in wandb for point in wandb_points(path)]
+    assert [p[0].removeprefix("experiment=") for p in points] == experiments  # the same grid as W&B runs it
+    for point in points:  # each as a W&B agent runs it: python train.py <point>
+        monkeypatch.setattr(sys, "argv", ["train.py", *point, "dry_run=true", "hydra.run.dir=agent"])
+        main()
+        check_paper_point(OmegaConf.load(tmp_path / "agent" / ".hydra" / "config.yaml"), point[0][11:], stage1)
+    out = capfd.readouterr().out
+    assert (
+        out.count("plan: global batch 384 = ") == 28 and out.count("would be refused here: model.name_or_path=") == 28
+    )
+    assert not (tmp_path / "outputs" / "train").exists()  # a dry run writes no run folder

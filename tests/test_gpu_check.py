@@ -3,6 +3,7 @@ the fp32 decoders that must reproduce transformers' greedy output do, and a chec
 while the run goes on.  A GPU runs the same code on the real shapes."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +131,29 @@ def test_cuda_without_a_cuda_device_points_at_the_fix(gpu_check, tmp_path, capsy
     err = capsys.readouterr().err
     fix = "install a CUDA build of torch" if torch.version.cuda is None else "sees no CUDA device"
     assert fix in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def environment_kept():
+    """Lightning's FSDP sets the process group's variables (MASTER_PORT, ...) in this process: put them back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_the_paper_recipe_group_trains_resumes_from_a_sharded_checkpoint_and_projects_a_stage(
+    gpu_check, tmp_path, environment_kept
+):
+    """train.py's run on experiment=paper_0.5b/mars_b4 (FSDP in one process, activation checkpointing, an
+    accumulation derived from the global batch), killed after a sharded checkpoint and resumed from it."""
+    argv = ["--device", "cpu", "--tiny", "--checks", "recipe", "--out", str(tmp_path)]
+    assert gpu_check.main(argv, watchdog=False) == 0
+    check = _checks(tmp_path)["qwen.recipe.paper-steps"]
+    assert check["status"] == "pass", check
+    d = check["details"]
+    assert (d["global_batch"], d["rows_per_device"], d["accumulation"]) == (4, 2, 2)
+    assert d["killed_after"] == 3 and d["resumed_steps"] == 2 and d["shard_digests_verified"]
+    assert {"meta.pt", ".metadata", "sha256.rank0.json"} <= set(d["sharded_checkpoint_files"])
+    assert d["step_seconds"] > 0 and d["paper_stage_steps"] == 26042
+    assert d["paper_stage_gpu_hours_projected"] == pytest.approx(d["seconds_per_row"] * 384 * 26042 / 3600)

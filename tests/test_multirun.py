@@ -88,7 +88,7 @@ def trained(workdir) -> Path:
         "trainer.max_steps=2",
         "trainer.precision=32-true",
         "logger=none",
-        "run_name=tiny-random-mars-b${block}-full",  # eval_grid's pattern: the paper grid's runs set no length
+        "run_name=paper-tiny-random-mars-b${block}-e5",  # eval_grid's pattern: the paper experiments' run names
         cwd=workdir,
     )
     (workdir / "train_console.txt").write_text(proc.stdout + proc.stderr)
@@ -106,7 +106,7 @@ def test_train_console_shows_each_lightning_line_once_and_no_advert(trained):
 
 def test_train_multirun_runs_every_job(trained):
     for block in (2, 4):
-        export = trained / "outputs" / "train" / f"tiny-random-mars-b{block}-full" / "hf"
+        export = trained / "outputs" / "train" / f"paper-tiny-random-mars-b{block}-e5" / "hf"
         meta = json.loads((export / "mars_config.json").read_text())
         assert meta["block_size"] == block, meta
         assert (export / "config.json").is_file()
@@ -128,9 +128,9 @@ def test_evaluate_multirun_of_the_eval_grid_sweep(trained):
         cwd=trained,
     )
     for block in (2, 4):
-        out = trained / "outputs" / "eval" / f"tiny-random-mars-b{block}-full-b{block}-fixture-maxnew6"
+        out = trained / "outputs" / "eval" / f"paper-tiny-random-mars-b{block}-e5-b{block}-fixture-maxnew6"
         points = json.loads((out / "points.json").read_text())
         assert {p["threshold"] for p in points} == {1.0, 0.9}, out
         saved = yaml.safe_load((out / "config.yaml").read_text())
         assert saved["fingerprint"]["decoding"]["block_size"] == block
-        assert saved["fingerprint"]["checkpoint"].endswith(f"tiny-random-mars-b{block}-full/hf")
+        assert saved["fingerprint"]["checkpoint"].endswith(f"paper-tiny-random-mars-b{block}-e5/hf")

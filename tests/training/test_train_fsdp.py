@@ -1,71 +1,33 @@
-"""FSDP on 2 CPU processes: the export after sharded training holds the full trained weights (gathered on
-every rank, saved by rank 0), and a run killed and resumed from a sharded checkpoint -- a directory, like a
-DeepSpeed one -- resumes without anything but Lightning reading it.
-
-Lightning refuses ``strategy=fsdp`` without a GPU ("The strategy `fsdp` requires a GPU accelerator, but
-received `accelerator='cpu'`", an exact-type check) and wraps the model with ``device_id=None``, which FSDP
-refuses on a CPU ("FSDP needs a non-CPU accelerator device"); the helper below subclasses the strategy to get
-past both, and keeps checkpoints sharded (Lightning's full-state-dict checkpoint offloads to the CPU, which
-torch cannot do for tensors already there).  Everything else is train.py's own code path.
-"""
+"""FSDP on 2 CPU processes (gloo), through train.py itself: checkpoints are sharded folders (one file per rank,
+written beside ``last.ckpt`` and put in its place only once every rank has written, each rank's shards digested
+by that rank), a run killed and resumed from one ends loss for loss and weight for weight where an
+uninterrupted run does, and the export after sharded training holds the full trained weights (gathered, saved
+by rank 0).  Lightning refuses FSDP without a GPU; :class:`mars.training.strategies.ShardedCheckpointFSDP`
+wraps the model with the CPU named, so this is the same code path a GPU run takes, on gloo."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
-from conftest import CONF, REPO, TINY_SFT
+from conftest import REPO, TINY_SFT
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mars.models import read_mars_metadata
+from mars.training.checkpointing import verify_sharded_checkpoint
 from mars.training.export import read_lightning_checkpoint
+from mars.training.loss_history import read_losses
 
-HELPER = """
-import os, sys
-import lightning.pytorch.strategies as strategies
-import torch
-from hydra import compose, initialize_config_dir
-from lightning.pytorch.callbacks import Callback
+HERE = REPO / "tests" / "training"
 
 
-class CPUFSDPStrategy(strategies.FSDPStrategy):
-    def _setup_model(self, model):
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
-                                        mixed_precision=self.mixed_precision_config,
-                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                        **self.kwargs)
-
-
-class StopAfter(Callback):
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step >= self.steps:
-            raise SystemExit(3)
-
-
-strategies.FSDPStrategy = CPUFSDPStrategy
-from mars.training.run import run
-
-with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
-    cfg = compose(config_name="train", overrides=sys.argv[2:])
-stop = int(os.environ.get("STOP_AFTER", "0"))
-run(cfg, callbacks=[StopAfter(stop)] if stop else [])
-"""
-
-
-def fsdp_run(tmp_path, out, stop_after=0):
-    helper = tmp_path / "fsdp_cpu.py"
-    helper.write_text(HELPER)
+def fsdp_run(out, steps: int, kill_after: int = 0) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
-        str(helper),
-        str(CONF),
+        "train.py",
         "model=tiny-random",
         "data=jsonl",
         f"data.path={TINY_SFT}",
@@ -74,22 +36,36 @@ def fsdp_run(tmp_path, out, stop_after=0):
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         "trainer.precision=32-true",
-        "trainer.max_steps=3",
-        "trainer.fsdp.state_dict_type=sharded",
+        f"trainer.max_steps={steps}",
+        "mask_schedule=random_ratio",  # random numbers every step: the resumed RNG state must be the run's
         "checkpoint_every=1",
         "logger=none",
+        "callbacks=none",
         f"output_dir={out}",
     ]
-    env = {**os.environ, "STOP_AFTER": str(stop_after)}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    if kill_after:
+        cmd += ["+callbacks.kill._target_=kill_after.KillAfter", f"+callbacks.kill.steps={kill_after}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+def assert_same_weights(a_dir, b_dir):
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
 
 
 def test_fsdp_export_holds_the_gathered_trained_weights_and_resumes_from_a_sharded_folder(tmp_path):
     out = tmp_path / "fsdp"
-    killed = fsdp_run(tmp_path, out, stop_after=2)
-    assert killed.returncode != 0 and (out / "checkpoints" / "last.ckpt").is_dir(), killed.stderr[-3000:]
-    assert not (out / "hf").exists()
-    done = fsdp_run(tmp_path, out)  # resumes from the sharded folder at step 2
+    killed = fsdp_run(out, steps=3, kill_after=2)
+    last = out / "checkpoints" / "last.ckpt"
+    assert killed.returncode != 0 and "killed after step 2" in killed.stdout + killed.stderr, killed.stderr[-3000:]
+    assert last.is_dir() and not (out / "hf").exists()
+    assert sorted(p.name for p in last.glob("sha256.rank*.json")) == ["sha256.rank0.json", "sha256.rank1.json"]
+    assert verify_sharded_checkpoint(last)  # every shard digested by the rank that wrote it
+    assert not list(last.parent.glob(".last.ckpt.*"))  # no staging folder left behind
+    done = fsdp_run(out, steps=3)  # resumes from the sharded folder at step 2
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["global_step"] == 3 and summary["steps_this_run"] == 1
@@ -97,8 +73,8 @@ def test_fsdp_export_holds_the_gathered_trained_weights_and_resumes_from_a_shard
     meta = read_mars_metadata(out / "hf")
     assert meta["complete"] and meta["global_step"] == 3
     exported = load_file(out / "hf" / "model.safetensors")
-    # the full weights of the final step, as Lightning's own sharded checkpoint holds them
-    final, info = read_lightning_checkpoint(out / "checkpoints" / "last.ckpt")
+    # the full weights of the final step, as the sharded checkpoint written at the end holds them
+    final, info = read_lightning_checkpoint(last)
     assert info["global_step"] == 3
     assert set(exported) <= set(final) and "model.layers.1.mlp.down_proj.weight" in exported
     for key, value in exported.items():
@@ -112,3 +88,20 @@ def test_fsdp_export_holds_the_gathered_trained_weights_and_resumes_from_a_shard
     assert not torch.equal(
         exported["model.layers.0.self_attn.q_proj.weight"], untrained["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_a_sharded_checkpoint_matches_an_uninterrupted_run_loss_for_loss(tmp_path):
+    """Three 2-process runs (about a minute on 2 vCPUs): uninterrupted, killed after step 2, resumed."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert fsdp_run(straight, steps=5).returncode == 0
+    assert fsdp_run(resumed, steps=5, kill_after=2).returncode != 0
+    done = fsdp_run(resumed, steps=5)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((resumed / "train_summary.json").read_text())["steps_this_run"] == 3
+    a, b = read_losses(straight / "losses.csv"), read_losses(resumed / "losses.csv")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for key in ("loss", "loss_mask", "loss_ar"):
+            assert x[key] == y[key], (x["step"], key, x[key], y[key])
+    assert_same_weights(straight / "hf", resumed / "hf")

@@ -6,9 +6,14 @@
   the old file, so a full disk truncates a good ``last.ckpt``.  This plugin streams ``torch.save`` into a
   temporary file beside the target (:func:`mars.persistence.atomic_write`), hashing the bytes as they
   pass, and records the digest in ``last.ckpt.sha256``.
+- Sharded checkpoints (FSDP, ``mars.training.strategies``) are folders of one file per rank: each rank
+  digests the files it wrote, once, into ``sha256.rank<r>.json`` inside the folder
+  (:func:`write_shard_digests`), and the folder replaces ``last.ckpt`` only when every rank has written
+  (:func:`replace_checkpoint_folder`; :func:`recover_checkpoint_folder` undoes a kill between its two renames).
 - :func:`verify_resume_checkpoint`: before a run resumes (before the model loads), the checkpoint is
-  checked against that digest; a bit flip is refused naming the file, instead of resuming corrupt AdamW
-  state and exporting it as a finished run.
+  checked against its digests (a sharded folder: every shard, in parallel threads, by global rank 0 only);
+  a bit flip is refused naming the file, instead of resuming corrupt AdamW state and exporting it as a
+  finished run.
 - :class:`GracefulStop`: on SIGTERM Lightning stops after the step in progress (its signal connector);
   this callback saves that step as ``last.ckpt`` (when it ended on an optimizer step, so the checkpoint
   resumes exactly) and the run exits with 128 + SIGTERM.  A step that cannot end within
@@ -20,11 +25,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +42,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from mars.persistence import (
+    ChecksumError,
     HashingWriter,
     atomic_write,
+    atomic_write_json,
     checksum_path,
     recorded_checksums,
     remove_stale_temporaries,
+    remove_tree,
     sha256_of,
     verify_checksum,
     write_checksum,
@@ -80,14 +91,149 @@ def _current_digests(path: Path) -> list[str]:
 
 
 def verify_resume_checkpoint(path: str | os.PathLike | None) -> None:
-    """Refuse a checkpoint file that does not match its recorded checksum (``ChecksumError``, a ValueError,
-    naming it); a file without a record (written by another tool) is resumed with a
-    warning; a sharded checkpoint folder is left to its strategy."""
-    if path is None or not Path(path).is_file():
+    """Refuse a checkpoint that does not match its recorded digests (``ChecksumError``, a ValueError, naming
+    the file): a file against its ``.sha256``, a sharded folder against its ranks' digest files.  One without a
+    record (written by another tool, or a DeepSpeed folder) is resumed with a warning.  Reads the whole
+    checkpoint once: call it in one process of the job (global rank 0)."""
+    if path is None or not Path(path).exists():
         return
-    remove_stale_temporaries(Path(path).parent, Path(path).name)  # left by a kill during a save
+    path = Path(path)
+    if path.is_dir():
+        if not verify_sharded_checkpoint(path):
+            log.warning("%s has no recorded shard digests: resuming it unverified", path)
+        return
+    remove_stale_temporaries(path.parent, path.name)  # left by a kill during a save
     if not verify_checksum(path):
         log.warning("%s has no recorded checksum (%s): resuming it unverified", path, checksum_path(path).name)
+
+
+# ------------------------------------------------------------------------------------------
+# Sharded checkpoint folders
+# ------------------------------------------------------------------------------------------
+DIGEST_FILE = "sha256.rank{rank}.json"
+_DIGEST = re.compile(r"sha256\.rank\d+\.json")
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # torch.distributed.checkpoint's file per rank (and thread)
+HASH_THREADS = 8  # hashlib releases the GIL: shards are digested side by side, at the disk's pace
+
+
+def staging_path(target: Path) -> Path:
+    """Where a sharded checkpoint is written before it replaces ``target``."""
+    return target.with_name(f".{target.name}.partial")
+
+
+def _previous_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.previous")
+
+
+def write_shard_digests(folder: Path, rank: int) -> None:
+    """Digest the files ``rank`` wrote into a sharded checkpoint folder (its ``__<rank>_*.distcp`` shards; rank 0
+    also every other file, the checkpoint's metadata) into ``sha256.rank<rank>.json``: each shard is read
+    once, by the process that wrote it, while the others do the same with theirs."""
+    files = [p for p in folder.iterdir() if p.is_file() and not _DIGEST.fullmatch(p.name)]
+    mine = [p for p in files if (m := _SHARD.fullmatch(p.name)) and int(m.group(1)) == rank]
+    if rank == 0:
+        mine += [p for p in files if not _SHARD.fullmatch(p.name)]
+    atomic_write_json(folder / DIGEST_FILE.format(rank=rank), _digests(mine), sort_keys=True)
+
+
+def _digests(files: list[Path]) -> dict[str, str]:
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(files)))) as pool:
+        return dict(zip((p.name for p in files), pool.map(sha256_of, files)))
+
+
+def verify_sharded_checkpoint(folder: Path) -> bool:
+    """True when every file of a sharded checkpoint folder matches the digest its rank recorded; False when
+    the folder has no digests at all; ``ChecksumError`` naming the file otherwise (a shard missing, one with no
+    digest, one that changed)."""
+    records = sorted(p for p in folder.iterdir() if _DIGEST.fullmatch(p.name))
+    if not records:
+        return False
+    recorded: dict[str, str] = {}
+    for record in records:
+        recorded.update(json.loads(record.read_text(encoding="utf-8")))
+    present = sorted(p for p in folder.iterdir() if p.is_file() and not _DIGEST.fullmatch(p.name))
+    missing = sorted(set(recorded) - {p.name for p in present})
+    unrecorded = [p.name for p in present if p.name not in recorded]
+    if missing or unrecorded:
+        raise ChecksumError(
+            f"{folder} is not the checkpoint its digests describe ("
+            + (f"missing {missing[:5]}" if missing else f"files without a digest: {unrecorded[:5]}")
+            + "). Delete the folder to resume from an earlier run state, or retrain."
+        )
+    actual = _digests(present)
+    wrong = [name for name, digest in actual.items() if digest != recorded[name]]
+    if wrong:
+        raise ChecksumError(
+            f"{folder / wrong[0]} is corrupt: its sha256 differs from the one recorded when it was written "
+            f"({len(wrong)} of {len(actual)} files differ). It cannot be trusted; delete {folder} to resume from an "
+            "earlier checkpoint, or retrain."
+        )
+    return True
+
+
+def replace_checkpoint_folder(staging: Path, target: Path) -> None:
+    """Put a fully written checkpoint folder in the place of ``target`` (a folder or a file): the old one is
+    renamed aside, the new one renamed in, then the old one removed; a kill in between leaves the old one
+    aside, which :func:`recover_checkpoint_folder` puts back."""
+    previous = _previous_path(target)
+    if previous.exists():
+        remove_tree(previous) if previous.is_dir() else previous.unlink()
+    if target.exists():
+        os.replace(target, previous)
+    os.replace(staging, target)
+    checksum_path(target).unlink(missing_ok=True)  # the sidecar of a whole-file checkpoint it replaces
+    if previous.is_dir():
+        remove_tree(previous)
+    elif previous.exists():
+        previous.unlink()
+
+
+def recover_checkpoint_folder(target: Path) -> None:
+    """Undo a kill during :func:`replace_checkpoint_folder` (the old checkpoint aside and none in place: put
+    back) or during a sharded save (a staging folder: removed).  Global rank 0, before the run resumes."""
+    previous, staging = _previous_path(target), staging_path(target)
+    if previous.exists() and not target.exists():
+        os.replace(previous, target)
+        log.warning("%s: restored the checkpoint a kill had left aside during a save", target)
+    elif previous.exists():
+        remove_tree(previous) if previous.is_dir() else previous.unlink()
+    if staging.exists():
+        remove_tree(staging)
+
+
+# ------------------------------------------------------------------------------------------
+# Cadence
+# ------------------------------------------------------------------------------------------
+def checkpoint_callback(folder: Path, every_steps: int, every_minutes: float | None):
+    """Lightning's ``ModelCheckpoint`` writing ``last.ckpt`` every ``every_steps`` optimizer steps, or every
+    ``every_minutes`` of wall clock when that is set (a 26k-step stage: about one per 30 minutes, not 1,000)."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cadence = (
+        dict(train_time_interval=timedelta(minutes=every_minutes))
+        if every_minutes is not None
+        else dict(every_n_train_steps=every_steps)
+    )
+    return ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, **cadence)
+
+
+class FinalCheckpoint(Callback):
+    """Saves ``last.ckpt`` when training ends on a step no periodic checkpoint holds, before the export: a run
+    whose export is cut by a kill or a full disk then finishes it from this checkpoint, without training the
+    steps since the last periodic one again."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.saved_step: int | None = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved_step = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_step > 0 and self.saved_step != trainer.global_step and not trainer.interrupted:
+            trainer.save_checkpoint(self.path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -210,8 +356,15 @@ def exit_after_sigterm() -> None:
 __all__ = [
     "exit_after_sigterm",
     "AtomicCheckpointIO",
+    "FinalCheckpoint",
     "GracefulStop",
     "SIGTERM_EXIT_CODE",
+    "checkpoint_callback",
     "fit_until_sigterm",
+    "recover_checkpoint_folder",
+    "replace_checkpoint_folder",
+    "staging_path",
     "verify_resume_checkpoint",
+    "verify_sharded_checkpoint",
+    "write_shard_digests",
 ]

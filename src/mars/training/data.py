@@ -1,7 +1,9 @@
 """Instruction data -> token ids + loss masks, and the LightningDataModule that batches them.
 
 Sources: the committed offline default (``data/offline_sft``: real prompts, self-distilled responses),
-any local JSONL (``data.path``) and any hub dataset (``data.hub_id``), each row in chat-messages form
+any local JSONL (``data.path``), any hub dataset (``data.hub_id``) and a hub dataset saved to a folder
+(``source: disk``, written once by ``python -m mars.training.fetch`` where the hub is reachable, for nodes
+without it), each row in chat-messages form
 (``{"messages": [{"role", "content"}, ...]}``) or prompt/response form (``{"prompt", "response"}``).
 The chat template is applied, loss falls on assistant tokens only (through their end-of-turn token),
 rows are truncated to ``max_length`` and batched with rows of similar length.
@@ -20,7 +22,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -32,11 +34,22 @@ from torch.utils.data import Dataset, Sampler
 
 from mars.config_schema import OpenSection, validated
 from mars.paths import data_dir
+from mars.training.refusals import DataUnreachable
 
 log = logging.getLogger(__name__)
 
 OFFLINE_DATA = data_dir() / "offline_sft"  # the checkout's data/, or the installed package's copy
-SOURCES = ("offline", "jsonl", "hub")
+SOURCES = ("offline", "jsonl", "hub", "disk")
+# what datasets' save_to_disk writes: one split (a Dataset) or several (a DatasetDict)
+DISK_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def fetch_command(hub_id: str | None) -> str:
+    """The one-time command that saves ``hub_id`` (and the paper's models) into a folder for offline training."""
+    dataset = f" --dataset {hub_id}" if hub_id else ""
+    return f"python -m mars.training.fetch --out <folder>{dataset}"
+
+
 ROW_FORMS = "{'messages': [{'role': ..., 'content': ...}, ...]} or {'prompt': ..., 'response': ...}"
 
 
@@ -213,7 +226,52 @@ def data_file(source: str, path: str | None = None, split: str = "train") -> Pat
         return file
     if source == "hub":
         return None
+    if source == "disk":
+        if not path:
+            raise ValueError("data.source=disk needs data.path=<folder written by python -m mars.training.fetch>")
+        folder = Path(path).expanduser()
+        if not any((folder / m).is_file() for m in DISK_MARKERS):
+            raise FileNotFoundError(
+                f"data.path={path!r} is not a dataset folder (no {' or '.join(DISK_MARKERS)}): write it once where "
+                f"the hub is reachable with {fetch_command(None)} and point data.path at its datasets/<id> folder"
+            )
+        return folder
     raise ValueError(f"data.source must be one of {' | '.join(SOURCES)} (or self_distill in train.py), got {source!r}")
+
+
+def check_hub_dataset(hub_id: str | None, split: str = "train") -> None:
+    """A hub dataset can be read here: the hub answers (one request, seconds), or offline mode is on (the
+    Hugging Face cache answers; :func:`load_rows` names a dataset missing from it).  Otherwise one error at once,
+    naming the fetch command and the folder config that trains without the hub, instead of a minute of retries
+    and a ConnectionError."""
+    from huggingface_hub import constants
+
+    from mars.models import _hub_unreachable
+
+    if not hub_id:
+        raise ValueError("data.source=hub needs data.hub_id")
+    if constants.HF_HUB_OFFLINE:
+        return
+    reason = _hub_unreachable(constants.ENDPOINT)
+    if reason is not None:
+        raise DataUnreachable(
+            unreachable_message(hub_id, split, f"the hub ({constants.ENDPOINT}) does not answer: {reason}")
+        )
+
+
+def unreachable_message(hub_id: str, split: str, why: str) -> str:
+    from huggingface_hub import constants
+
+    cache = (
+        f"HF_HUB_OFFLINE=1 is set, and the Hugging Face cache ({constants.HF_HUB_CACHE}) does not hold it"
+        if constants.HF_HUB_OFFLINE
+        else "or set HF_HUB_OFFLINE=1 where it is in the Hugging Face cache"
+    )
+    return (
+        f"data.hub_id={hub_id} (split {split}) cannot be read here: {why}. Fetch it once where the hub is reachable "
+        f"with {fetch_command(hub_id)}, then train from that folder without the hub: data=dolci_local "
+        f"data.path=<folder>/datasets/{hub_id} ({cache})"
+    )
 
 
 def load_rows(
@@ -221,22 +279,49 @@ def load_rows(
 ) -> Rows:
     """Raw rows from ``offline`` (the committed default), ``jsonl`` (``path``) or ``hub`` (``hub_id``)."""
     file = data_file(source, path, split)
-    if file is not None:
+    if source == "disk":
+        rows = Rows(read_disk_dataset(file, split), f"{file} ({split})")
+    elif file is not None:
         rows = read_jsonl(file)
     else:
         if not hub_id:
             raise ValueError("data.source=hub needs data.hub_id")
-        import datasets
-
-        rows = Rows(datasets.load_dataset(hub_id, split=split), f"{hub_id} ({split})")
-        if len(rows) == 0:
-            raise ValueError(f"the hub dataset {hub_id} (split {split!r}) holds no rows")
+        rows = Rows(read_hub_dataset(hub_id, split), f"{hub_id} ({split})")
+    if len(rows) == 0:
+        raise ValueError(f"the dataset {rows.where} holds no rows")
     if limit is not None:
         if isinstance(rows.rows, list):
             rows = Rows(rows.rows[:limit], rows.where, rows.lines[:limit] if rows.lines else None)
         else:
             rows = Rows(rows.rows.select(range(min(limit, len(rows)))), rows.where)
     return rows
+
+
+def read_hub_dataset(hub_id: str, split: str):
+    """``datasets.load_dataset(hub_id, split=split)``; where neither the hub nor the cache can give it, the
+    error names the fetch command (:func:`unreachable_message`)."""
+    import datasets
+    from huggingface_hub import constants
+
+    try:
+        return datasets.load_dataset(hub_id, split=split)
+    except (ConnectionError, FileNotFoundError) as err:
+        if isinstance(err, FileNotFoundError) and not constants.HF_HUB_OFFLINE:
+            raise  # the hub answered: there is no such dataset
+        raise DataUnreachable(unreachable_message(hub_id, split, f"{type(err).__name__}: {err}")) from None
+
+
+def read_disk_dataset(folder: Path, split: str):
+    """A folder that ``datasets``' ``save_to_disk`` wrote (memory-mapped, nothing is copied): one split, or the
+    ``split`` of a DatasetDict."""
+    import datasets
+
+    loaded = datasets.load_from_disk(str(folder))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{folder} holds the splits {sorted(loaded)}, not data.split={split!r}")
+        return loaded[split]
+    return loaded
 
 
 def check_rows(rows: Rows) -> None:
@@ -422,6 +507,34 @@ def check_data_config(data: dict[str, Any]) -> DataSettings:
     return validated(DataSettings, data)
 
 
+class _IteratorAtFirstBatch:
+    """An iterator whose underlying one is made when its first item is drawn, not when it is created."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]]):
+        self._make, self._iterator = make, None
+
+    def __iter__(self) -> _IteratorAtFirstBatch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._make()
+        return next(self._iterator)
+
+
+def resumable_loader_class():
+    """``StatefulDataLoader`` whose iteration starts at the first batch drawn.  Lightning calls ``iter()`` on the
+    training loader while it sets up, and under FSDP and DeepSpeed that is before the checkpoint (with this
+    loader's position) is restored; an iterator made then would start the epoch from its first batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class ResumableDataLoader(StatefulDataLoader):
+        def __iter__(self):
+            return _IteratorAtFirstBatch(super().__iter__)
+
+    return ResumableDataLoader
+
+
 class InstructionDataModule(L.LightningDataModule):
     """Tokenized instruction data in length-grouped batches, through a ``StatefulDataLoader`` whose state
     (the sampler's epoch and the batches trained, consistent with prefetching workers) is saved in every
@@ -431,7 +544,9 @@ class InstructionDataModule(L.LightningDataModule):
     Lightning also saves a stateful loader's state in its loop state, but restores it only when the loader
     is first built after the checkpoint is read; ``configure_optimizers`` asks for
     ``trainer.estimated_stepping_batches``, which builds the loader earlier, so that copy is never applied.
-    The data module's own state is restored before any loader is built and applied here.
+    The data module's own state is restored before any loader is built and applied here; under strategies that
+    restore a checkpoint after their setup (FSDP, DeepSpeed) the loader exists by then, and the state is applied
+    to it before its first batch is drawn (:func:`resumable_loader_class`).
     """
 
     def __init__(
@@ -469,15 +584,13 @@ class InstructionDataModule(L.LightningDataModule):
             self.rows = None  # the tokenized rows are all that is needed from here on
 
     def train_dataloader(self):
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
         self.setup()
         lengths = [len(e["input_ids"]) for e in self.dataset.examples]
         trainer = self.trainer
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         self.sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed, num_replicas=replicas, rank=rank)
         pad = self.tokenizer.pad_token_id
-        self.loader = StatefulDataLoader(
+        self.loader = resumable_loader_class()(
             self.dataset,
             sampler=self.sampler,
             batch_size=self.batch_size,
@@ -493,7 +606,11 @@ class InstructionDataModule(L.LightningDataModule):
         return {"loader": self.loader.state_dict()} if self.loader is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("loader"):
+        if not state.get("loader"):
+            return
+        if self.loader is not None:  # FSDP and DeepSpeed restore after setup, which has built the loader already
+            self.loader.load_state_dict(state["loader"])
+        else:
             self._pending_state = state["loader"]
 
     @property

@@ -14,10 +14,12 @@ In the fingerprint (they change the result):
   ``allow_new_embedding_row``; a local model folder also by a digest of its ``config.json`` and weight
   files (a retrained stage-1 folder under the same path is another model).
 - ``data``: every key except ``path`` and ``num_workers``; the file behind ``path`` (and the offline split)
-  by a digest of its content, so the same file under another path matches and an edited file does not.
+  by a digest of its content, so the same file under another path matches and an edited file does not; a
+  dataset folder (``source: disk``) by the digests of its files.
   The self-distillation sub-config ``data.distill`` likewise, except ``threads``, ``batch_size`` (the
   answers do not depend on them) and ``root`` (where the cache lives), its prompt file by content.
-- ``objective`` (every field), ``block``, ``mask_schedule``, ``optim``, ``seed``, ``adapter`` and the
+- ``objective`` (every field), ``block``, ``mask_schedule``, ``optim`` (its ``schedule`` only when it is not
+  the cosine every run had before the key existed, so their folders still match), ``seed``, ``adapter`` and the
   compute ``budget`` (it sets the run's length and lr schedule).
 - ``trainer``: ``max_steps``, ``max_epochs``, ``precision``, ``accumulate_grad_batches``,
   ``gradient_clip_val`` and the number of processes (``devices`` x ``num_nodes``, resolved): with the
@@ -28,13 +30,16 @@ Left out (they do not change the trained weights, or only as floating-point nois
 losses and gradients unchanged), ``model.attn_implementation`` and ``model.id`` (a kernel and a label),
 ``trainer.strategy`` / ``accelerator`` / ``log_every_n_steps`` (how, not what; a checkpoint written under
 another strategy is refused by Lightning itself), ``data.num_workers``, and the bookkeeping keys
-(``run_name``, ``output_dir``, ``export_dir``, ``checkpoint_every``, ``resume``, ``ckpt_path``,
-``overwrite``, ``stop_grace_seconds``, ``logger``).
+(``run_name``, ``output_dir``, ``export_dir``, ``checkpoint_every``, ``checkpoint_minutes``, ``resume``,
+``ckpt_path``, ``overwrite``, ``stop_grace_seconds``, ``logger``, ``recipe``, ``dry_run``).  ``global_batch`` is
+in it through what it sets, ``trainer.accumulate_grad_batches`` with the number of processes.
 
-A folder that holds checkpoints or an export but no ``fingerprint.json`` (deleted by hand, or an
-``overwrite`` killed half-way) is refused: absence is never a match.  Files are digested completely
-(:func:`mars.persistence.file_sha256`, cached), never by samples.  ``ckpt_path`` (resume from a checkpoint of another folder) is deliberately
-not checked: it is the explicit way to continue a run under new settings.
+A folder that holds checkpoints or an export but no ``fingerprint.json`` (deleted by hand, or an ``overwrite``
+killed half-way) is refused: absence is never a match. Files are digested completely
+(:func:`mars.persistence.file_sha256`, cached by path, size and timestamps), never by samples: a multi-GB
+shard is read once per machine, and only global rank 0 of a job computes the fingerprint
+(``mars.training.run``). ``ckpt_path`` (resume from a checkpoint of another folder) is deliberately not
+checked: it is the explicit way to continue a run under new settings.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ VERSION = 2  # 2: complete content digests (1 sampled large files)
 MODEL_KEYS = ("name_or_path", "tiny", "mask_token", "allow_new_embedding_row")
 TRAINER_KEYS = ("max_steps", "max_epochs", "precision", "accumulate_grad_batches", "gradient_clip_val")
 DATA_EXCLUDED = ("path", "num_workers")
+DEFAULT_SCHEDULE = "cosine"  # optim.schedule of every run before the key existed
 DISTILL_EXCLUDED = ("threads", "batch_size", "root")
 # what overwrite=true removes before training from scratch (the logger's folders are left alone), in this
 # order: the export first and the fingerprint last, so that a kill at any point leaves a folder whose
@@ -70,6 +76,14 @@ class RunMismatchError(ValueError):
 # Digests (every byte, never a sample: a digest of size + first and last MiB misses an edit in the middle
 # of a weight or data file)
 # ------------------------------------------------------------------------------------------
+def _dataset_folder_digest(folder: Path) -> str:
+    """Every file of a saved dataset folder (its Arrow shards and their index), each digested once and cached."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(folder).as_posix()}:{file_sha256(p)};".encode())
+    return h.hexdigest()
+
+
 def _model_folder_digest(folder: Path) -> str:
     files = sorted(
         p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
@@ -106,7 +120,9 @@ def _data_fingerprint(data: dict[str, Any]) -> dict[str, Any]:
     from mars.training.data import OFFLINE_DATA
 
     out = {k: v for k, v in data.items() if k not in DATA_EXCLUDED and k != "distill"}
-    if data.get("path"):
+    if data.get("path") and Path(str(data["path"])).expanduser().is_dir():
+        out["content"] = _dataset_folder_digest(Path(str(data["path"])).expanduser())
+    elif data.get("path"):
         out["content"] = file_sha256(Path(str(data["path"])).expanduser())
     elif data.get("source") == "offline":
         out["content"] = file_sha256(OFFLINE_DATA / f"{data.get('split', 'train')}.jsonl")
@@ -139,7 +155,7 @@ def run_fingerprint(cfg) -> dict[str, Any]:
         "objective": c["objective"],
         "block": c["block"],
         "mask_schedule": c["mask_schedule"],
-        "optim": c["optim"],
+        "optim": {k: v for k, v in c["optim"].items() if not (k == "schedule" and v == DEFAULT_SCHEDULE)},
         "seed": c["seed"],
         "trainer": trainer,
         "adapter": c.get("adapter") or {"kind": "none"},

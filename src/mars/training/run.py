@@ -1,9 +1,12 @@
 """``train.py``'s body: config -> checks -> model/data -> Lightning fit -> plain HF checkpoint + run summary.
 
-Order matters: everything that can be wrong with the request (config values, the run folder's
-fingerprint, the data file and its rows, the model folder) fails before the model loads, which takes
-minutes at 7B.  A run folder resumes (``checkpoints/last.ckpt``; the data loader's position is in it) or is
-skipped when finished, but only under the settings it was started with (:mod:`mars.training.fingerprint`).
+Order matters: everything that can be wrong with the request (config values, the recipe of a paper model, the
+global batch, the checkpoint a stage starts from, the run folder's fingerprint, the data and its rows, the
+model folder) fails before the model loads, which takes minutes at 7B; the run's plan is logged then
+(:mod:`mars.training.plan`), and its cost once the first steps are timed. ``dry_run=true`` stops after the
+checks and the plan, listing what this machine lacks instead of refusing it. A run folder resumes
+(``checkpoints/last.ckpt``; the data loader's position is in it) or is skipped when finished, but only under
+the settings it was started with (:mod:`mars.training.fingerprint`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mars.logs import quiet_library_notices, route_lightning_logs
@@ -29,19 +32,24 @@ from mars.persistence import atomic_write_json, atomic_write_text, folder_lock
 from mars.training.budget import ComputeBudget
 from mars.training.checkpointing import (
     AtomicCheckpointIO,
+    FinalCheckpoint,
     GracefulStop,
+    checkpoint_callback,
     exit_after_sigterm,
     fit_until_sigterm,
+    recover_checkpoint_folder,
     verify_resume_checkpoint,
 )
-from mars.training.config import TrainConfig, validate
-from mars.training.data import InstructionDataModule, check_rows, load_rows
+from mars.training.config import TrainConfig, machine_problems, validate
+from mars.training.data import InstructionDataModule, check_rows, data_file, load_rows, read_jsonl
 from mars.training.export import export_from_trainer, export_lightning_checkpoint
-from mars.training.fingerprint import check_run_folder, record_fingerprint, run_fingerprint
+from mars.training.fingerprint import check_run_folder, record_fingerprint, run_fingerprint, world_size
 from mars.training.loggers import build_callbacks, build_loggers
 from mars.training.loss_history import LossHistory
 from mars.training.module import MarsModule
+from mars.training.plan import CostEstimate, plan_lines
 from mars.training.precision import resolve_precision
+from mars.training.strategies import build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +123,6 @@ def preload_rows(data_cfg: dict[str, Any]):
     return rows
 
 
-def build_strategy(trainer_cfg: dict[str, Any], model) -> Any:
-    """Lightning's own strategies; FSDP wraps the model's decoder-layer class."""
-    strategy = trainer_cfg.pop("strategy", "auto")
-    fsdp = trainer_cfg.pop("fsdp", None)
-    if strategy != "fsdp":
-        return strategy
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    layers = {type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}
-    return FSDPStrategy(auto_wrap_policy=layers, **(fsdp or {}))
-
-
 def resolve_resume(cfg: DictConfig, out_dir: Path) -> str | None:
     """The checkpoint to resume from: ``ckpt_path`` if given, else the folder's ``last.ckpt`` (a file, or a
     DeepSpeed checkpoint folder).  Lightning reads it; nothing is loaded here."""
@@ -163,7 +159,10 @@ def run(cfg: DictConfig, callbacks: Sequence[Callback] = ()) -> Path:
     """Train and export; returns the HF checkpoint directory.  A finished run (same settings) is skipped
     unless ``overwrite``; ``callbacks`` are added to the trainer's.  One run per folder: a second one is
     refused naming the first one's PID (rank 0 holds the lock for the job).  Ended by SIGTERM, it saves
-    the step in progress and exits with 128 + SIGTERM."""
+    the step in progress and exits with 128 + SIGTERM.  ``dry_run``: the checks and the plan only
+    (:func:`dry_run`)."""
+    if cfg.get("dry_run"):
+        return dry_run(cfg)
     settings = validate(cfg)
     if not launched_as_rank_zero():
         return _run(cfg, settings, callbacks)
@@ -178,14 +177,21 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
     quiet_library_notices()  # no deprecation notice about the libraries' own calls on every run
     out_dir, export_dir = Path(cfg.output_dir), Path(cfg.export_dir)
     rank_zero = launched_as_rank_zero()
-    fingerprint = run_fingerprint(cfg)
+    # digests every byte of a local model and data folder (cached per file): one process of the job does it
+    fingerprint = run_fingerprint(cfg) if rank_zero else None
     if _already_finished(cfg, out_dir, export_dir, fingerprint, rank_zero):
         return export_dir
+    if rank_zero:
+        recover_checkpoint_folder(out_dir / "checkpoints" / "last.ckpt")  # a kill during a sharded save
     resume_from = resolve_resume(cfg, out_dir)
-    verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
+    if rank_zero:
+        verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
 
     tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.get("tiny") else None
     data_cfg, rows = _training_data(cfg, tiny)
+    if rank_zero:
+        for line in plan_lines(cfg, settings, len(rows), world_size(OmegaConf.to_container(cfg.trainer, resolve=True))):
+            log.info(line)
     L.seed_everything(cfg.seed, workers=True)
     loaded = _load_base_model(cfg.model, tiny)
     base_params = sum(p.numel() for p in loaded.model.parameters())
@@ -199,7 +205,9 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
     exporter = HFExport(export_dir, loaded.tokenizer, _export_metadata(cfg, settings, loaded, tiny, base_params))
     budget_cb = _attach_budget(settings.budget, module, exporter)
     stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
-    own_callbacks = [history, *([budget_cb] if budget_cb else []), exporter, stopper]
+    final = FinalCheckpoint(out_dir / "checkpoints" / "last.ckpt")  # before the export: it can finish from it
+    cost = CostEstimate()
+    own_callbacks = [history, *([budget_cb] if budget_cb else []), final, exporter, stopper, cost]
     trainer = _build_trainer(cfg, out_dir, trainer_cfg, strategy, own_callbacks, callbacks)
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
@@ -212,18 +220,47 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
     seconds = time.perf_counter() - start
     if trainer.is_global_zero:
         summary = _summary(cfg, settings, trainer, module, exporter, history, budget_cb, seconds, base_params)
+        summary["cost_estimate"] = cost.estimate
         _report(summary, exporter, out_dir, export_dir)
     if not finished:
         exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
     return export_dir
 
 
-def _already_finished(cfg: DictConfig, out_dir: Path, export_dir: Path, fingerprint, rank_zero: bool) -> bool:
-    """Checks the run folder against these settings (refusing another run's folder); True when it already
-    holds a finished checkpoint of them and ``overwrite`` is off, so the run is skipped."""
-    check_run_folder(
-        out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), clear=rank_zero, run_name=cfg.run_name
+def dry_run(cfg: DictConfig) -> Path:
+    """``dry_run=true``: the config checked (its values, the recipe, the global batch on the processes present),
+    the plan printed, and what this machine lacks for it listed (a missing stage-1 checkpoint, no GPU, no hub),
+    without loading a model or data and without writing anything.  Returns the export folder the run would
+    write."""
+    settings = validate(cfg, refuse=False)
+    data = settings.data
+    extra = data.model_extra or {}
+    rows = None
+    if data.source in ("offline", "jsonl"):  # a local file: its rows are counted (hub and disk data are not read)
+        try:
+            rows = len(read_jsonl(data_file(data.source, extra.get("path"), extra.get("split", "train"))))
+        except (OSError, ValueError):
+            rows = None
+        if rows is not None and data.limit is not None:
+            rows = min(rows, data.limit)
+    for line in plan_lines(cfg, settings, rows, world_size(OmegaConf.to_container(cfg.trainer, resolve=True))):
+        print(line)
+    problems = machine_problems(settings)
+    for problem in problems:
+        print(f"dry run: would be refused here: {problem}")
+    print(
+        f"dry run: {'nothing' if not problems else len(problems)} missing on this machine; "
+        "nothing was loaded or written"
     )
+    return Path(cfg.export_dir)
+
+
+def _already_finished(cfg: DictConfig, out_dir: Path, export_dir: Path, fingerprint, rank_zero: bool) -> bool:
+    """Checks the run folder against these settings (refusing another run's folder; global rank 0, which a
+    refusal ends the job from); True when it already holds a finished checkpoint of them and ``overwrite`` is
+    off, so the run is skipped."""
+    if rank_zero:
+        check_run_folder(out_dir, export_dir, fingerprint, overwrite=bool(cfg.overwrite), run_name=cfg.run_name)
     if cfg.overwrite or not is_complete(export_dir):
         return False
     log.info(
@@ -334,9 +371,7 @@ def _build_trainer(
     the caller's; checkpoints written atomically."""
     loggers = build_loggers(cfg.logger, hyperparameters=OmegaConf.to_container(cfg, resolve=True))
     all_callbacks = [
-        ModelCheckpoint(
-            dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every, save_last=True, save_top_k=0
-        ),
+        checkpoint_callback(out_dir / "checkpoints", cfg.checkpoint_every, cfg.get("checkpoint_minutes")),
         *own_callbacks,
         *build_callbacks(cfg.callbacks, with_logger=bool(loggers)),
         *callbacks,
