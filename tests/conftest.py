@@ -32,3 +32,19 @@ def tiny_train_overrides(tmp_path):
         "logger=none",
         f"output_dir={tmp_path / 'run'}",
     ]
+
+
+@pytest.fixture(scope="session")
+def full_checkpoint(tmp_path_factory) -> Path:
+    """A tiny full fine-tuned MARS checkpoint (tests/mars_checkpoints.py), once per session."""
+    from mars_checkpoints import make_full_checkpoint
+
+    return make_full_checkpoint(tmp_path_factory.mktemp("full") / "hf")
+
+
+@pytest.fixture(scope="session")
+def gated_checkpoint(tmp_path_factory) -> Path:
+    """A tiny gated-adapter MARS checkpoint (tests/mars_checkpoints.py), once per session."""
+    from mars_checkpoints import make_gated_checkpoint
+
+    return make_gated_checkpoint(tmp_path_factory.mktemp("gated") / "adapter")

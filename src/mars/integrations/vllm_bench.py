@@ -1,0 +1,183 @@
+"""``python -m mars.integrations.vllm_bench --out results/vllm_cpu``: vLLM's AR, vLLM with the MARS drafter (the
+gated adapter through the plugin, and the same adapter merged), K = 2, 3, 4, and this project's AR and verify, on
+the same held-out prompts (batch 1, greedy, fp32) in one run.
+
+Written to ``--out``: ``results.json`` (every output, vLLM's spec-decode counters, the step-by-step comparison
+of vLLM's proposals with this project's mask predictions), ``table.md`` and ``README.md``.  Without ``--timing``
+(the default) it is an acceptance and identity run: tokens per second are recorded in ``results.json`` but left
+out of the table, since they mean nothing on a busy machine; ``--timing`` puts them in (run it on a quiet machine).
+vLLM runs in ``.venv-vllm`` (``make test-vllm`` builds it; ``MARS_VLLM_PYTHON`` names another interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from mars.integrations.vllm_compare import compare_run, vllm_figures
+
+ADAPTER = "adapters/smollm2-135m-mars-rank8"
+
+
+def heldout_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first ``n`` held-out prompts (data/prompts/heldout.jsonl, file order) as chat-templated token ids."""
+    from mars.paths import data_dir
+
+    rows = [json.loads(line) for line in (data_dir() / "prompts" / "heldout.jsonl").read_text().splitlines()[:n]]
+    out = []
+    for row in rows:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def project_runs(lm, prompts, max_tokens: int, ks: list[int]) -> list[dict[str, Any]]:
+    """This project's AR (threshold 1.0), its default verify, and its verify chain at window K (K - 1 mask drafts
+    after the bonus, masks after every step's drafts), each prompt on its own (batch 1, as vLLM runs here)."""
+    from mars.decoding import generate
+
+    configs = [("project AR", {}), ("project verify", {"verify": True})]
+    chain = dict(verify=True, chain_drafts="always", verify_masks="all", tree="chain", draft_threshold=0.0)
+    configs += [(f"project verify chain, window {k}", {**chain, "window": k}) for k in ks]
+    runs = []
+    for name, kwargs in configs:
+        outputs, tokens, forwards, seconds, drafts, accepted, by_position = [], 0, 0, 0.0, 0, 0, []
+        for prompt in prompts:
+            stats = (result := generate(lm.model, lm.tokenizer, [prompt], max_new_tokens=max_tokens, **kwargs)).stats
+            outputs.append(result.token_ids[0])
+            tokens, forwards, seconds = (
+                tokens + stats.generated_tokens,
+                forwards + stats.forwards,
+                seconds + stats.seconds,
+            )
+            steps = stats.num_drafts or 0
+            drafts, accepted = drafts + steps, accepted + (stats.num_accepted_tokens or 0)
+            counts = [round(a * steps) for a in stats.acceptance_by_position or []]
+            width = max(len(by_position), len(counts))
+            by_position = [
+                (by_position[d] if d < len(by_position) else 0) + (counts[d] if d < len(counts) else 0)
+                for d in range(width)
+            ]
+        runs.append(
+            {
+                "name": name,
+                "outputs": outputs,
+                "tokens_per_s": tokens / seconds if seconds else None,
+                "tokens_per_forward": tokens / forwards if forwards else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "acceptance_by_position": [c / drafts for c in by_position] if drafts else None,
+            }
+        )
+    return runs
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return " / ".join(f"{v:.{digits}f}" for v in value)
+    return f"{value:.{digits}f}"
+
+
+def table(report: dict[str, Any], timing: bool) -> str:
+    ar = report["vllm"]["runs"][0]["outputs"]
+    head = "| run | identical to vLLM AR | tokens/s | mean acceptance length | per-position acceptance | project's masks, same steps | proposals = project's predictions |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for run in report["vllm"]["runs"]:
+        same = sum(a == b for a, b in zip(run["outputs"], ar))
+        figures = vllm_figures(run) if run.get("drafter") else {}
+        cmp = report["comparisons"].get(run["name"], {})
+        lines.append(
+            f"| vLLM {run['name']} | {same}/{len(ar)} | {_fmt(run['tokens_per_s'], 1) if timing else '-'} | "
+            f"{_fmt(figures.get('mean_acceptance_length'))} | {_fmt(figures.get('acceptance_by_position'))} | "
+            f"{_fmt(cmp.get('project_acceptance_by_position'))} | "
+            f"{_fmt(100 * cmp['equal_share'], 1) + '%' if cmp else '-'} |"
+        )
+    for run in report["project"]:
+        same = sum(a == b for a, b in zip(run["outputs"], ar))
+        lines.append(
+            f"| {run['name']} | {same}/{len(ar)} | {_fmt(run['tokens_per_s'], 1) if timing else '-'} | "
+            f"{_fmt(run['mean_acceptance_length'])} | {_fmt(run['acceptance_by_position'])} | - | - |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m mars.integrations.vllm_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/vllm_cpu")
+    p.add_argument("--work", default="outputs/vllm_cpu", help="exported drafters and the vLLM log")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ks", default="2,3,4")
+    p.add_argument("--timing", action="store_true", help="put tokens/s in the table (a quiet machine only)")
+    p.add_argument("--compile", action="store_true", help="also run the gated drafter with vLLM's compilation on")
+    p.add_argument("--threads", type=int, help="torch threads of this project's side (1 on a busy machine)")
+    p.add_argument("--reuse-vllm", action="store_true", help="take the vLLM runs of the same job from --work")
+    args = p.parse_args(argv)
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    from mars.integrations.export import export_for_vllm
+    from mars.integrations.vllm_env import run_job, vllm_python
+    from mars.models import embedded_model_dir, load_model
+    from mars.paths import data_dir
+
+    vllm_python()  # no vLLM: say so before any model loads
+    work, out = Path(args.work), Path(args.out)
+    adapter = data_dir() / ADAPTER
+    gated = export_for_vllm(adapter, work / "gated")
+    merged = export_for_vllm(adapter, work / "merged", merge=True)
+    lm = load_model(str(adapter))
+    prompts = heldout_prompts(lm.tokenizer, args.prompts)
+    runs = [{"name": "AR"}]
+    runs += [{"name": f"gated K={k}", "drafter": {"model": str(gated), "k": k}, "record": True} for k in ks]
+    runs += [{"name": f"merged K={k}", "drafter": {"model": str(merged), "k": k}, "record": True} for k in ks]
+    if args.compile:
+        runs.append(
+            {"name": f"gated K={ks[0]}, compiled", "drafter": {"model": str(gated), "k": ks[0]}, "compile": True}
+        )
+    job = {"model": str(embedded_model_dir()), "prompts": prompts, "max_tokens": args.max_tokens, "runs": runs}
+    started = time.time()
+    work.mkdir(parents=True, exist_ok=True)
+    saved = work / "vllm_result.json"
+    if args.reuse_vllm and saved.is_file() and json.loads(saved.read_text()).get("job") == job:
+        vllm = json.loads(saved.read_text())["result"]
+    else:
+        vllm = run_job(job, log=work / "vllm.log")
+        saved.write_text(json.dumps({"job": job, "result": vllm}) + "\n")
+    report: dict[str, Any] = {"vllm": vllm}
+    report["project"] = project_runs(lm, prompts, args.max_tokens, ks)
+    from transformers import AutoModelForCausalLM
+
+    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    report["comparisons"] = {}
+    for run in report["vllm"]["runs"]:
+        if run.get("proposals"):
+            model = lm.model if run["name"].startswith("gated") else merged_model
+            report["comparisons"][run["name"]] = compare_run(model, prompts, run, lm.mask.id).as_dict()
+    report["settings"] = {
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "ks": ks,
+        "timing": args.timing,
+        "threads": args.threads,
+        "machine": platform.processor() or platform.machine(),
+        "seconds": time.time() - started,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "table.md").write_text(table(report, args.timing))
+    print(table(report, args.timing))
+
+
+if __name__ == "__main__":
+    main()
