@@ -18,7 +18,8 @@ def write_prompts(path, rows) -> str:
     return str(path)
 
 
-def test_spec_reports_each_category_and_overall_with_identical_outputs(tmp_path):
+@pytest.mark.parametrize("tree", ["chain", "1"])  # a shape applies to the verify rows, never to the AR baseline
+def test_spec_reports_each_category_and_overall_with_identical_outputs(tmp_path, tree):
     prompts = write_prompts(
         tmp_path / "p.jsonl",
         [
@@ -29,14 +30,14 @@ def test_spec_reports_each_category_and_overall_with_identical_outputs(tmp_path)
     )
     out = tmp_path / "out"
     # tree chain: auto would time the step costs per width first (seconds of a test for no other check)
-    args = [*ARGS, "--limit-per-category", "1", "--prompts-file", prompts, "--tree", "chain", "--out", str(out)]
+    args = [*ARGS, "--limit-per-category", "1", "--prompts-file", prompts, "--tree", tree, "--out", str(out)]
     assert main(args) == 0
     rows = {r["category"]: r for r in csv.DictReader((out / "spec.csv").open())}
     assert list(rows) == ["chat", "math", "overall"]
     assert [rows[c]["prompts"] for c in rows] == ["1", "1", "2"]
     # lossless: every prompt's verify output is AR's, token for token
     assert [rows[c]["identical_outputs"] for c in rows] == ["1", "1", "2"]
-    assert {r["tree"] for r in rows.values()} == {"chain"}  # the layout verify ran with, as asked
+    assert {r["tree"] for r in rows.values()} == {tree}  # the layout verify ran with, as asked
     for r in rows.values():
         assert float(r["speedup_min"]) <= float(r["speedup"]) <= float(r["speedup_max"])
         assert float(r["ar_tokens_per_s"]) > 0 and float(r["verify_tokens_per_s"]) > 0
@@ -48,7 +49,7 @@ def test_spec_reports_each_category_and_overall_with_identical_outputs(tmp_path)
     assert [line.rsplit(" | ", 1)[1] for line in table.splitlines()[-3:]] == ["1/1 |", "1/1 |", "2/2 |"]
     config = json.loads((out / "config.json").read_text())
     assert config["settings"]["verify"]["verify"] is True and config["settings"]["ar-cursor"]["verify"] is False
-    assert config["settings"]["verify"]["tree"] == "chain" and config["max_new_tokens"] == 5
+    assert config["settings"]["verify"]["tree"] == tree and config["max_new_tokens"] == 5
     assert config["categories"] == {"chat": 1, "math": 1} and "cpu_native_bf16" in config["hardware"]
 
 

@@ -50,6 +50,8 @@ def run_one(model, tokenizer, prompts, setup: DecodeSetup, variant: Variant, thr
 
     threshold = variant.fixed_threshold if variant.fixed_threshold is not None else threshold
     settings = setup.settings.replace(**variant.kwargs, threshold=threshold)
+    if not settings.verify and settings.tree not in ("auto", "chain"):
+        settings = settings.replace(tree="auto")  # a tree shape lays out verify's drafts: the AR rows have none
     with fast_path_off(variant.eager):
         res = generate(model, tokenizer, prompts, chat_template=setup.chat_template, settings=settings)
     extra = res.stats.extra
