@@ -206,7 +206,6 @@ def figures(variant: dict, work: Path, spec: dict) -> dict[str, Any]:
     meta = json.loads((cut / "mars_config.json").read_text())
     table = meta["draft_acceptance"]["conditional"]
     probe = json.loads((root / "probe.json").read_text())["results"]
-    budget = summary.get("budget") or {}
     return {
         "variant": variant["name"],
         "lever": variant.get("lever", ""),
@@ -214,7 +213,9 @@ def figures(variant: dict, work: Path, spec: dict) -> dict[str, Any]:
         "steps": summary["global_step"],
         "tokens": summary.get("tokens_seen"),
         "seconds_per_step": summary.get("seconds_per_step"),
-        "cpu_minutes": budget.get("used_minutes"),
+        "cpu_seconds_per_step": round(summary["cpu_seconds"] / summary["global_step"], 2)
+        if summary.get("cpu_seconds")
+        else None,
         "final": summary.get("final"),
         "rank": spec["rank"],
         "depth1_top1": table[0][0],
@@ -403,8 +404,8 @@ def report(spec: dict, results: Path) -> None:
         f"**Machines: {'; '.join(machines) or '–'}; fp32 measurement, torch CPU.**",
         "",
         "What it compares: ways of teaching the masks of a gated adapter on the embedded SmolLM2-135M, at an "
-        f"equal number of optimizer steps ({spec['steps']} per variant; the variants' step costs are equal "
-        "within a few percent, so the comparison does not depend on the machine's load), each cut to rank "
+        f"equal number of optimizer steps ({spec['steps']} per variant: the same forwards, only the mask "
+        "loss differs, so the comparison does not depend on the machine's load), each cut to rank "
         f"{spec['rank']} and calibrated before it is measured. Produced by `python scripts/mask_search.py` "
         "(conf/mask_search.yaml); each variant's folder holds its calibrated adapter, `figures.json`, its "
         "learning curve (`losses.csv`, `loss_curve.png`), its training config and the raw tables.",
