@@ -41,6 +41,7 @@ import yaml
 from mars.hardware import WAIT_POLICY, describe, wait_policy_chosen
 from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
+from mars.training.config import check_train_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "conf" / "mask_search.yaml"
@@ -98,21 +99,8 @@ def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
 
 def check_variants(spec: dict, work: Path) -> None:
     """Compose and validate every selected variant's training config now, not hours later."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from mars.training.config import validate
-
-    problems = []
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for variant in spec["selected"]:
-            try:
-                validate(compose(config_name="train", overrides=train_overrides(variant, work, spec)))
-            except (HydraException, OmegaConfBaseException, ValueError) as err:
-                problems.append(f"- {variant['name']} ({' '.join(variant['overrides'])}): {err}")
-    if problems:
-        raise SystemExit("variant(s) whose training config train.py would refuse:\n" + "\n".join(problems))
+    jobs = {f"{v['name']} ({' '.join(v['overrides'])})": train_overrides(v, work, spec) for v in spec["selected"]}
+    check_train_overrides(jobs, REPO / "conf")
 
 
 def quality_command(target: list[str], out: Path, spec: dict, extra: list[str]) -> list[str]:

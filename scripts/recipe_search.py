@@ -36,6 +36,7 @@ import yaml
 from mars.hardware import WAIT_POLICY, wait_policy_chosen
 from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
+from mars.training.config import check_train_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "conf" / "recipe_search.yaml"
@@ -95,21 +96,8 @@ def check_variants(spec: dict, work: Path) -> None:
     """Compose every variant's training config and run train.py's own checks on it (config values, model source,
     data, a budget that holds a step) before the first stage: a bad override is refused now, naming its variant,
     not when the search reaches that variant hours later."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from mars.training.config import validate
-
-    problems = []
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for variant in spec["variants"]:
-            try:
-                validate(compose(config_name="train", overrides=train_overrides(variant, work, spec)))
-            except (HydraException, OmegaConfBaseException, ValueError) as err:
-                problems.append(f"- {variant['name']} ({' '.join(variant['overrides'])}): {err}")
-    if problems:
-        raise SystemExit("variant(s) whose training config train.py would refuse:\n" + "\n".join(problems))
+    jobs = {f"{v['name']} ({' '.join(v['overrides'])})": train_overrides(v, work, spec) for v in spec["variants"]}
+    check_train_overrides(jobs, REPO / "conf")
 
 
 def run_variant(stages: Stages, variant: dict, work: Path, base_eval: Path, spec: dict) -> None:

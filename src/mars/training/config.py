@@ -412,7 +412,27 @@ def estimated_parameters(name_or_path: str) -> int | None:
 # in this order: the stage before this one first (nothing else matters until it has run), then the data, ...
 MACHINE_CHECKS = (check_stage, check_data_source, check_model, check_accelerator, check_budget_fits_a_step)
 
+
+def check_train_overrides(jobs: dict[str, list[str]], conf: Path) -> None:
+    """Compose each job's ``train.py`` overrides (``{label: overrides}``) and run train.py's own checks on it, so
+    that a bad one is refused now, naming its job, not when a long search reaches it hours later."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    problems = []
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        for label, overrides in jobs.items():
+            try:
+                validate(compose(config_name="train", overrides=overrides))
+            except (HydraException, OmegaConfBaseException, ValueError) as err:
+                problems.append(f"- {label}: {err}")
+    if problems:
+        raise SystemExit("variant(s) whose training config train.py would refuse:\n" + "\n".join(problems))
+
+
 __all__ = [
+    "check_train_overrides",
     "TrainConfig",
     "check_budget_fits_a_step",
     "check_recipe",
