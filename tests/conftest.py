@@ -48,3 +48,40 @@ def gated_checkpoint(tmp_path_factory) -> Path:
     from mars_checkpoints import make_gated_checkpoint
 
     return make_gated_checkpoint(tmp_path_factory.mktemp("gated") / "adapter")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random model with the embedded tokenizer, loaded once per test module."""
+    from mars.models import load_model
+
+    return load_model("tiny-random")
+
+
+@pytest.fixture
+def loads(monkeypatch, tiny):
+    """An evaluation's model loads routed to the module's tiny model, counted."""
+    import mars.evaluation.runner as run_mod
+
+    calls = []
+
+    def fake_load(plan):
+        calls.append(plan)
+        return tiny
+
+    monkeypatch.setattr(run_mod, "load_for_plan", fake_load)
+    return calls
+
+
+@pytest.fixture
+def closed_hub(monkeypatch):
+    """The hub at a closed local port, as HF_ENDPOINT=http://127.0.0.1:9 sets it."""
+    from huggingface_hub import constants
+
+    import mars.models
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    mars.models._hub_unreachable.cache_clear()
+    yield
+    mars.models._hub_unreachable.cache_clear()

@@ -187,19 +187,6 @@ def test_every_evaluation_sweep_point_plans_a_checkpoint_a_training_sweep_writes
 # ------------------------------------------------------------------------------------------------
 # The paper's sweeps: launched as dry runs (composition and checks, nothing trained), every point the paper's setup
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def closed_hub(monkeypatch):
-    from huggingface_hub import constants
-
-    import mars.models
-
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    mars.models._hub_unreachable.cache_clear()
-    yield
-    mars.models._hub_unreachable.cache_clear()
-
-
 def check_paper_point(cfg, experiment: str, stage1_exports: dict[str, str]) -> None:
     size, name = experiment.removeprefix("paper_").split("/")
     assert cfg.model.id == f"qwen2.5-{size}", experiment

@@ -51,28 +51,6 @@ QUESTIONS = [
 # ------------------------------------------------------------------------------------------------
 # fixtures
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny():
-    from mars.models import load_model
-
-    return load_model("tiny-random")
-
-
-@pytest.fixture
-def loads(monkeypatch, tiny):
-    """Route model loading to the module's tiny model and count the loads."""
-    import mars.evaluation.runner as run_mod
-
-    calls = []
-
-    def fake_load(plan):
-        calls.append(plan)
-        return tiny
-
-    monkeypatch.setattr(run_mod, "load_for_plan", fake_load)
-    return calls
-
-
 def write_task(folder: Path, name: str, answers: list[str], until: list[str] | None = None) -> Path:
     """A generate_until task over QUESTIONS scored by exact match against ``answers``."""
     rows = [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)]

@@ -16,13 +16,6 @@ from mars.evaluation.lm_eval_model import (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from mars.models import load_model
-
-    return load_model("tiny-random")
-
-
 def _fake_cli_model(monkeypatch) -> list[dict]:
     """MarsLM.create_from_arg_string records the CLI's extra arguments and builds a stand-in model."""
     built: list[dict] = []

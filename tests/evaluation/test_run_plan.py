@@ -17,13 +17,6 @@ from mars.evaluation.store import write_json
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Count to three.", "Say hello.", "Name a fruit."]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from mars.models import load_model
-
-    return load_model("tiny-random")
-
-
 @pytest.fixture
 def events(monkeypatch, tiny):
     """Model loads routed to the tiny model; the order of log lines and loads recorded."""

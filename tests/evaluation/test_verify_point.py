@@ -24,28 +24,6 @@ from mars.evaluation.store import VERIFY, ResultsDir
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Count to three.", "Say hello.", "Name a fruit."]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from mars.models import load_model
-
-    return load_model("tiny-random")
-
-
-@pytest.fixture
-def loads(monkeypatch, tiny):
-    """Model loads routed to the module's tiny model, counted."""
-    import mars.evaluation.runner as run_mod
-
-    calls = []
-
-    def fake_load(plan):
-        calls.append(plan)
-        return tiny
-
-    monkeypatch.setattr(run_mod, "load_for_plan", fake_load)
-    return calls
-
-
 @pytest.fixture
 def peaked(tiny):
     """The tiny model with a sharpened head (tied to the embedding): its masks become confident enough to propose

@@ -49,20 +49,6 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(mars.training.run, "load_model", refuse)
 
 
-@pytest.fixture
-def closed_hub(monkeypatch):
-    """The hub at a closed local port, as HF_ENDPOINT=http://127.0.0.1:9 sets it."""
-    from huggingface_hub import constants
-
-    import mars.models
-
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    mars.models._hub_unreachable.cache_clear()
-    yield
-    mars.models._hub_unreachable.cache_clear()
-
-
 @pytest.mark.parametrize("size", ["7b", "0.5b"])
 def test_the_headline_command_on_a_paper_model_is_refused_in_one_line_naming_the_papers_experiments(
     compose_cfg, size, no_model_loads, tmp_path
