@@ -75,6 +75,17 @@ def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
 class _MarsGatedMixin:
     """The gate and the adapter for a vLLM causal LM whose decoder is ``self.model`` (Llama-shaped)."""
 
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._init_gate(vllm_config)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        self._set_gate(input_ids)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self._load_with_adapter(weights, super().load_weights)
+
     def _init_gate(self, vllm_config: VllmConfig) -> None:
         config = vllm_config.model_config.hf_config
         record = getattr(config, CONFIG_KEY, None)
@@ -176,26 +187,8 @@ def _output_sizes(base: nn.Module, parts: int) -> list[int]:
 
 
 class MarsGatedLlamaForCausalLM(_MarsGatedMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._init_gate(vllm_config)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        self._set_gate(input_ids)
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self._load_with_adapter(weights, super().load_weights)
+    """Llama with the MARS gated adapter (the embedded SmolLM2)."""
 
 
 class MarsGatedQwen2ForCausalLM(_MarsGatedMixin, Qwen2ForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._init_gate(vllm_config)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        self._set_gate(input_ids)
-        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self._load_with_adapter(weights, super().load_weights)
+    """Qwen2 with the MARS gated adapter."""
