@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from mars.custom_generate_files import DECODER
 from mars.integrations import export as ex
 from mars.integrations.export import ExportError, export_for_vllm
 
@@ -23,7 +24,7 @@ def test_a_full_checkpoint_becomes_a_plain_folder_naming_its_mask_token(full_che
     meta = json.loads((full_checkpoint / "mars_config.json").read_text())
     assert config[VLLM_MASK_KEY] == meta["mask_token_id"] and config["mars_block_size"] == 4
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (out / "custom_generate" / "generate.py").read_text() == ex.TEMPLATE.read_text()
+    assert (out / "custom_generate" / "generate.py").read_text() == DECODER.read_text()
     assert (
         load_file(str(out / "model.safetensors")).keys() == load_file(str(full_checkpoint / "model.safetensors")).keys()
     )

@@ -1,5 +1,7 @@
 """``mars_config.json`` is read, validated and written in one place; an export is marked complete only
-when its run reached its configured end; ``python -m mars.training.export`` writes the same metadata as training."""
+when its run reached its configured end; ``python -m mars.training.export`` writes the same metadata as training;
+every training export carries ``custom_generate/`` and the ``config.json`` keys it reads, so vanilla transformers
+decodes it with MARS verify."""
 
 import json
 
@@ -7,7 +9,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mars.custom_generate_files import DECODER
 from mars.metadata import MarsMetadata, MetadataError, read_metadata, write_metadata
 from mars.models import read_mars_metadata
 from mars.training.export import main as export_main
@@ -116,3 +120,51 @@ def test_the_export_folder_gets_the_permissions_of_any_saved_folder(tmp_path):
         os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o755
     assert (out / "mars_config.json").stat().st_mode & 0o777 == 0o644
+
+
+PROMPTS = ["What is 17 times 23?", "List three colours"]
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])  # full fine-tune; a plain LoRA merged into the export
+def test_a_training_export_decodes_through_custom_generate_as_plain_greedy(compose_cfg, tiny_train_overrides, adapter):
+    out = run(compose_cfg("train", tiny_train_overrides + ["trainer.max_steps=2", "block=3", f"adapter={adapter}"]))
+    meta = read_metadata(out)
+    assert (out / "custom_generate" / "generate.py").read_bytes() == DECODER.read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["mask_token_id"], config["mars_block_size"]) == (meta.mask_token_id, 3)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers alone, no mars code
+    tok = AutoTokenizer.from_pretrained(out)
+    for prompt in PROMPTS:
+        inputs = tok(prompt, return_tensors="pt")
+        greedy = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+        mars = model.generate(
+            **inputs, max_new_tokens=16, custom_generate=str(out), trust_remote_code=True, return_dict_in_generate=True
+        )
+        assert mars.mode == "verify"  # the folder's decoder ran, not the built-in one
+        assert mars.sequences.tolist() == greedy.tolist() and mars.generated_tokens == 16
+        assert len(mars.accepted_per_position) == 2  # the export's block size 3: at most 2 drafts per forward
+
+
+def test_a_gated_adapter_export_carries_custom_generate_for_the_model_load_model_builds(
+    compose_cfg, tiny_train_overrides
+):
+    """The folder is the adapter (no config.json: vanilla from_pretrained has no model there);
+    ``mars.models.load_model`` builds base + gated adapter, and its model decodes through the folder's decoder."""
+    from mars.models import load_model
+
+    gated = ["adapter=gated_lora", "objective=mars_gated", "adapter.rank=4"]
+    out = run(compose_cfg("train", tiny_train_overrides + ["trainer.max_steps=2", *gated]))
+    assert (out / "custom_generate" / "generate.py").read_bytes() == DECODER.read_bytes()
+    assert (out / "mars_adapter.json").is_file() and not (out / "config.json").exists()
+    lm = load_model(str(out))
+    inputs = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+    greedy = lm.model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=2)
+    mars = lm.model.generate(
+        **inputs,
+        max_new_tokens=16,
+        pad_token_id=2,
+        custom_generate=str(out),
+        trust_remote_code=True,
+        return_dict_in_generate=True,
+    )
+    assert mars.mode == "verify" and mars.sequences.tolist() == greedy.tolist()

@@ -14,7 +14,8 @@ Layouts written (atomically: ``OUT`` appears complete or not at all):
   exactly where the input token is the mask token.  ``--merge`` instead folds the adapter into every weight (a
   plain HF folder; the gate is gone, so the context columns stop being the base model's).
 
-Every layout carries ``custom_generate/generate.py`` (:mod:`mars.integrations.hf_generate`).
+Every layout carries ``custom_generate/generate.py`` and the ``config.json`` keys it reads
+(:mod:`mars.custom_generate_files`).
 
 vLLM's drafter input for a step is ``[verified tokens | bonus | K-1 masks]`` at consecutive positions, and its
 drafts are the outputs at the bonus and at each mask: the output at the bonus predicts the next token, the one
@@ -40,7 +41,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-TEMPLATE = Path(__file__).with_name("hf_generate.py")
 GATED_WEIGHTS = "mars_gated_lora.safetensors"
 GATED_KEY = "mars_gated_lora"  # config.json: the adapter's shape, read by the vLLM class
 LORA_PREFIX = "mars_gated_lora."  # its tensors' names, which vLLM's loader hands to the class beside the base's
@@ -156,30 +156,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def write_custom_generate(folder: Path) -> Path:
-    """``folder/custom_generate/generate.py``: the MARS decoder ``transformers`` runs for ``custom_generate``."""
-    target = folder / "custom_generate" / "generate.py"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(TEMPLATE, target)
-    return target
-
-
-def _mars_config_keys(source: Source) -> dict[str, Any]:
-    keys: dict[str, Any] = {"mask_token_id": source.mask_token_id, "mars_block_size": source.block_size}
-    temperatures = (source.metadata.get("calibration") or {}).get("temperatures")
-    if temperatures:
-        keys["mars_mask_temperatures"] = [float(t) for t in temperatures]
-    return keys
-
-
-def _update_config(folder: Path, **keys: Any) -> dict[str, Any]:
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config.update(keys)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return config
-
-
 def _pad_rows(model, rows: int) -> None:
     """Append zero rows to the input embedding (and an untied head) up to ``rows``."""
     import torch
@@ -194,6 +170,7 @@ def _pad_rows(model, rows: int) -> None:
 
 
 def export_full(source: Source, out: Path, *, target: str | None = None) -> Path:
+    from mars.custom_generate_files import write_config_keys, write_custom_generate
     from mars.persistence import atomic_dir
 
     config = json.loads((source.folder / "config.json").read_text())
@@ -201,7 +178,7 @@ def export_full(source: Source, out: Path, *, target: str | None = None) -> Path
     with atomic_dir(out) as tmp:
         if pad is None:
             for path in source.folder.iterdir():
-                if path.is_file():
+                if path.is_file():  # custom_generate/ is written afresh below
                     _link_or_copy(path, tmp / path.name)
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -211,7 +188,7 @@ def export_full(source: Source, out: Path, *, target: str | None = None) -> Path
             model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(source.folder).save_pretrained(tmp)
             shutil.copy2(source.folder / "mars_config.json", tmp / "mars_config.json")
-        _update_config(tmp, **_mars_config_keys(source))
+        write_config_keys(tmp, source.metadata)
         write_custom_generate(tmp)
     log.info("exported %s (full weights) to %s", source.folder, out)
     return out
@@ -257,30 +234,52 @@ def gated_lora_tensors(adapter_folder: Path, settings: dict[str, Any]) -> tuple[
     return out, record
 
 
-def export_gated(source: Source, out: Path, *, target: str | None = None, merge: bool = False) -> Path:
-    """A gated adapter as the vLLM gated folder (or, ``merge``, full weights with the adapter folded in)."""
-    from safetensors.torch import save_file
-
+def _gated_model(source: Source, adapter: dict[str, Any], merge: bool):
+    """The model a gated export writes: the adapter loaded with its gate (``merge``), or the base model it was
+    trained on, refused when the base loads here with another digest."""
     from mars.adapters import base_digest
-    from mars.metadata import write_metadata
     from mars.models import load_model
-    from mars.persistence import atomic_dir
 
-    adapter = source.adapter or {}
     base = adapter.get("base_model") or source.metadata.get("base_model")
     if merge:
-        loaded = load_model(str(source.folder), calibration=False)
-    else:
-        loaded = load_model(str(base), tiny=adapter.get("base_tiny"), dtype="float32")
-        if base_digest(loaded.model) != adapter.get("base_digest"):
-            raise ExportError(f"{source.folder} was not trained on {base!r} as it loads here (its base digest differs)")
-    model = loaded.model
+        return load_model(str(source.folder), calibration=False).model
+    loaded = load_model(str(base), tiny=adapter.get("base_tiny"), dtype="float32")
+    if base_digest(loaded.model) != adapter.get("base_digest"):
+        raise ExportError(f"{source.folder} was not trained on {base!r} as it loads here (its base digest differs)")
+    return loaded.model
+
+
+def _gated_architecture(source: Source, model, merge: bool) -> str:
+    """The model's architecture, refused for a gated folder when the vLLM gated class does not cover it."""
     architecture = (model.config.architectures or [type(model).__name__])[0]
     if not merge and architecture not in GATED_ARCHITECTURES:
         raise ExportError(
             f"{source.folder}: the gated vLLM class covers {sorted(GATED_ARCHITECTURES)}, not {architecture}; "
             "export with --merge for a plain folder (the gate is lost), or train a full fine-tuned checkpoint"
         )
+    return architecture
+
+
+def _write_gated_lora(folder: Path, source: Source, adapter: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """``mars_gated_lora.safetensors`` in ``folder`` (listed in a sharded base's index); returns the
+    ``config.json`` keys that name the vLLM gated class and record the adapter's shape."""
+    from safetensors.torch import save_file
+
+    tensors, record = gated_lora_tensors(source.folder, adapter["settings"])
+    save_file(tensors, str(folder / GATED_WEIGHTS))
+    _index_gated_weights(folder, tensors)
+    return {"architectures": [GATED_ARCHITECTURES[architecture]], GATED_KEY: record}
+
+
+def export_gated(source: Source, out: Path, *, target: str | None = None, merge: bool = False) -> Path:
+    """A gated adapter as the vLLM gated folder (or, ``merge``, full weights with the adapter folded in)."""
+    from mars.custom_generate_files import write_config_keys, write_custom_generate
+    from mars.metadata import write_metadata
+    from mars.persistence import atomic_dir
+
+    adapter = source.adapter or {}
+    model = _gated_model(source, adapter, merge)
+    architecture = _gated_architecture(source, model, merge)
     pad = _check_target(source, target, source.folder, model.config.to_dict()) if target else None
     if merge:
         _merge_gated(model)
@@ -298,13 +297,8 @@ def export_gated(source: Source, out: Path, *, target: str | None = None, merge:
         from mars.metadata import MarsMetadata
 
         write_metadata(tmp, MarsMetadata.from_dict(meta, where=f"metadata of {out}"))
-        keys = _mars_config_keys(source)
-        if not merge:
-            tensors, record = gated_lora_tensors(source.folder, adapter["settings"])
-            save_file(tensors, str(tmp / GATED_WEIGHTS))
-            _index_gated_weights(tmp, tensors)
-            keys.update({"architectures": [GATED_ARCHITECTURES[architecture]], GATED_KEY: record})
-        _update_config(tmp, **keys)
+        gated = {} if merge else _write_gated_lora(tmp, source, adapter, architecture)
+        write_config_keys(tmp, source.metadata, **gated)
         write_custom_generate(tmp)
     log.info("exported %s (gated adapter, %s) to %s", source.folder, "merged" if merge else "gated", out)
     return out

@@ -85,16 +85,51 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _speed_ups(report: dict[str, Any]) -> dict[str, tuple[float | None, float | None]]:
+    """Per run (vLLM's by their name prefixed ``vLLM``): its tokens/s over its own AR's in the same run (vLLM's AR
+    of the same compilation mode; this project's AR) and over the fastest AR of the run, vLLM's or this project's."""
+
+    def rate(run):
+        return run.get("tokens_per_s")
+
+    vllm = {f"vLLM {run['name']}": run for run in report["vllm"]["runs"]}
+    project = {run["name"]: run for run in report["project"]}
+    ars = [rate(r) for name, r in {**vllm, **project}.items() if name.startswith(("vLLM AR", "project AR")) and rate(r)]
+    best = max(ars, default=None)
+    out = {}
+    for name, run in {**vllm, **project}.items():
+        if name.startswith("vLLM"):
+            own = vllm.get("vLLM AR, compiled" if run.get("compile") else "vLLM AR")
+        else:
+            own = project.get("project AR")
+        own_rate = rate(own) if own else None
+        mine = rate(run)
+        out[name] = (mine / own_rate if mine and own_rate else None, mine / best if mine and best else None)
+    return out
+
+
 def table(report: dict[str, Any], timing: bool) -> str:
     ar = report["vllm"]["runs"][0]["outputs"]
-    head = "| run | identical to vLLM AR | tokens/s | mean acceptance length | per-position acceptance | project's masks, same steps | proposals = project's predictions |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    speed = _speed_ups(report) if timing else {}
+    head = (
+        "| run | identical to vLLM AR | tokens/s | vs own AR | vs fastest AR | mean acceptance length | "
+        "per-position acceptance | project's masks, same steps | proposals = project's predictions |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+
+    def timed(name: str, run: dict[str, Any]) -> str:
+        if not timing:
+            return "- | - | -"
+        own, best = speed.get(name, (None, None))
+        ratio = lambda x: f"{x:.2f}x" if x is not None else "-"
+        return f"{_fmt(run['tokens_per_s'], 1)} | {ratio(own)} | {ratio(best)}"
+
     for run in report["vllm"]["runs"]:
         same = sum(a == b for a, b in zip(run["outputs"], ar))
         figures = vllm_figures(run) if run.get("drafter") else {}
         cmp = report["comparisons"].get(run["name"], {})
         lines.append(
-            f"| vLLM {run['name']} | {same}/{len(ar)} | {_fmt(run['tokens_per_s'], 1) if timing else '-'} | "
+            f"| vLLM {run['name']} | {same}/{len(ar)} | {timed('vLLM ' + run['name'], run)} | "
             f"{_fmt(figures.get('mean_acceptance_length'))} | {_fmt(figures.get('acceptance_by_position'))} | "
             f"{_fmt(cmp.get('project_acceptance_by_position'))} | "
             f"{_fmt(100 * cmp['equal_share'], 1) + '%' if cmp else '-'} |"
@@ -102,13 +137,13 @@ def table(report: dict[str, Any], timing: bool) -> str:
     for run in report["project"]:
         same = sum(a == b for a, b in zip(run["outputs"], ar))
         lines.append(
-            f"| {run['name']} | {same}/{len(ar)} | {_fmt(run['tokens_per_s'], 1) if timing else '-'} | "
+            f"| {run['name']} | {same}/{len(ar)} | {timed(run['name'], run)} | "
             f"{_fmt(run['mean_acceptance_length'])} | {_fmt(run['acceptance_by_position'])} | - | - |"
         )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mars.integrations.vllm_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/vllm_cpu")
     p.add_argument("--work", default="outputs/vllm_cpu", help="exported drafters and the vLLM log")
@@ -119,7 +154,53 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="also run the gated drafter with vLLM's compilation on")
     p.add_argument("--threads", type=int, help="torch threads of this project's side (1 on a busy machine)")
     p.add_argument("--reuse-vllm", action="store_true", help="take the vLLM runs of the same job from --work")
-    args = p.parse_args(argv)
+    return p
+
+
+def _vllm_runs(gated: Path, merged: Path, ks: list[int], compiled: bool) -> list[dict[str, Any]]:
+    """vLLM's runs: AR, the gated and the merged drafter at each K, and with ``compiled`` the gated drafter at the
+    first K with vLLM's compilation on."""
+    runs: list[dict[str, Any]] = [{"name": "AR"}]
+    runs += [{"name": f"gated K={k}", "drafter": {"model": str(gated), "k": k}, "record": True} for k in ks]
+    runs += [{"name": f"merged K={k}", "drafter": {"model": str(merged), "k": k}, "record": True} for k in ks]
+    if compiled:  # with vLLM's own AR compiled beside it: the baseline a compiled drafter is held against
+        runs.append({"name": "AR, compiled", "compile": True})
+        runs.append(
+            {"name": f"gated K={ks[0]}, compiled", "drafter": {"model": str(gated), "k": ks[0]}, "compile": True}
+        )
+    return runs
+
+
+def _vllm_result(job: dict[str, Any], work: Path, reuse: bool) -> dict[str, Any]:
+    """vLLM's result of ``job``: with ``reuse``, the one saved in ``work`` when it ran the same job; otherwise run
+    (and saved there for a later ``--reuse-vllm``)."""
+    from mars.integrations.vllm_env import run_job
+
+    work.mkdir(parents=True, exist_ok=True)
+    saved = work / "vllm_result.json"
+    if reuse and saved.is_file() and json.loads(saved.read_text()).get("job") == job:
+        return json.loads(saved.read_text())["result"]
+    vllm = run_job(job, log=work / "vllm.log")
+    saved.write_text(json.dumps({"job": job, "result": vllm}) + "\n")
+    return vllm
+
+
+def _comparisons(vllm: dict[str, Any], lm, merged: Path, prompts) -> dict[str, Any]:
+    """Each recorded vLLM run's proposals against the predictions of the model it drafted with (the gated adapter
+    or the merged one)."""
+    from transformers import AutoModelForCausalLM
+
+    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    comparisons = {}
+    for run in vllm["runs"]:
+        if run.get("proposals"):
+            model = lm.model if run["name"].startswith("gated") else merged_model
+            comparisons[run["name"]] = compare_run(model, prompts, run, lm.mask.id).as_dict()
+    return comparisons
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     if args.threads:
         import torch
@@ -127,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from mars.integrations.export import export_for_vllm
-    from mars.integrations.vllm_env import run_job, vllm_python
+    from mars.integrations.vllm_env import vllm_python
     from mars.models import embedded_model_dir, load_model
     from mars.paths import data_dir
 
@@ -138,32 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     merged = export_for_vllm(adapter, work / "merged", merge=True)
     lm = load_model(str(adapter))
     prompts = heldout_prompts(lm.tokenizer, args.prompts)
-    runs = [{"name": "AR"}]
-    runs += [{"name": f"gated K={k}", "drafter": {"model": str(gated), "k": k}, "record": True} for k in ks]
-    runs += [{"name": f"merged K={k}", "drafter": {"model": str(merged), "k": k}, "record": True} for k in ks]
-    if args.compile:
-        runs.append(
-            {"name": f"gated K={ks[0]}, compiled", "drafter": {"model": str(gated), "k": ks[0]}, "compile": True}
-        )
+    runs = _vllm_runs(gated, merged, ks, args.compile)
     job = {"model": str(embedded_model_dir()), "prompts": prompts, "max_tokens": args.max_tokens, "runs": runs}
     started = time.time()
-    work.mkdir(parents=True, exist_ok=True)
-    saved = work / "vllm_result.json"
-    if args.reuse_vllm and saved.is_file() and json.loads(saved.read_text()).get("job") == job:
-        vllm = json.loads(saved.read_text())["result"]
-    else:
-        vllm = run_job(job, log=work / "vllm.log")
-        saved.write_text(json.dumps({"job": job, "result": vllm}) + "\n")
-    report: dict[str, Any] = {"vllm": vllm}
+    report: dict[str, Any] = {"vllm": _vllm_result(job, work, args.reuse_vllm)}
     report["project"] = project_runs(lm, prompts, args.max_tokens, ks)
-    from transformers import AutoModelForCausalLM
-
-    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
-    report["comparisons"] = {}
-    for run in report["vllm"]["runs"]:
-        if run.get("proposals"):
-            model = lm.model if run["name"].startswith("gated") else merged_model
-            report["comparisons"][run["name"]] = compare_run(model, prompts, run, lm.mask.id).as_dict()
+    report["comparisons"] = _comparisons(report["vllm"], lm, merged, prompts)
     report["settings"] = {
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,

@@ -41,7 +41,7 @@ class PrefixPredictor:
     def _forward(self, tokens: list[int], start: int, keep: int) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.device)
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
-        from mars.integrations.hf_generate import cache_keyword
+        from mars.hf_generate import cache_keyword
 
         out = self.model(
             input_ids=ids,

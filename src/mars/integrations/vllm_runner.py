@@ -126,6 +126,63 @@ def _engine(job: dict[str, Any], run: dict[str, Any]):
     return LLM(**kwargs)
 
 
+def _generate_each(llm, prompts, params, recorder: ProposalRecorder):
+    """Each prompt generated on its own (batch 1, so each step's proposals belong to that prompt): the generated
+    ids and the recorded proposals per prompt, the generated-token total and the generation seconds."""
+    outputs, proposals = [], []
+    generated = 0
+    seconds = 0.0
+    for prompt in prompts:
+        recorder.take()
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        seconds += time.perf_counter() - t0
+        proposals.append(recorder.take())
+        outputs.append([int(t) for t in out.token_ids])
+        generated += len(out.token_ids)
+    return outputs, proposals, generated, seconds
+
+
+def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The spec-decode counters one run added (vLLM's are cumulative for the engine)."""
+    spec = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    spec["accepted_per_position"] = [
+        a - b
+        for a, b in zip(
+            after["accepted_per_position"],
+            before["accepted_per_position"] + [0] * len(after["accepted_per_position"]),
+        )
+    ]
+    return spec
+
+
+def _run(job: dict[str, Any], run: dict[str, Any], prompts, params, recorder: ProposalRecorder) -> dict[str, Any]:
+    """One run of ``job`` on an engine of its own, freed before the next run starts its engine."""
+    started = time.perf_counter()
+    llm = _engine(job, run)
+    ready = time.perf_counter()
+    before = _metrics(llm)
+    outputs, proposals, generated, seconds = _generate_each(llm, prompts, params, recorder)
+    spec = _spec_delta(before, _metrics(llm))
+    result = {
+        "name": run["name"],
+        "drafter": run.get("drafter"),
+        "compile": bool(run.get("compile", False)),
+        "startup_s": ready - started,
+        "generate_s": seconds,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / seconds if seconds > 0 else None,
+        "outputs": outputs,
+        "spec": spec,
+        "proposals": proposals if run.get("record") else None,
+    }
+    del llm
+    import gc
+
+    gc.collect()
+    return result
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         import vllm  # noqa: F401
@@ -139,50 +196,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         recorder.install()
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]), ignore_eos=bool(job.get("ignore_eos")))
-    results = []
-    for run in job["runs"]:
-        started = time.perf_counter()
-        llm = _engine(job, run)
-        ready = time.perf_counter()
-        before = _metrics(llm)
-        outputs, proposals = [], []
-        generated = 0
-        seconds = 0.0
-        for prompt in prompts:  # one at a time: batch 1, and each step's proposals belong to this prompt
-            recorder.take()
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-            seconds += time.perf_counter() - t0
-            proposals.append(recorder.take())
-            outputs.append([int(t) for t in out.token_ids])
-            generated += len(out.token_ids)
-        after = _metrics(llm)
-        spec = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
-        spec["accepted_per_position"] = [
-            a - b
-            for a, b in zip(
-                after["accepted_per_position"],
-                before["accepted_per_position"] + [0] * len(after["accepted_per_position"]),
-            )
-        ]
-        results.append(
-            {
-                "name": run["name"],
-                "drafter": run.get("drafter"),
-                "compile": bool(run.get("compile", False)),
-                "startup_s": ready - started,
-                "generate_s": seconds,
-                "generated_tokens": generated,
-                "tokens_per_s": generated / seconds if seconds > 0 else None,
-                "outputs": outputs,
-                "spec": spec,
-                "proposals": proposals if run.get("record") else None,
-            }
-        )
-        del llm
-        import gc
-
-        gc.collect()
+    results = [_run(job, run, prompts, params, recorder) for run in job["runs"]]
     return {"vllm_version": vllm.__version__, "runs": results}
 
 

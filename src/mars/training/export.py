@@ -1,6 +1,9 @@
-"""Write a trained model as a plain Hugging Face directory: weights, tokenizer (with its mask token)
-and ``mars_config.json`` (:mod:`mars.metadata`).  Vanilla ``from_pretrained`` loads it with exactly
-the base model's parameter count: MARS's "one checkpoint, no new parameters".
+"""Write a trained model as a plain Hugging Face directory: weights, tokenizer (with its mask token),
+``mars_config.json`` (:mod:`mars.metadata`), and ``custom_generate/generate.py`` with the ``config.json`` keys it
+reads (:mod:`mars.custom_generate_files`).  Vanilla ``from_pretrained`` loads it with exactly the base model's
+parameter count: MARS's "one checkpoint, no new parameters"; vanilla ``generate(..., custom_generate=<folder>,
+trust_remote_code=True)`` decodes it with MARS verify.  A gated adapter's folder (no ``config.json``: base model +
+adapter) carries ``custom_generate/`` too, for the model :func:`mars.models.load_model` builds from it.
 
 After sharded training (FSDP, DeepSpeed ZeRO-3) no rank holds the whole model: :func:`export_from_trainer`
 gathers a full state dict on every rank (a collective call, inside ``fit``) and global rank 0 saves it.
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mars.custom_generate_files import write_config_keys, write_custom_generate
 from mars.metadata import MarsMetadata, write_metadata
 from mars.persistence import atomic_dir, verify_checksum
 
@@ -46,6 +50,8 @@ def export_hf(
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
+        write_config_keys(tmp, meta.to_dict())
+        write_custom_generate(tmp)
     log.info("exported Hugging Face checkpoint to %s", out)
     return out
 
@@ -82,6 +88,7 @@ def export_adapter(
         write_adapter(model, Path(tmp), adapter_meta, dtype=dtype)
         tokenizer.save_pretrained(tmp)
         write_metadata(tmp, meta)
+        write_custom_generate(tmp)  # no config.json to carry the keys: the gate of load_model's model names the mask
     log.info("exported gated adapter to %s", out)
     return out
 

@@ -1,8 +1,8 @@
 """MARS decoding for ``transformers``' ``model.generate(..., custom_generate=<folder>, trust_remote_code=True)``.
 
-Every checkpoint written by ``python -m mars.integrations.export`` carries this file as
-``custom_generate/generate.py``; ``transformers`` runs its :func:`generate` in place of the built-in one.  It
-needs ``torch`` and ``transformers`` only.
+Every exported MARS folder (training's ``hf/``, a gated adapter's folder, ``python -m mars.integrations.export``'s)
+carries this file as ``custom_generate/generate.py`` (:mod:`mars.custom_generate_files`); ``transformers`` runs its
+:func:`generate` in place of the built-in one.  It needs ``torch`` and ``transformers`` only.
 
 Modes (greedy only):
 
@@ -196,7 +196,57 @@ def _keep(model, keep: int) -> dict:
     return {}
 
 
+def _verify_step(row: _Row, left: int, *, mask_id: int, width: int, stats: dict) -> list[int]:
+    """One verify forward: the newest token, the drafts that fit in ``left`` and, while room remains after them,
+    ``width - 1`` masks.  Returns the passed drafts and the prediction after them; the masks' predictions become
+    the next drafts when every draft passed."""
+    drafts = row.drafts[: left - 1]
+    masks = width - 1 if left > len(drafts) + 1 else 0
+    fed = row.pending + drafts + [mask_id] * masks
+    logits = row.forward(fed, 1 + len(drafts) + masks)
+    greedy = logits[: 1 + len(drafts)].argmax(-1).tolist()
+    passed = 0
+    while passed < len(drafts) and drafts[passed] == greedy[passed]:
+        passed += 1
+    for k in range(len(drafts)):
+        stats["offered"][k] = stats["offered"].get(k, 0) + 1
+        stats["passed"][k] = stats["passed"].get(k, 0) + (k < passed)
+    new = drafts[:passed] + [greedy[passed]]
+    row.commit(row.cached + len(row.pending) + passed)
+    if passed == len(drafts) and masks:
+        guesses = logits[1 + len(drafts) :].clone()
+        guesses[:, mask_id] = float("-inf")  # the mask is an input placeholder, never a draft
+        row.drafts = guesses.argmax(-1).tolist()
+    else:
+        row.drafts = []
+    row.pending = [new[-1]]
+    return new
+
+
+def _threshold_step(
+    row: _Row, left: int, *, mask_id: int, width: int, threshold: float, divisors: torch.Tensor
+) -> list[int]:
+    """One thresholded forward: the pending tokens and up to ``width - 1`` masks; returns the predictions
+    accepted left to right while their confidence stays at or above ``threshold`` (at least one)."""
+    masks = min(width - 1, left - 1)
+    fed = row.pending + [mask_id] * masks
+    logits = row.forward(fed, 1 + masks)
+    logits[:, mask_id] = float("-inf")  # never emitted (as in the MARS engine's thresholded mode)
+    tokens = logits.argmax(-1)
+    confidence = torch.softmax(logits / divisors[: 1 + masks].unsqueeze(-1), -1).gather(-1, tokens[:, None])
+    meets = (confidence.squeeze(-1) >= threshold).tolist()
+    count = 1  # the first prediction is the exact AR token: always accepted
+    while count < len(meets) and meets[count]:
+        count += 1
+    new = tokens[:count].tolist()
+    # the accepted tokens came from mask inputs: they are fed again, as real tokens, next forward
+    row.commit(row.cached + len(row.pending))
+    row.pending = list(new)
+    return new
+
+
 def _decode_row(model, prompt, *, budget, eos, mask_id, width, threshold, stats, streamer) -> list[int]:
+    """Up to ``budget`` greedy tokens after ``prompt``, one forward a step, ending after the first ``eos`` token."""
     row = _Row(model, prompt)
     out: list[int] = []
     verify = threshold is None or threshold >= 1.0
@@ -204,41 +254,9 @@ def _decode_row(model, prompt, *, budget, eos, mask_id, width, threshold, stats,
     while len(out) < budget:
         left = budget - len(out)
         if verify:
-            drafts = row.drafts[: left - 1]
-            masks = width - 1 if left > len(drafts) + 1 else 0
-            fed = row.pending + drafts + [mask_id] * masks
-            logits = row.forward(fed, 1 + len(drafts) + masks)
-            greedy = logits[: 1 + len(drafts)].argmax(-1).tolist()
-            passed = 0
-            while passed < len(drafts) and drafts[passed] == greedy[passed]:
-                passed += 1
-            for k in range(len(drafts)):
-                stats["offered"][k] = stats["offered"].get(k, 0) + 1
-                stats["passed"][k] = stats["passed"].get(k, 0) + (k < passed)
-            new = drafts[:passed] + [greedy[passed]]
-            row.commit(row.cached + len(row.pending) + passed)
-            if passed == len(drafts) and masks:
-                guesses = logits[1 + len(drafts) :].clone()
-                guesses[:, mask_id] = float("-inf")  # the mask is an input placeholder, never a draft
-                row.drafts = guesses.argmax(-1).tolist()
-            else:
-                row.drafts = []
-            row.pending = [new[-1]]
+            new = _verify_step(row, left, mask_id=mask_id, width=width, stats=stats)
         else:
-            masks = min(width - 1, left - 1)
-            fed = row.pending + [mask_id] * masks
-            logits = row.forward(fed, 1 + masks)
-            logits[:, mask_id] = float("-inf")  # never emitted (as in the MARS engine's thresholded mode)
-            tokens = logits.argmax(-1)
-            confidence = torch.softmax(logits / divisors[: 1 + masks].unsqueeze(-1), -1).gather(-1, tokens[:, None])
-            meets = (confidence.squeeze(-1) >= threshold).tolist()
-            count = 1  # the first prediction is the exact AR token: always accepted
-            while count < len(meets) and meets[count]:
-                count += 1
-            new = tokens[:count].tolist()
-            # the accepted tokens came from mask inputs: they are fed again, as real tokens, next forward
-            row.commit(row.cached + len(row.pending))
-            row.pending = list(new)
+            new = _threshold_step(row, left, mask_id=mask_id, width=width, threshold=threshold, divisors=divisors)
         stats["forwards"] += 1
         stop = next((i for i, t in enumerate(new) if t in eos), None)
         new = new[: left if stop is None else min(left, stop + 1)]
@@ -249,6 +267,97 @@ def _decode_row(model, prompt, *, budget, eos, mask_id, width, threshold, stats,
             break
     stats["tokens"] += len(out)
     return out
+
+
+def _batch(input_ids: torch.LongTensor | None) -> torch.LongTensor:
+    """``input_ids`` as a ``[batch, length]`` tensor (a single row gains its batch dimension)."""
+    if input_ids is None:
+        raise ValueError("MARS custom_generate needs input_ids (a [batch, length] tensor of token ids)")
+    return input_ids.unsqueeze(0) if input_ids.dim() == 1 else input_ids
+
+
+def _check_arguments(model, threshold, block_size, logits_processor, stopping_criteria, assistant_model, kwargs):
+    """Refuse the arguments this decoder does not honour (popping the unsupported ones from ``kwargs``); returns
+    the window width, ``block_size`` or the checkpoint's ``mars_block_size``."""
+    if threshold is not None and (isinstance(threshold, bool) or not 0 < float(threshold) <= 1.0):
+        raise ValueError(f"threshold must be in (0, 1] (1.0 or unset: lossless verify), got {threshold!r}")
+    width = block_size if block_size is not None else getattr(model.config, "mars_block_size", None) or 4
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {width!r}")
+    for name, given in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+        if given:
+            raise ValueError(f"MARS custom_generate does not take {name}")
+    if assistant_model is not None:
+        raise ValueError("MARS custom_generate drafts from the model's own masks: assistant_model is not supported")
+    for ignored in ("synced_gpus", "prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask"):
+        if kwargs.pop(ignored, None) is not None:
+            raise ValueError(f"MARS custom_generate does not support {ignored}")
+    return width
+
+
+def _generation_config(model, generation_config, kwargs) -> GenerationConfig:
+    """The call's generation settings: ``generation_config`` (or the model's) updated with ``kwargs``, refused
+    when a setting is one this decoder does not know or would not apply."""
+    for passthrough in ("use_cache", "tokenizer", "position_ids", "cache", "past_key_values"):
+        kwargs.pop(passthrough, None)
+    config, unused = _settings(model, generation_config, kwargs)
+    if unused:
+        raise ValueError(f"MARS custom_generate got arguments it does not know: {sorted(unused)}")
+    return config
+
+
+def _decode_batch(model, input_ids, attention_mask, config, *, eos, mask_id, width, threshold, stats, streamer):
+    """Each row's generated tokens, decoded one row after another from its tokens under ``attention_mask``."""
+    rows = input_ids.tolist()
+    keep = attention_mask.bool().tolist() if attention_mask is not None else [[True] * len(r) for r in rows]
+    if streamer is not None:
+        if len(rows) > 1:
+            raise ValueError("a streamer takes one row: pass a batch of one")
+        streamer.put(input_ids[0].cpu())
+    generated = []
+    for row, real in zip(rows, keep):
+        prompt = [t for t, r in zip(row, real) if r]
+        if not prompt:
+            raise ValueError("a row of input_ids has no token under its attention_mask")
+        budget = _budget(config, len(row))
+        generated.append(
+            _decode_row(
+                model,
+                prompt,
+                budget=budget,
+                eos=eos,
+                mask_id=mask_id,
+                width=width,
+                threshold=threshold,
+                stats=stats,
+                streamer=streamer,
+            )
+        )
+    if streamer is not None:
+        streamer.end()
+    return generated
+
+
+def _sequences(input_ids: torch.LongTensor, generated: list[list[int]], pad: int) -> torch.LongTensor:
+    """The prompts followed by their generated tokens, the rows that stopped early padded with ``pad``."""
+    longest = max(map(len, generated))
+    tail = torch.full((input_ids.shape[0], longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for b, new in enumerate(generated):
+        tail[b, : len(new)] = torch.tensor(new, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)
+
+
+def _summary(stats: dict, threshold: float | None) -> dict:
+    """The call's statistics as :class:`MarsGenerateOutput`'s fields (batch totals)."""
+    verify = threshold is None or threshold >= 1.0
+    positions = range(max(stats["offered"], default=-1) + 1)
+    return {
+        "mode": "verify" if verify else f"threshold={threshold}",
+        "forwards": stats["forwards"],
+        "generated_tokens": stats["tokens"],
+        "tokens_per_forward": stats["tokens"] / max(1, stats["forwards"]),
+        "accepted_per_position": [stats["passed"][k] / stats["offered"][k] for k in positions] if verify else None,
+    }
 
 
 @torch.no_grad()
@@ -270,75 +379,29 @@ def generate(
     """Greedy MARS decoding (see the module docstring); returns what plain ``generate`` returns: the sequences
     ``[batch, prompt + generated]`` (rows that stop early padded with ``pad_token_id``), or with
     ``return_dict_in_generate=True`` a :class:`MarsGenerateOutput`."""
-    input_ids = inputs if input_ids is None else input_ids
-    if input_ids is None:
-        raise ValueError("MARS custom_generate needs input_ids (a [batch, length] tensor of token ids)")
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if threshold is not None and (isinstance(threshold, bool) or not 0 < float(threshold) <= 1.0):
-        raise ValueError(f"threshold must be in (0, 1] (1.0 or unset: lossless verify), got {threshold!r}")
-    width = block_size if block_size is not None else getattr(model.config, "mars_block_size", None) or 4
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {width!r}")
-    for name, given in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
-        if given:
-            raise ValueError(f"MARS custom_generate does not take {name}")
-    if assistant_model is not None:
-        raise ValueError("MARS custom_generate drafts from the model's own masks: assistant_model is not supported")
-    for ignored in ("synced_gpus", "prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask"):
-        if kwargs.pop(ignored, None) is not None:
-            raise ValueError(f"MARS custom_generate does not support {ignored}")
+    input_ids = _batch(inputs if input_ids is None else input_ids)
+    width = _check_arguments(model, threshold, block_size, logits_processor, stopping_criteria, assistant_model, kwargs)
     mask_id = _mask_token_id(model, mask_token_id)
     _check_gate(model)
-    for passthrough in ("use_cache", "tokenizer", "position_ids", "cache", "past_key_values"):
-        kwargs.pop(passthrough, None)
-    config, unused = _settings(model, generation_config, kwargs)
-    if unused:
-        raise ValueError(f"MARS custom_generate got arguments it does not know: {sorted(unused)}")
+    config = _generation_config(model, generation_config, kwargs)
+    threshold = None if threshold is None else float(threshold)
     eos = _eos_ids(config)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    rows = input_ids.tolist()
-    keep = attention_mask.bool().tolist() if attention_mask is not None else [[True] * len(r) for r in rows]
     stats = {"forwards": 0, "tokens": 0, "offered": {}, "passed": {}}
-    if streamer is not None:
-        if len(rows) > 1:
-            raise ValueError("a streamer takes one row: pass a batch of one")
-        streamer.put(input_ids[0].cpu())
-    generated = []
-    for row, real in zip(rows, keep):
-        prompt = [t for t, r in zip(row, real) if r]
-        if not prompt:
-            raise ValueError("a row of input_ids has no token under its attention_mask")
-        budget = _budget(config, len(row))
-        generated.append(
-            _decode_row(
-                model,
-                prompt,
-                budget=budget,
-                eos=eos,
-                mask_id=mask_id,
-                width=width,
-                threshold=None if threshold is None else float(threshold),
-                stats=stats,
-                streamer=streamer,
-            )
-        )
-    if streamer is not None:
-        streamer.end()
-    longest = max(map(len, generated))
-    tail = torch.full((len(rows), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
-    for b, new in enumerate(generated):
-        tail[b, : len(new)] = torch.tensor(new, dtype=input_ids.dtype)
-    sequences = torch.cat([input_ids, tail], dim=1)
-    verify = threshold is None or float(threshold) >= 1.0
-    positions = range(max(stats["offered"], default=-1) + 1)
-    summary = {
-        "mode": "verify" if verify else f"threshold={float(threshold)}",
-        "forwards": stats["forwards"],
-        "generated_tokens": stats["tokens"],
-        "tokens_per_forward": stats["tokens"] / max(1, stats["forwards"]),
-        "accepted_per_position": [stats["passed"][k] / stats["offered"][k] for k in positions] if verify else None,
-    }
+    generated = _decode_batch(
+        model,
+        input_ids,
+        attention_mask,
+        config,
+        eos=eos,
+        mask_id=mask_id,
+        width=width,
+        threshold=threshold,
+        stats=stats,
+        streamer=streamer,
+    )
+    sequences = _sequences(input_ids, generated, pad)
+    summary = _summary(stats, threshold)
     model.mars_generate_stats = summary
     if os.environ.get("MARS_GENERATE_VERBOSE"):
         print(f"mars generate: {summary}")
