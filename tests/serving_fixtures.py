@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 
 from mars.decoding import generate
 from mars.models import load_model
-from mars.serving.config import ServeConfig, build_state
-from mars.serving.server import BackgroundServer
+from mars.serving.config import ServeConfig
+from mars.serving.server import BackgroundServer, build_state
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [

@@ -314,8 +314,8 @@ def test_serve_answers_from_a_paper_checkpoint(tmp_path):
     import httpx
     from hydra import compose, initialize_config_dir
 
-    from mars.serving.config import ServeConfig, build_state
-    from mars.serving.server import BackgroundServer
+    from mars.serving.config import ServeConfig
+    from mars.serving.server import BackgroundServer, build_state
 
     write_paper_folder(tmp_path / "paper", block_size=4)
     overrides = [f"checkpoint={tmp_path / 'paper'}", "max_tokens=8", "warmup=false", "device=cpu", "dtype=float32"]

@@ -336,22 +336,16 @@ def _check_complete(folder: str | os.PathLike, model: nn.Module, state: dict[str
         )
 
 
-def load_adapter(
+def _check_adapter_fits(
     model: nn.Module,
     folder: str | os.PathLike,
+    meta: dict[str, Any],
     mask_token_id: int,
-    *,
-    block_size: int | None = None,
-    model_label: str = "the model",
-):
-    """Apply the adapter in ``folder`` to ``model`` (its base), after checking that it belongs to it."""
-    from safetensors.torch import load_file
-
-    meta = read_adapter_meta(folder)
-    if meta is None:
-        raise AdapterError(f"{folder} holds no {ADAPTER_META}: not a MARS adapter")
-    settings = AdapterSettings.from_dict(meta["settings"])
-    weights = check_adapter_files(folder, meta)
+    block_size: int | None,
+    model_label: str,
+) -> str:
+    """Refuse the adapter recorded by ``meta`` for a ``model`` that already carries one, that is not its base
+    (weights digest), or whose block size or mask token id differ from the adapter's; returns the base digest."""
     if has_adapter(model):
         raise AdapterError(
             f"the model already carries an adapter; {folder} must be applied to its base model "
@@ -370,9 +364,14 @@ def load_adapter(
         raise AdapterError(
             f"{folder} uses mask token id {meta.get('mask_token_id')}; this tokenizer's is {mask_token_id}"
         )
-    model.mars_base_digest = have  # checked above: attach_adapter need not read the weights again
-    gate = attach_adapter(model, settings, mask_token_id)
+    return have
+
+
+def _load_adapter_weights(model: nn.Module, folder: str | os.PathLike, weights: Path, gate: MaskGate) -> None:
+    """The adapter's saved weights into the LoRA layers just attached, and its mask-embedding delta into ``gate``;
+    refused when they do not fit the model or its settings."""
     from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
 
     state = load_file(str(weights))
     _check_complete(folder, model, state)
@@ -384,6 +383,26 @@ def load_adapter(
         if gate.delta is None:
             raise AdapterError(f"{folder}: a mask-embedding delta but settings.mask_embedding is false")
         gate.delta.data.copy_(delta.to(gate.delta.dtype))
+
+
+def load_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    mask_token_id: int,
+    *,
+    block_size: int | None = None,
+    model_label: str = "the model",
+):
+    """Apply the adapter in ``folder`` to ``model`` (its base), after checking that it belongs to it."""
+    meta = read_adapter_meta(folder)
+    if meta is None:
+        raise AdapterError(f"{folder} holds no {ADAPTER_META}: not a MARS adapter")
+    settings = AdapterSettings.from_dict(meta["settings"])
+    weights = check_adapter_files(folder, meta)
+    digest = _check_adapter_fits(model, folder, meta, mask_token_id, block_size, model_label)
+    model.mars_base_digest = digest  # checked above: attach_adapter need not read the weights again
+    gate = attach_adapter(model, settings, mask_token_id)
+    _load_adapter_weights(model, folder, weights, gate)
     for p in model.parameters():
         p.requires_grad_(False)
     return gate

@@ -5,7 +5,7 @@ default window), the objective it was trained with (name, ``alpha``, intra-block
 token and how it was obtained, the base model and its parameter count (the "no new parameters" check),
 the optimizer step the weights come from, ``complete`` -- true only for the export of a training run
 that reached its configured end -- and the masks' ``calibration`` when one was fitted (its fields are
-:mod:`mars.decoding.calibration`'s, checked when a decoder loads it).  Training (:mod:`mars.training.run`) and
+:mod:`mars.calibration`'s, checked when a decoder loads it).  Training (:mod:`mars.training.run`) and
 ``python -m mars.training.export`` write it through :func:`write_metadata`; readers (training's skip check, :func:`mars.models.load_model`,
 evaluation) call :func:`read_metadata`, which validates the fields and names the file and the field
 when one is wrong.  Keys this version does not know are kept (``extra``) and written back unchanged.
@@ -53,9 +53,9 @@ class MarsMetadata:
     complete: bool = False  # True only for the export of a training run that reached its configured end
     # gated_lora: the folder holds an adapter for base_model (mars.adapters), not full weights
     adapter: str | None = None
-    # per-depth temperatures of the mask confidences (mars.decoding.calibration; mars-bench calibrate writes it)
+    # per-depth temperatures of the mask confidences (mars.calibration; mars-bench calibrate writes it)
     calibration: dict[str, Any] | None = None
-    # the masks' acceptance per depth and rank, for tree=auto (mars.decoding.tree_choice; mars-bench calibrate)
+    # the masks' acceptance per depth and rank, for tree=auto (mars.calibration; mars-bench calibrate writes it)
     draft_acceptance: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -204,6 +204,50 @@ class MaskToken:
     how: str  # existing | spare_row | reused | added_row
 
 
+def _use_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, token: str, how: str) -> MaskToken:
+    """``token`` as the tokenizer's mask token, refused when its id falls outside the embedding rows."""
+    tokenizer.mask_token = token
+    tid = tokenizer.convert_tokens_to_ids(token)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if tid is None or tid >= rows:
+        raise ValueError(f"mask token {token!r} maps to id {tid}, outside the {rows} embedding rows")
+    log.info("mask token %r (id %d): %s", token, tid, how)
+    return MaskToken(int(tid), token, how)
+
+
+def _named_mask_token(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mask_token: str, rows: int, allow_new_row: bool
+) -> MaskToken | None:
+    """The named ``mask_token``: an existing token, else a new one in a spare embedding row; None when it needs a
+    new row (refused unless ``allow_new_row``)."""
+    if mask_token in tokenizer.get_vocab():
+        return _use_mask_token(model, tokenizer, mask_token, "existing")
+    if len(tokenizer) < rows:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        return _use_mask_token(model, tokenizer, mask_token, "spare_row")
+    if not allow_new_row:
+        raise ValueError(
+            f"mask token {mask_token!r} is not in the vocabulary and the embedding matrix has no spare row; "
+            "use model.mask_token=auto, an existing token, or model.allow_new_embedding_row=true"
+        )
+    return None
+
+
+def _default_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: int) -> MaskToken | None:
+    """Without a named token: the tokenizer's own mask token, else a new one in a spare embedding row, else the
+    first reusable special token in the vocabulary; None when none of these exists."""
+    if tokenizer.mask_token is not None and tokenizer.mask_token_id is not None and tokenizer.mask_token_id < rows:
+        return _use_mask_token(model, tokenizer, tokenizer.mask_token, "existing")
+    if len(tokenizer) < rows:
+        tokenizer.add_special_tokens({"mask_token": NEW_MASK_TOKEN})
+        return _use_mask_token(model, tokenizer, NEW_MASK_TOKEN, "spare_row")
+    vocab = tokenizer.get_vocab()
+    for candidate in REUSABLE_SPECIAL_TOKENS:
+        if candidate in vocab:
+            return _use_mask_token(model, tokenizer, candidate, "reused")
+    return None
+
+
 def ensure_mask_token(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -218,37 +262,12 @@ def ensure_mask_token(
     4. only with ``allow_new_row``: add a token and an embedding row (logged as a warning).
     """
     rows = model.get_input_embeddings().weight.shape[0]
-    vocab = tokenizer.get_vocab()
-
-    def use(token: str, how: str) -> MaskToken:
-        tokenizer.mask_token = token
-        tid = tokenizer.convert_tokens_to_ids(token)
-        rows = model.get_input_embeddings().weight.shape[0]
-        if tid is None or tid >= rows:
-            raise ValueError(f"mask token {token!r} maps to id {tid}, outside the {rows} embedding rows")
-        log.info("mask token %r (id %d): %s", token, tid, how)
-        return MaskToken(int(tid), token, how)
-
     if mask_token:
-        if mask_token in vocab:
-            return use(mask_token, "existing")
-        if len(tokenizer) < rows:
-            tokenizer.add_special_tokens({"mask_token": mask_token})
-            return use(mask_token, "spare_row")
-        if not allow_new_row:
-            raise ValueError(
-                f"mask token {mask_token!r} is not in the vocabulary and the embedding matrix has no spare row; "
-                "use model.mask_token=auto, an existing token, or model.allow_new_embedding_row=true"
-            )
-    elif tokenizer.mask_token is not None and tokenizer.mask_token_id is not None and tokenizer.mask_token_id < rows:
-        return use(tokenizer.mask_token, "existing")
-    elif len(tokenizer) < rows:
-        tokenizer.add_special_tokens({"mask_token": NEW_MASK_TOKEN})
-        return use(NEW_MASK_TOKEN, "spare_row")
+        found = _named_mask_token(model, tokenizer, mask_token, rows, allow_new_row)
     else:
-        for candidate in REUSABLE_SPECIAL_TOKENS:
-            if candidate in vocab:
-                return use(candidate, "reused")
+        found = _default_mask_token(model, tokenizer, rows)
+    if found is not None:
+        return found
     if not allow_new_row:
         raise ValueError(
             f"no usable mask token for this model: the tokenizer has no mask token, the embedding matrix "
@@ -260,7 +279,7 @@ def ensure_mask_token(
     tokenizer.add_special_tokens({"mask_token": token})
     model.resize_token_embeddings(len(tokenizer))
     log.warning("Added an embedding row for the mask token %r: the model now has more parameters than its base", token)
-    return use(token, "added_row")
+    return _use_mask_token(model, tokenizer, token, "added_row")
 
 
 def load_with_adapter(
@@ -299,11 +318,11 @@ def load_with_adapter(
 
 def attach_calibration(model: PreTrainedModel, folder: str | os.PathLike, metadata: dict[str, Any] | None) -> None:
     """``model.mars_calibration``: the per-depth temperatures of a MARS checkpoint's mask confidences, checked to
-    be fitted for this checkpoint and block size (:func:`mars.calibration_store.load_calibration`), or None (no
+    be fitted for this checkpoint and block size (:func:`mars.calibration.load_calibration`), or None (no
     ``metadata``: not a MARS checkpoint, or its calibration left off).  The decoding engine reads it."""
     model.mars_calibration = model.mars_draft_acceptance = None
     if metadata:
-        from mars.calibration_store import load_calibration, load_draft_acceptance
+        from mars.calibration import load_calibration, load_draft_acceptance
 
         model.mars_calibration = load_calibration(folder, int(metadata["block_size"]))
         # the masks' acceptance per depth and rank, which tree=auto weighs against the cost of a step's columns,
@@ -580,6 +599,38 @@ def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
     tokenizer.padding_side = "left"  # batched generation; training pads itself
 
 
+def _is_adapter_folder(name_or_path: str) -> bool:
+    path = Path(name_or_path)
+    return name_or_path != "tiny-random" and path.is_dir() and (path / ADAPTER_META).is_file()
+
+
+def _local_source(name_or_path: str) -> tuple[str | Path, PaperCheckpoint | None]:
+    """The local folder ``name_or_path`` loads from (the embedded model's converted folder, the folder itself, or
+    a hub repository's snapshot), and its checkpoint in the paper's format when it is one (else None)."""
+    check_model_source(name_or_path)
+    path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
+    path = path if Path(path).is_dir() else hub_model_source(str(path))
+    paper = _paper_source(str(path))
+    if paper is not None:
+        path = str(paper.folder)
+    return path, paper
+
+
+def _load_pretrained(
+    path: str | Path, paper: PaperCheckpoint | None, mask_token: str | None, *, dtype: torch.dtype, attn: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str | None]:
+    """The model and tokenizer in the folder ``path``, and the mask token to use: ``mask_token``, or for a
+    checkpoint in the paper's format the token its masks were trained on."""
+    if paper is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        return model, tokenizer, mask_token
+    # the tokenizer is told the plain config: it would read config.json's type
+    tokenizer = AutoTokenizer.from_pretrained(path, config=model_config(path))
+    model = load_paper_checkpoint(paper, dtype=dtype, attn_implementation=attn)
+    return model, tokenizer, mask_token or _paper_mask_token(tokenizer, paper)
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -598,8 +649,7 @@ def load_model(
     overrides the base recorded in it).  A MARS checkpoint's mask calibration becomes ``model.mars_calibration``
     (:func:`attach_calibration`; ``calibration=False`` leaves it off, e.g. to fit it again)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    metadata, path = None, name_or_path
-    if name_or_path != "tiny-random" and Path(name_or_path).is_dir() and (Path(name_or_path) / ADAPTER_META).is_file():
+    if _is_adapter_folder(name_or_path):
         return load_with_adapter(
             name_or_path,
             dtype=torch_dtype,
@@ -610,26 +660,16 @@ def load_model(
         )
     if base is not None:
         raise ValueError(f"base={base!r} is for adapter folders; {name_or_path} is not one (no {ADAPTER_META})")
+    metadata, path = None, name_or_path
     if name_or_path == "tiny-random":
         tokenizer = embedded_tokenizer()
         model = build_tiny_random(attn_implementation=attn_implementation, **(tiny or {})).to(torch_dtype)
     else:
-        check_model_source(name_or_path)
-        path = embedded_model_dir() if name_or_path.startswith("embedded:") else name_or_path
-        path = path if Path(path).is_dir() else hub_model_source(str(path))
-        paper = _paper_source(str(path))
-        if paper is not None:
-            path = str(paper.folder)
+        path, paper = _local_source(name_or_path)
         metadata = read_mars_metadata(path) if Path(path).is_dir() else None
-        if paper is not None:  # the tokenizer is told the plain config: it would read config.json's type
-            tokenizer = AutoTokenizer.from_pretrained(path, config=model_config(path))
-            model = load_paper_checkpoint(paper, dtype=torch_dtype, attn_implementation=attn_implementation)
-            mask_token = mask_token or _paper_mask_token(tokenizer, paper)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, attn_implementation=attn_implementation
-            )
+        model, tokenizer, mask_token = _load_pretrained(
+            path, paper, mask_token, dtype=torch_dtype, attn=attn_implementation
+        )
     _prepare_tokenizer(tokenizer)
     if metadata and metadata.get("mask_token") and not mask_token:
         mask_token = metadata["mask_token"]

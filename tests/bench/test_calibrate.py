@@ -1,5 +1,4 @@
-"""mars-bench calibrate: the prompts' split, the masks it scores (the reliability bench's teacher forcing, per
-depth), its refusals before a model loads, and the stored result."""
+"""mars-bench calibrate: the prompts' split, its refusals before a model loads, and the stored result."""
 
 import json
 import os
@@ -8,11 +7,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
-from test_reliability import gated_module
 
 from mars.bench import calibrate
-from mars.bench import reliability as rel
 
 
 def prompts_file(path, n: int):
@@ -30,23 +26,6 @@ def test_the_prompts_split_in_two_halves_by_id_whatever_their_order_in_the_file(
     assert len(small[0]) == 2 and len(small[1]) == 2
     with pytest.raises(SystemExit, match="need 2 at least"):
         calibrate.split_by_id(tmp_path / "a.jsonl", 1)
-
-
-def test_each_depth_holds_the_masks_the_reliability_bench_scores_at_that_depth():
-    module = gated_module()
-    g = torch.Generator().manual_seed(5)
-    texts = [torch.randint(4, 97, (n,), generator=g).tolist() for n in (23, 17)]
-    lengths = [6, 9]
-    per_depth, ranks = calibrate.depth_scores(module, texts, lengths, batch_size=2)
-    steps = rel.score_texts(module, texts, lengths, masks_per_step=3, batch_size=2)
-    assert len(per_depth) == 3
-    assert ranks.shape == steps.valid.shape and ((ranks >= 0) == steps.valid).all()
-    assert ((ranks == 0) == (steps.correct & steps.valid)).all()  # rank 0: the mask's argmax is the greedy token
-    for d, scores in enumerate(per_depth):
-        ok = steps.valid[:, d]
-        assert len(scores.correct) == int(ok.sum()) > 5
-        assert sorted(scores.confidence(1.0).tolist()) == pytest.approx(sorted(steps.confidence[ok, d]), rel=1e-4)
-        assert int(scores.correct.sum()) == int(steps.correct[ok, d].sum())
 
 
 def test_a_folder_that_is_no_mars_checkpoint_is_refused_before_a_model_loads(tmp_path):

@@ -1,5 +1,6 @@
 """``mars-bench step-breakdown``: where verified decoding's time goes, and whether a miss predicts a miss."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from mars.bench.step_breakdown import DECODERS, Recorder, draft_transitions
+from mars.bench.step_breakdown import DECODERS, Recorder, draft_transitions, time_decoders
 
 COMMON = ["--model", "tiny-random", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "4", "--threads", "1"]
 
@@ -29,13 +30,62 @@ def test_draft_transitions_count_what_follows_a_step_with_and_without_a_draft():
     assert stats["p_draft"] == 2 / 5
 
 
-def test_the_recorder_leaves_the_engine_unwrapped():
-    from mars.decoding import engine, lean
+def class_attributes() -> dict:
+    """Every attribute of the engine's and the forwards' classes, by class."""
+    from mars.decoding import engine, forward, lean
 
-    before = (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats)
-    with Recorder():
-        assert (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats) != before
-    assert (lean.LeanDecoder.__call__, engine.DecodeEngine._draft_stats) == before
+    return {cls: dict(vars(cls)) for cls in (engine.DecodeEngine, forward.ModelRunner, lean.LeanDecoder)}
+
+
+def test_the_recorder_sees_every_forward_with_its_columns_and_changes_no_class(tiny):
+    from mars.decoding import generate
+
+    before = class_attributes()
+    prompt = tiny.tokenizer("The quick brown fox")["input_ids"]
+    ar, verify = Recorder(), Recorder()
+    ar_result = generate(
+        tiny.model, tiny.tokenizer, [prompt], max_new_tokens=6, observers=[ar], **DECODERS["ar-cursor"]
+    )
+    result = generate(tiny.model, tiny.tokenizer, [prompt], max_new_tokens=6, observers=[verify], **DECODERS["verify"])
+    assert class_attributes() == before
+    # AR in the engine: the prompt's prefill, then one column (no masks, no drafts) per token
+    assert len(ar.steps) == ar_result.stats.forwards == len(ar_result.token_ids[0])
+    assert [s.columns for s in ar.steps] == [len(prompt)] + [1] * (len(ar.steps) - 1)
+    assert not any(s.masks or s.drafts for s in ar.steps)
+    # verify: one record per forward; a decode step feeds the new token, its drafts and its masks
+    assert len(verify.steps) == result.stats.forwards
+    assert verify.steps[0].columns > len(prompt) and verify.steps[0].masks  # the prefill's masks draft
+    assert all(s.masks == (s.columns > 1 + s.drafts) for s in verify.steps[1:])
+    assert sum(s.drafts > 0 for s in verify.steps) == result.stats.extra["per_row_num_drafts"][0]
+    assert sum(s.verified for s in verify.steps) == sum(result.stats.extra["drafts_accepted"])
+    assert all(s.seconds > 0 for s in ar.steps + verify.steps)
+
+
+def test_the_adapter_counts_as_live_at_steps_that_feed_masks_on_a_gated_model_only(tiny):
+    from mars.adapters import AdapterSettings, attach_adapter
+    from mars.models import load_model
+
+    gated = load_model("tiny-random")
+    attach_adapter(gated.model, AdapterSettings(kind="gated_lora", rank=4, alpha=8), gated.mask.id)
+    decoders = {
+        "ar-cursor": (gated.model, DECODERS["ar-cursor"]),
+        "verify": (gated.model, DECODERS["verify"]),
+        "verify without an adapter": (tiny.model, DECODERS["verify"]),
+    }
+    args = argparse.Namespace(repeats=1, max_new_tokens=4)
+    runs, steps = time_decoders(args, decoders, tiny.tokenizer, ["Hi"], Recorder())
+    live = {name: {adapter for n, _, adapter in steps if n == name} for name in decoders}
+    assert live == {"ar-cursor": {False}, "verify": {True}, "verify without an adapter": {False}}
+    # the timed repeat's decode steps (forwards after the prefill), each with its forward time
+    for name in decoders:
+        assert sum(len(t) for (n, _, _), t in steps.items() if n == name) == runs[name][0][2] > 0
+
+
+def test_observers_are_refused_where_no_engine_runs(tiny):
+    from mars.decoding import generate
+
+    with pytest.raises(ValueError, match="decoder='ar'"):
+        generate(tiny.model, tiny.tokenizer, ["Hi"], max_new_tokens=2, decoder="ar", observers=[Recorder()])
 
 
 def test_the_breakdown_runs_end_to_end(tmp_path):
@@ -45,7 +95,7 @@ def test_the_breakdown_runs_end_to_end(tmp_path):
     summary = json.loads((out / "breakdown.json").read_text())["summary"]
     assert set(summary) == set(DECODERS)
     assert summary["ar-cursor"]["tokens_per_forward"] == 1.0
-    assert all(s["tokens_per_s"] > 0 for s in summary.values())
+    assert all(s["tokens_per_s"] > 0 and s["forward_ms_per_step"] > 0 for s in summary.values())
     assert "| ar-cursor | 1 | no |" in (out / "breakdown.md").read_text()
 
 

@@ -5,7 +5,7 @@ untouched."""
 import pytest
 from decoding_fixtures import hf_greedy, model, random_prompts, tokenizer  # noqa: F401
 
-from mars.calibration_store import Calibration
+from mars.calibration import Calibration
 from mars.decoding import generate
 
 

@@ -17,8 +17,8 @@ from decoding_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from mars.decoding import generate
-from mars.decoding.engine import masks_within
 from mars.decoding.forward import ModelRunner
+from mars.decoding.planner import masks_within
 from mars.models import embedded_tokenizer
 
 

@@ -19,9 +19,11 @@ from mars.decoding import generate
 from mars.decoding.engine import DecodeEngine
 from mars.decoding.forward import ModelRunner
 from mars.decoding.kv import RaggedKVCache
+from mars.decoding.planner import StepPlanner
 from mars.decoding.settings import MAX_TREE_COLUMNS, DecodingSettings, tree_columns
 from mars.decoding.tree import TreeLayouts, build_template, columns_of, layouts_for, next_candidates
 from mars.decoding.tree_choice import PRIOR, candidate_shapes, choose_shape, expected_tokens, smaller_shapes
+from mars.decoding.verifiers import TreeVerifier
 
 
 def test_a_template_holds_the_nodes_the_root_group_and_a_group_after_each_node():
@@ -119,11 +121,11 @@ def test_tree_rows_accepting_deep_paths_at_any_rank_stay_exact(model, tokenizer,
     greedy AR's."""
     prompts = random_prompts((6, 13, 9), seed=4)
     expected = hf_greedy(model, tokenizer, prompts, 24)
-    keep = DecodeEngine._keep_proposals
+    keep = TreeVerifier.keep
 
     def oracle(self, plan, accepted):
         keep(self, plan, accepted)
-        rows, tree = self.rows, self.tree
+        rows, tree = self.ctx.rows, self.tree
         for i, request in enumerate(rows.records.requests):
             reference = expected[prompts.index(request.prompt_ids)]
             made = int(rows.tensors.length[i]) - len(request.prompt_ids)
@@ -132,7 +134,7 @@ def test_tree_rows_accepting_deep_paths_at_any_rank_stay_exact(model, tokenizer,
                 rows.tensors.candidates[i, d, (made + d) % tree.width] = reference[made + d]
             rows.tensors.draft_count[i] = max(depths, 0)
 
-    monkeypatch.setattr(DecodeEngine, "_keep_proposals", oracle)
+    monkeypatch.setattr(TreeVerifier, "keep", oracle)
     out = generate(model, tokenizer, prompts, verify=True, tree="2,2", max_new_tokens=24)
     assert out.token_ids == expected
     accepted = out.stats.extra["drafts_accepted"]
@@ -214,25 +216,10 @@ def test_auto_picks_a_shape_from_measured_step_costs(model, tokenizer):
     assert np.prod(shape) >= 1
 
 
-def test_the_acceptance_table_conditions_each_depth_on_the_earlier_ones():
-    from mars.decoding.tree_choice import acceptance_table, table_from
-
-    ranks = np.array([[0, 0], [0, 1], [1, 0], [2, -1], [0, 3]])
-    table = acceptance_table(ranks, width=2)
-    assert table[0] == [3 / 5, 4 / 5]
-    assert table[1][0] == pytest.approx(
-        1 / 3, abs=1e-4
-    )  # of the 3 steps whose depth 1 is top-1 (with a depth 2), 1 is top-1
-    assert table[1][1] == pytest.approx(3 / 4, abs=1e-4)  # of the 4 whose depth 1 is top-2 with a depth 2: 3 are top-2
-    assert table_from({"draft_acceptance": {"conditional": table}}) == table
-    assert table_from({"conditional": table, "prompts": 5}) == table  # the stored object itself
-    assert table_from({"draft_acceptance": None}) is None
-
-
 def test_a_column_cap_trims_the_tree_before_anything_else_and_keeps_the_output(model, tokenizer, monkeypatch):
     plans = []
-    plan = DecodeEngine._plan
-    monkeypatch.setattr(DecodeEngine, "_plan", lambda self: plans.append(plan(self)) or plans[-1])
+    plan = StepPlanner.plan
+    monkeypatch.setattr(StepPlanner, "plan", lambda self, first: plans.append(plan(self, first)) or plans[-1])
     prompts = random_prompts((5, 9, 7, 12), seed=6)
     out = generate(model, tokenizer, prompts, verify=True, tree="2,1", max_step_columns=10, max_new_tokens=16)
     assert out.token_ids == hf_greedy(model, tokenizer, prompts, 16)
@@ -244,8 +231,8 @@ def test_a_column_cap_trims_the_tree_before_anything_else_and_keeps_the_output(m
 def _plans(monkeypatch) -> list:
     """Every step plan the engine makes from now on, in order."""
     made = []
-    plan = DecodeEngine._plan
-    monkeypatch.setattr(DecodeEngine, "_plan", lambda self: made.append(plan(self)) or made[-1])
+    plan = StepPlanner.plan
+    monkeypatch.setattr(StepPlanner, "plan", lambda self, first: made.append(plan(self, first)) or made[-1])
     return made
 
 

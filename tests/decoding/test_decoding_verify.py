@@ -20,6 +20,8 @@ from decoding_fixtures import (  # noqa: F401
 from mars.decoding import fastpath
 from mars.decoding import generate as _generate
 from mars.decoding.engine import DecodeEngine
+from mars.decoding.planner import StepPlanner
+from mars.decoding.scoring import StepScorer
 from mars.decoding.verify import leading_matches, speculative_accept, typical_drafts
 
 
@@ -159,7 +161,7 @@ def test_exact_greedy_steps_read_no_probabilities_and_decode_the_same(model, tok
     assert outs["ar"].token_ids == outs["verify"].token_ids == outs["verify-dt"].token_ids == expected
     assert read["ar"] == [] and read["verify"] == [] and read["verify-dt"] == []
     assert len(read["tau"]) == outs["tau"].stats.forwards
-    monkeypatch.setattr(DecodeEngine, "_reads_probabilities", lambda self, plan: True)
+    monkeypatch.setattr(StepScorer, "reads_probabilities", lambda self: True)
     for name, kw in runs.items():
         forced = generate(model, tokenizer, prompts, max_new_tokens=20, **kw)
         assert forced.token_ids == outs[name].token_ids and forced.stats.forwards == outs[name].stats.forwards, name
@@ -182,7 +184,7 @@ def test_verify_below_one_is_exact_except_the_masks_it_accepts(model, tokenizer,
     prompt-lookup drafts, which the random model's repetitive text lets pass): every token not flagged as a
     mask's is the greedy AR token given the output's own prefix, and the masks save forwards beyond what
     verification alone saves."""
-    from mars.decoding.fidelity import ar_predictions
+    from mars.evaluation.fidelity import ar_predictions
 
     prompts = random_prompts((5, 17, 9, 30))
     kwargs = dict(verify=True, draft_source="lookup", cache=cache, cache_block=8, max_new_tokens=24)
@@ -245,11 +247,9 @@ def test_verify_mixed_with_lossy_rows_in_one_engine(model, tokenizer):
 @pytest.fixture
 def plans(monkeypatch) -> list:
     """Every step plan the decoding engine makes while the test runs, in order."""
-    from mars.decoding import engine as engine_module
-
     made = []
-    plan = engine_module.DecodeEngine._plan
-    monkeypatch.setattr(engine_module.DecodeEngine, "_plan", lambda self: made.append(plan(self)) or made[-1])
+    plan = StepPlanner.plan
+    monkeypatch.setattr(StepPlanner, "plan", lambda self, first: made.append(plan(self, first)) or made[-1])
     return made
 
 
@@ -281,7 +281,7 @@ def test_greedy_steps_choose_the_same_tokens_and_drafts_with_the_fused_choice_or
     fused = []
     init = DecodeEngine.__init__
     monkeypatch.setattr(
-        DecodeEngine, "__init__", lambda self, *a, **k: init(self, *a, **k) or fused.append(self.fused_choice)
+        DecodeEngine, "__init__", lambda self, *a, **k: init(self, *a, **k) or fused.append(self.ctx.fused_choice)
     )
     runs = {}
     for switch, fast_path in (("0", "1"), ("1", "1"), ("1", "0")):
@@ -305,13 +305,15 @@ def test_the_greedy_verify_kernel_decides_what_the_tensor_ops_decide(model, toke
     the draft threshold (NaN at the AR column), steps with and without masks, drafts strided or contiguous.  Same
     counts, drafts and flags."""
     from mars.decoding import DecodingSettings
-    from mars.decoding.engine import StepPlan, StepScores
     from mars.decoding.forward import ModelRunner
+    from mars.decoding.step import StepPlan, StepScores
+    from mars.decoding.verifiers import ChainVerifier
 
     rng = np.random.default_rng(seed)
     settings = DecodingSettings(max_new_tokens=20, verify=True, window=4)
     engine = DecodeEngine(ModelRunner(model), settings, 16, [2], tokenizer)
-    assert engine.fused_choice  # the kernels are built here
+    assert engine.ctx.fused_choice  # the kernels are built here
+    chain = next(v for v in engine.verifiers if isinstance(v, ChainVerifier))
     rows = 6
     engine.admit([engine.make_request([5, 6, 7]) for _ in range(rows)])
     slots = engine.max_drafts
@@ -331,13 +333,14 @@ def test_the_greedy_verify_kernel_decides_what_the_tensor_ops_decide(model, toke
         engine.rows.tensors.drafts = drafted if rng.random() < 0.5 else drafted.contiguous()
         engine.rows.tensors.draft_count = torch.from_numpy(rng.integers(0, slots + 1, rows))
         count = torch.from_numpy(rng.integers(0, 3, rows))
-        engine.settings = settings.replace(draft_threshold=float(rng.choice([0.0, 0.3, 0.6])))
-        scores = StepScores(None, predicted, top if engine.settings.draft_threshold > 0 and masks.any() else None)
+        engine.ctx.settings = settings.replace(draft_threshold=float(rng.choice([0.0, 0.3, 0.6])))
+        top_read = top if engine.ctx.settings.draft_threshold > 0 and masks.any() else None
+        scores = StepScores(None, None, predicted, top_read)
         decided = {}
         for fused in (True, False):
-            engine.fused_choice = fused
-            assert (engine._greedy_verify(plan, scores, count) is not None) == fused  # the kernel, then the ops
-            tokens, counts, verified, nxt = engine._verify(plan, scores, None, count)
+            engine.ctx.fused_choice = fused
+            assert (chain.greedy_check(plan, scores, count) is not None) == fused  # the kernel, then the ops
+            tokens, counts, verified, nxt = chain.check(plan, scores, count)
             assert nxt.log_q is None
             decided[fused] = (tokens, counts, verified, nxt.tokens, nxt.count)
         for kernel, ops in zip(decided[True], decided[False]):
@@ -509,25 +512,3 @@ def test_sampled_verify_is_seeded_and_per_row(model, tokenizer):
     alone = generate(model, tokenizer, prompts[1:], verify=True, temperature=1.0, seed=3, max_new_tokens=16)
     assert alone.token_ids[0] == a.token_ids[1]
     assert a.token_ids != generate(model, tokenizer, prompts, verify=True, max_new_tokens=16).token_ids
-
-
-def test_from_mask_flags_and_token_fidelity(model, tokenizer):
-    from mars.decoding.fidelity import ar_predictions, token_fidelity
-
-    prompts = random_prompts((5, 17, 9))
-    exact = generate(model, tokenizer, prompts, max_new_tokens=16)
-    assert not any(any(f) for f in exact.from_mask)  # threshold 1.0: every token is an AR prediction
-    lossy = generate(model, tokenizer, prompts, threshold=0.25, max_new_tokens=16)
-    assert any(any(f) for f in lossy.from_mask)
-    assert all(len(f) == len(t) for f, t in zip(lossy.from_mask, lossy.token_ids))
-    verified = generate(model, tokenizer, prompts, verify=True, max_new_tokens=16)
-    assert not any(any(f) for f in verified.from_mask)
-    # AR predictions given each output's own prefix: exact outputs agree everywhere
-    preds = ar_predictions(model, prompts, exact.token_ids)
-    fid = token_fidelity(exact.token_ids, preds)
-    assert all(r["ar_equal"] == r["tokens"] for r in fid)
-    # lossy outputs: only mask-accepted tokens can differ from the AR choice
-    fid = token_fidelity(lossy.token_ids, ar_predictions(model, prompts, lossy.token_ids), lossy.from_mask)
-    for r in fid:
-        assert r["tokens"] - r["ar_equal"] == r["mask_tokens"] - r["mask_ar_equal"]
-    assert sum(r["mask_tokens"] - r["mask_ar_equal"] for r in fid) > 0

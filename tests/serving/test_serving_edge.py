@@ -30,8 +30,9 @@ from serving_fixtures import (  # noqa: F401  (fixtures)
     wait_for,
 )
 
-from mars.serving.config import ServeConfig, build_state
+from mars.serving.config import ServeConfig
 from mars.serving.scheduler import Job
+from mars.serving.server import build_state
 
 
 def slow_steps(monkeypatch, srv, seconds):

@@ -209,8 +209,8 @@ def test_the_page_sends_the_api_key_the_server_asks_for(loaded, tmp_path, monkey
 def test_the_page_streams_an_answer_with_shaded_forwards(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from mars.serving.config import ServeConfig, build_state
-    from mars.serving.server import BackgroundServer
+    from mars.serving.config import ServeConfig
+    from mars.serving.server import BackgroundServer, build_state
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         # MARS_UI_CHECKPOINT=<trained checkpoint>: the committed screenshot is taken from a trained model

@@ -6,8 +6,9 @@ style (shared flags, prompt files read by :mod:`mars.prompt_files`, the decoding
 :class:`~mars.decoding.settings.DecodingSettings`).  The throughput figures are a library the commands share, with
 typed arguments and no command line below them: :mod:`~mars.bench.decoders` (the timed decoders by name),
 :mod:`~mars.bench.loading` (the model, threads and fast path, the run's record), :mod:`~mars.bench.timing` (the
-interleaved timing loop) and :mod:`~mars.bench.tables` (the figures and tables).  The product packages (training,
-decoding, evaluation, serving) never import from here.
+interleaved timing loop) and :mod:`~mars.bench.tables` (the figures and tables); ``calibrate`` fits from the
+teacher-forced mask scores of :mod:`~mars.bench.mask_scores`.  The product packages (training, decoding,
+evaluation, serving) never import from here.
 """
 
 # tool name -> module under mars.bench (the name ``mars-bench`` takes, as listed by ``mars-bench --help``)

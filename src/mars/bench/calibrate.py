@@ -7,12 +7,12 @@ The held-out prompts (never trained on) are ordered by a hash of their ``id`` an
 halves mix every source: the temperatures are fitted on the first half and the expected calibration error (ECE)
 of each depth is measured on the second, before and after.  Each prompt is answered at threshold 1.0 (the
 model's own greedy text) and its masks scored against it by teacher forcing, exactly as ``mars-bench
-reliability`` does (:func:`mars.bench.reliability.teacher_forced_masks`): the masks of every step the greedy
-text could take, and whether each one's argmax is the greedy token.  The fit, the ECE and the stored fields are
-defined in :mod:`mars.decoding.calibration`; the same steps give the draft acceptance table ``tree=auto`` reads
-(:func:`mars.decoding.tree_choice.acceptance_table`).  Both go into the checkpoint's ``mars_config.json`` in one
-atomic write, and a folder where that write cannot happen is refused before the model loads; decoders load them
-with the checkpoint (``model.mars_calibration``, ``model.mars_draft_acceptance``).  ``--dry-run`` prints the
+reliability`` does (:mod:`mars.bench.mask_scores`): the masks of every step the greedy text could take, and
+whether each one's argmax is the greedy token.  The fit, the ECE and the stored fields are defined in
+:mod:`mars.calibration`; the same steps give the draft acceptance table ``tree=auto`` reads
+(:func:`mars.calibration.acceptance_table`).  Both go into the checkpoint's ``mars_config.json`` in one atomic
+write, and a folder where that write cannot happen is refused before the model loads; decoders load them with the
+checkpoint (``model.mars_calibration``, ``model.mars_draft_acceptance``).  ``--dry-run`` prints the
 tables and writes nothing.
 """
 
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from mars.bench import cli_options
 from mars.paths import data_dir
@@ -38,35 +35,6 @@ def split_by_id(path: str | Path, limit: int | None) -> tuple[list[str], list[st
     if half < 1:
         raise SystemExit(f"--prompts {path}: {len(rows)} prompt(s); a fit half and a held-out half need 2 at least")
     return [r.prompt for r in rows[:half]], [r.prompt for r in rows[half:]]
-
-
-def depth_scores(module, texts: list[list[int]], prompt_lengths: list[int], batch_size: int):
-    """One :class:`~mars.decoding.calibration.MaskScores` per mask depth ``1 .. B-1``: every decoding step of the
-    texts, each mask reduced to its log top-probabilities on the temperature grid (a batch's logits at a time)."""
-    from mars.bench.reliability import step_columns, teacher_forced_masks
-    from mars.decoding.calibration import MaskScores
-
-    masks = module.block_size - 1
-    parts: list[list[MaskScores]] = [[] for _ in range(masks)]
-    ranks = []
-    for _, logp, layout, is_mask in teacher_forced_masks(module, texts, prompt_lengths, batch_size):
-        right = logp.argmax(-1) == layout.targets
-        _, rows, cols, valid = step_columns(is_mask, layout, masks)
-        for d in range(masks):
-            r, c = rows[valid[:, d], d], cols[valid[:, d], d]
-            parts[d].append(MaskScores.from_logits(logp[r, c], right[r, c]))
-        ranks.append(greedy_ranks(logp, layout.targets, rows, cols, valid))
-    return [MaskScores.concat(p) for p in parts], torch.cat(ranks).numpy()
-
-
-def greedy_ranks(logp, targets, rows, cols, valid, width: int = 4) -> torch.Tensor:
-    """Per step and mask depth ``[steps, depths]``: the rank of the greedy token in the mask's distribution, capped
-    at ``width`` (beyond any tree's candidates), -1 where the step has no mask of that depth."""
-    at = logp[rows, cols]  # [steps, depths, vocab]
-    target = targets[rows, cols].clamp_min(0)
-    own = at.gather(-1, target.unsqueeze(-1))
-    rank = (at > own).sum(-1).clamp_max(width)
-    return torch.where(valid, rank, -1)
 
 
 def table(calibration, fit_masks: list[int], held_masks: list[int]) -> str:
@@ -115,7 +83,6 @@ def check_checkpoint(folder: str, write: bool = True) -> int:
     """The checkpoint's training block size, refusing before any model loads a folder that is no MARS
     checkpoint, whose block has no mask to calibrate, or (``write``) whose ``mars_config.json`` cannot be
     replaced: the results would be lost after the whole run."""
-    from mars.calibration_store import check_can_store
     from mars.metadata import MetadataError, read_metadata
 
     if not Path(folder).is_dir():
@@ -129,6 +96,8 @@ def check_checkpoint(folder: str, write: bool = True) -> int:
     if meta.block_size < 2:
         raise SystemExit(f"--checkpoint {folder}: block size {meta.block_size} has no mask to calibrate")
     if write:
+        from mars.calibration import check_can_store
+
         try:
             check_can_store(folder)
         except OSError as err:
@@ -143,37 +112,27 @@ def main(argv: list[str] | None = None) -> int:
     block = check_checkpoint(args.checkpoint, write=not args.dry_run)
     fit_prompts, held_prompts = split_by_id(args.prompts, args.limit or None)
     if args.threads:
-        torch.set_num_threads(args.threads)
-    from mars.bench.reliability import greedy_mask_module
-    from mars.decoding.calibration import DraftAcceptance, checkpoint_identity, fit_calibration, store_calibration
-    from mars.decoding.tree_choice import acceptance_table
-    from mars.models import load_model
+        import torch
 
-    identity = checkpoint_identity(args.checkpoint)
-    # a stored calibration is not attached: it may be the stale one this run replaces
-    loaded = load_model(args.checkpoint, dtype="float32", calibration=False)
-    prompts = fit_prompts + held_prompts
-    module, texts, lengths = greedy_mask_module(loaded, block, prompts, args.max_new_tokens, args.batch_size)
-    n = len(fit_prompts)
-    fit, fit_ranks = depth_scores(module, texts[:n], lengths[:n], args.batch_size)
-    held, held_ranks = depth_scores(module, texts[n:], lengths[n:], args.batch_size)
-    acceptance = DraftAcceptance(
-        conditional=acceptance_table(np.concatenate([fit_ranks, held_ranks])),
-        block_size=block,
-        checkpoint=identity,
-        prompts=len(prompts),
+        torch.set_num_threads(args.threads)
+    from mars.bench.mask_scores import fit_checkpoint
+    from mars.calibration import store_calibration
+
+    fitted = fit_checkpoint(
+        args.checkpoint,
+        block,
+        fit_prompts,
+        held_prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
     )
-    calibration = fit_calibration(
-        fit, held, block_size=block, checkpoint=identity, fit_prompts=n, eval_prompts=len(held_prompts)
-    )
-    print(table(calibration, [len(s.correct) for s in fit], [len(s.correct) for s in held]))
-    print(acceptance_lines(acceptance.table()))
+    print(table(fitted.calibration, fitted.fit_masks, fitted.held_masks))
+    print(acceptance_lines(fitted.acceptance.table()))
     if args.dry_run:
         print("dry run: nothing written")
     else:  # one atomic write of both: a kill leaves the old pair or the new one
-        print(
-            f"calibration and draft acceptance written to {store_calibration(args.checkpoint, calibration, acceptance)}"
-        )
+        written = store_calibration(args.checkpoint, fitted.calibration, fitted.acceptance)
+        print(f"calibration and draft acceptance written to {written}")
     return 0
 
 

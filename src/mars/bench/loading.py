@@ -67,13 +67,13 @@ def load(
     source: str, *, dtype: str, device: str = "cpu", arch_preset: str | None = None, adapter_rank: int | None = None
 ):
     """(model in eval mode, tokenizer, the checkpoint's metadata or None): ``arch_preset``'s random-weight model,
-    else ``source`` (a model name, hub id or checkpoint folder, as :func:`mars.models.load_model` takes it), its
+    else ``source`` (a model name, hub id or checkpoint folder, loaded as evaluation and serving load theirs), its
     gated adapter truncated to ``adapter_rank`` where given."""
     if arch_preset:
         return build_preset(arch_preset, dtype, device)
-    from mars.models import load_model
+    from mars.decoding.loading import load_for_decoding
 
-    loaded = load_model(source, dtype=dtype, device=device)
+    loaded = load_for_decoding({"name_or_path": source}, dtype=dtype, device=device)
     if adapter_rank:
         from mars.adapters import truncate_adapter_rank
 

@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mars.decoding.fidelity import ar_predictions, token_fidelity
+    from mars.evaluation.fidelity import ar_predictions, token_fidelity
 
     args, thresholds = parse_args(argv)
     if args.threads:

@@ -1,4 +1,4 @@
-"""Where verified decoding's wall clock goes at batch 1, against AR in the same engine: the lean forward's
+"""Where verified decoding's wall clock goes at batch 1, against AR in the same engine: the model forward's
 time per step by the number of columns it carried (and whether the gated adapter was live at mask columns),
 the tokens per forward and speed against AR, and whether a step whose masks proposed no
 draft predicts the next one (which decides whether skipping the masks after a miss could pay).
@@ -17,7 +17,9 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mars.hardware import apply_process_defaults
 
@@ -26,9 +28,12 @@ apply_process_defaults()  # the OpenMP wait for this machine's load unless set, 
 import torch  # noqa: E402
 
 from mars.bench import cli_options  # noqa: E402
-from mars.bench.throughput import VERIFIED  # noqa: E402
+from mars.bench.decoders import VERIFIED  # noqa: E402
 from mars.hardware import configure_threads  # noqa: E402
 from mars.paths import data_dir  # noqa: E402
+
+if TYPE_CHECKING:
+    from mars.decoding.step import StepReport
 
 DECODERS = {
     "ar-cursor": dict(decoder="mars", cache="cursor", threshold=1.0),
@@ -39,43 +44,43 @@ DECODERS = {
 }
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as :class:`Recorder` saw it (this tool decodes one row; with more, ``drafts`` and ``verified``
+    are summed over the rows and ``masks`` is any row's)."""
+
+    columns: int  # the columns the step fed (the plan's input width)
+    masks: bool  # whether it fed a mask column (where a gated adapter is live)
+    seconds: float  # the step's model forward
+    drafts: int  # the drafts it fed
+    verified: int  # of those, the drafts it emitted
+
+
 class Recorder:
-    """Inside ``with Recorder() as rec``: times every lean forward (columns, adapter live) and logs each verify
-    step's drafts fed and passed (the engine's and the lean forward's methods are wrapped, then restored)."""
+    """An engine step observer (``generate(..., observers=[recorder])``): one :class:`StepRecord` per forward,
+    prefill included.  It reads each step's :class:`~mars.decoding.step.StepReport` and changes nothing."""
 
     def __init__(self):
-        # the engine loads transformers: imported here, once the flags have passed (``--help`` stays quick)
-        from mars.decoding.engine import DecodeEngine
-        from mars.decoding.lean import LeanDecoder
+        self.steps: list[StepRecord] = []
 
-        self.forwards: list[tuple[int, bool, float]] = []
-        self.drafts: list[tuple[int, int]] = []
-        self._classes = (LeanDecoder, DecodeEngine)
-        self._originals = (LeanDecoder.__call__, DecodeEngine._draft_stats)
+    def __call__(self, report: StepReport) -> None:
+        plan = report.plan
+        # a MARS row's predictions are its AR column, its drafts and its masks; a tree row feeds a group of masks
+        masks = bool((plan.predictions - 1 - plan.drafts > 0).any() or plan.tree_rows.any())
+        drafts, verified = int(plan.drafts.sum()), int(report.verified.sum())
+        self.steps.append(StepRecord(plan.input_width, masks, report.forward_seconds, drafts, verified))
 
-    def __enter__(self) -> Recorder:
-        lean_call, stats = self._originals
-        recorder = self
+    def clear(self) -> None:
+        self.steps.clear()
 
-        def timed(lean, input_ids, *args, **kwargs):
-            start = time.perf_counter()
-            out = lean_call(lean, input_ids, *args, **kwargs)
-            recorder.forwards.append((input_ids.shape[1], lean.gate_columns is not None, time.perf_counter() - start))
-            return out
+    def draft_trace(self) -> list[tuple[int, int]]:
+        """Each step's (drafts fed, passed), as :func:`draft_transitions` reads them."""
+        return [(s.drafts, s.verified) for s in self.steps]
 
-        def logged(engine, plan, verified):
-            recorder.drafts.append((int(plan.drafts[0]), int(verified[0])))
-            return stats(engine, plan, verified)
 
-        self._patch(timed, logged)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._patch(*self._originals)
-
-    def _patch(self, lean_call, draft_stats) -> None:
-        lean_cls, engine_cls = self._classes
-        lean_cls.__call__, engine_cls._draft_stats = lean_call, draft_stats
+def has_gated_adapter(model) -> bool:
+    """Whether ``model`` carries a gated adapter (:mod:`mars.adapters`), live at mask columns only."""
+    return getattr(model, "mars_gate", None) is not None
 
 
 def draft_transitions(traces: list[list[tuple[int, int]]]) -> dict:
@@ -148,17 +153,18 @@ def load_decoders(args, chosen: list[str]) -> tuple[dict, object]:
 
 def time_decoders(args, decoders: dict, tokenizer, prompts: list[str], rec: Recorder) -> tuple[dict, dict]:
     """Every decoder on every prompt, interleaved per repeat (repeat 0 warms up and is dropped):
-    decoder -> per repeat (seconds, tokens, decode steps, lean seconds), and
-    (decoder, columns, adapter live) -> the lean forward's seconds of each decode step."""
+    decoder -> per repeat (seconds, tokens, decode steps, forward seconds), and
+    (decoder, columns, adapter live) -> the model forward's seconds of each decode step."""
     from mars.decoding import generate
 
     runs = collections.defaultdict(list)
     steps = collections.defaultdict(list)
     for repeat in range(args.repeats + 1):
         for name, (decoder_model, kwargs) in decoders.items():
-            seconds = tokens = forwards = lean_seconds = 0.0
+            gated = has_gated_adapter(decoder_model)
+            seconds = tokens = forwards = forward_seconds = 0.0
             for prompt in prompts:
-                rec.forwards.clear(), rec.drafts.clear()
+                rec.clear()
                 start = time.perf_counter()
                 result = generate(
                     decoder_model,
@@ -166,17 +172,19 @@ def time_decoders(args, decoders: dict, tokenizer, prompts: list[str], rec: Reco
                     [prompt],
                     max_new_tokens=args.max_new_tokens,
                     chat_template=True,
+                    observers=[rec],
                     **kwargs,
                 )
                 seconds += time.perf_counter() - start
                 tokens += sum(len(t) for t in result.token_ids)
-                forwards += len(rec.forwards) - 1  # the prompt's prefill is not a decode step
-                lean_seconds += sum(s for *_, s in rec.forwards[1:])
+                decode_steps = rec.steps[1:]  # the prompt's prefill is not a decode step
+                forwards += len(decode_steps)
+                forward_seconds += sum(s.seconds for s in decode_steps)
                 if repeat:
-                    for columns, adapter, s in rec.forwards[1:]:
-                        steps[name, columns, adapter].append(s)
+                    for s in decode_steps:
+                        steps[name, s.columns, s.masks and gated].append(s.seconds)
             if repeat:
-                runs[name].append((seconds, tokens, forwards, lean_seconds))
+                runs[name].append((seconds, tokens, forwards, forward_seconds))
     return runs, steps
 
 
@@ -186,21 +194,22 @@ def trace_drafts(args, model, tokenizer, prompts: list[str], rec: Recorder) -> l
 
     traces = []
     for prompt in prompts[: args.trace_prompts]:
-        rec.drafts.clear()
+        rec.clear()
         generate(
             model,
             tokenizer,
             [prompt],
             max_new_tokens=args.trace_tokens,
             chat_template=True,
+            observers=[rec],
             **DECODERS["verify"],
         )
-        traces.append(list(rec.drafts))
+        traces.append(rec.draft_trace())
     return traces
 
 
 def summarise(runs: dict, prompts: int) -> dict:
-    """decoder -> tokens/s, tokens per forward (prefills counted), lean ms per decode step, seconds (medians)."""
+    """decoder -> tokens/s, tokens per forward (prefills counted), forward ms per decode step, seconds (medians)."""
     summary = {}
     for name, rs in runs.items():
         seconds = statistics.median(r[0] for r in rs)
@@ -208,14 +217,14 @@ def summarise(runs: dict, prompts: int) -> dict:
         summary[name] = dict(
             tokens_per_s=tokens / seconds,
             tokens_per_forward=tokens / (forwards + prompts),
-            lean_ms_per_step=1e3 * statistics.median(r[3] / r[2] for r in rs),
+            forward_ms_per_step=1e3 * statistics.median(r[3] / r[2] for r in rs),
             seconds=seconds,
         )
     return summary
 
 
 def breakdown_table(args, threads: int, prompts: int, summary: dict, steps: dict, transitions: dict) -> list[str]:
-    """``breakdown.md``'s lines: speed per decoder, lean forward time per step kind, the draft statistics."""
+    """``breakdown.md``'s lines: speed per decoder, model forward time per step kind, the draft statistics."""
     ar = summary["ar-cursor"]
     ar_step = statistics.median(steps["ar-cursor", 1, False])
     table = [
@@ -233,7 +242,7 @@ def breakdown_table(args, threads: int, prompts: int, summary: dict, steps: dict
         )
     table += [
         "",
-        "| decoder | columns | adapter live | decode steps | lean forward ms | vs AR step |",
+        "| decoder | columns | adapter live | decode steps | forward ms | vs AR step |",
         "|---|---|---|---|---|---|",
     ]
     for (name, columns, adapter), times in sorted(steps.items()):
@@ -265,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     decoders, tokenizer = load_decoders(args, chosen)
     model = decoders["ar-cursor"][0]
     prompts = every[: args.prompts]
-    with torch.inference_mode(), Recorder() as rec:
+    rec = Recorder()
+    with torch.inference_mode():
         runs, steps = time_decoders(args, decoders, tokenizer, prompts, rec)
         traces = trace_drafts(args, model, tokenizer, every, rec)
     summary = summarise(runs, len(prompts))

@@ -55,28 +55,54 @@ def step_context(precision: str, device: str):
 
 
 def one_run(args) -> dict:
-    from mars.training.module import MarsModule
-    from mars.training.objectives import Objective
+    """One (precision, objective) row: the module built, ``args.warmup`` untimed and ``args.steps`` timed steps
+    (forward, backward and optimizer step), the step times' median and spread, and the peak memory."""
     from mars.training.optim import build_adamw
     from mars.training.precision import wants_master_weights
 
     torch.manual_seed(0)
+    module = _training_module(args)
+    master = wants_master_weights(args.precision)
+    opt = build_adamw([{"params": list(module.model.parameters())}], lr=1e-5, betas=(0.9, 0.999), master_weights=master)
+    times, losses = _timed_steps(args, module, opt)
+    return {
+        "precision": args.precision,
+        "objective": args.objective,
+        "attn": args.attn,
+        "optimizer": type(opt).__name__,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "peak_mb": _peak_mb(args.device),
+        "tokens_per_s": args.batch * args.length / statistics.median(times),
+        "last_loss": losses[-1],
+    }
+
+
+def _training_module(args):
+    """The training module of ``args.objective`` around the model, its weights in the precision's dtype."""
+    from mars.training.module import MarsModule
+    from mars.training.objectives import Objective
+
     model, mask_id = build(args)
     if args.precision.endswith("-true") and args.precision != "32-true":  # Lightning's convert_module
         model = model.to(torch.bfloat16 if args.precision.startswith("bf16") else torch.float16)
     weights = {"ar": dict(mask_weight=0.0, alpha=1.0), "mars": dict(mask_weight=1.0, alpha=1.0)}[args.objective]
-    module = MarsModule(
+    return MarsModule(
         model,
         mask_id,
         block_size=args.block,
         objective=Objective(args.objective, **weights),
         gradient_checkpointing=args.gradient_checkpointing,
     ).to(args.device)
-    master = wants_master_weights(args.precision)
-    opt = build_adamw([{"params": list(module.model.parameters())}], lr=1e-5, betas=(0.9, 0.999), master_weights=master)
+
+
+def _timed_steps(args, module, opt) -> tuple[list[float], list[float]]:
+    """Training steps on one random batch (a quarter prompt, the rest response); the seconds and loss of each
+    step after the warm-up ones."""
     ids = torch.randint(100, 1000, (args.batch, args.length), device=args.device)
     loss_mask = torch.zeros_like(ids)
-    loss_mask[:, args.length // 4 :] = 1  # a quarter prompt, the rest response
+    loss_mask[:, args.length // 4 :] = 1
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     times, losses = [], []
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -92,24 +118,16 @@ def one_run(args) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(out["loss"]))
-    if args.device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        import resource
+    return times, losses
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {
-        "precision": args.precision,
-        "objective": args.objective,
-        "attn": args.attn,
-        "optimizer": type(opt).__name__,
-        "median_s": statistics.median(times),
-        "min_s": min(times),
-        "max_s": max(times),
-        "peak_mb": peak,
-        "tokens_per_s": args.batch * args.length / statistics.median(times),
-        "last_loss": losses[-1],
-    }
+
+def _peak_mb(device: str) -> float:
+    """Peak memory in MB: CUDA's max allocated, or the process's max RSS on CPU (the row runs alone in it)."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def resolve_paths(text: str, device: str) -> list[str]:

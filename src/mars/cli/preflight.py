@@ -65,8 +65,8 @@ def check_sources(cfg: DictConfig | dict[str, Any]) -> None:
     """Refuse (``ConnectionError``, ``FileNotFoundError`` or ``ValueError``, naming the model and the ways out) a
     model of :func:`model_sources` that cannot be fetched: a hub id neither reachable nor cached, a folder that is
     no model folder; and a checkpoint whose stored calibration or draft acceptance table the loader would refuse
-    (:func:`mars.calibration_store.check_stored_records`)."""
-    from mars.calibration_store import check_stored_records
+    (:func:`mars.calibration.check_stored_records`)."""
+    from mars.calibration import check_stored_records
     from mars.metadata import read_metadata
     from mars.models import check_model_source
     from mars.paths import bundled_path

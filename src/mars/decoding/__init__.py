@@ -7,7 +7,7 @@ Entry point::
     result.texts[0], result.token_ids[0], result.stats.tokens_per_forward
 
 ``generate(model, tokenizer, prompts, *, stop=None, mask_token_id=None, chat_template=False,
-progress=False, settings=None, **decoding)``: ``decoding`` is any field of :class:`DecodingSettings`
+progress=False, settings=None, observers=(), **decoding)``: ``decoding`` is any field of :class:`DecodingSettings`
 (``block_size=4, threshold=1.0, metric="probability", max_new_tokens=256, cache="cursor", window=None,
 verify=False, draft_source="masks", lookup_ngram=3, ...``: each field's default and help are declared
 there, ``DecodingSettings.help()`` lists them), or ``settings=`` one such object, never both.
@@ -46,9 +46,9 @@ from .settings import CACHES, DECODERS, METRICS, DecodingSettings
 _LAZY = {
     "generate": ".api",
     "encode_prompts": ".api",
-    "check_prompts": ".api",
+    "check_prompts": ".prompt_check",
     "DecodeEngine": ".engine",
-    "StepEvent": ".engine",
+    "StepEvent": ".step",
     "Request": ".rows",
     "Finished": ".rows",
     "RaggedKVCache": ".kv",

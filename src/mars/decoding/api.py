@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +17,10 @@ from .acceptance import never_emitted
 from .baselines import generate_ar
 from .engine import DecodeEngine
 from .forward import ModelRunner
+from .prompt_check import check_prompts
 from .settings import DECODERS, DecodingSettings, reference_threshold
 from .stats import DecodeStats, GenerationResult, acceptance_figures, sum_by_position
+from .step import StepReport
 from .stopping import StopStrings, eos_token_ids, finalize_row
 
 __all__ = ["DECODERS", "encode_prompts", "generate", "check_prompts"]
@@ -27,7 +29,8 @@ __all__ = ["DECODERS", "encode_prompts", "generate", "check_prompts"]
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str] | Sequence[Sequence[int]], chat_template: bool
 ) -> list[list[int]]:
-    """Strings are tokenized (wrapped as one user turn with ``chat_template``); id lists pass through."""
+    """Strings are tokenized (wrapped as one user turn with ``chat_template``); id lists pass through (their
+    length and ids are checked against the model by :func:`~mars.decoding.prompt_check.check_prompts`)."""
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
     out: list[list[int]] = []
@@ -49,8 +52,6 @@ def encode_prompts(
             ids = [int(t) for t in p]
         else:
             raise ValueError(f"prompt {i} is neither a string nor a list of token ids: {type(p).__name__}")
-        if not ids:
-            raise ValueError(f"prompt {i} is empty after tokenization")
         out.append(ids)
     return out
 
@@ -58,30 +59,6 @@ def encode_prompts(
 def _is_token_id(value) -> bool:
     # bool is an int subclass: [True, 5] must not be read as the ids [1, 5]
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def check_prompts(ids: list[list[int]], vocab: int, context: int | None, max_new_tokens: int) -> None:
-    """Token ids inside the embedding matrix, and room in the context for prompt + budget, checked
-    before any forward (an id out of range is an IndexError on CPU and a device-side assert on GPU; a
-    position past the context is one the model never saw)."""
-    for i, row in enumerate(ids):
-        bad = next((t for t in row if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt {i} has token id {bad}, outside the model's vocabulary of {vocab} ids")
-    if context is None:
-        return
-    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    if len(ids[longest]) >= context:
-        raise ValueError(
-            f"prompt {longest} has {len(ids[longest])} tokens, longer than the model's context of "
-            f"{context} tokens (at least one position must remain for generation)"
-        )
-    if len(ids[longest]) + max_new_tokens > context:
-        raise ValueError(
-            f"prompt {longest} has {len(ids[longest])} tokens: with max_new_tokens={max_new_tokens} generation "
-            f"would reach position {len(ids[longest]) + max_new_tokens}, past the model's context of {context} "
-            f"tokens; shorten the prompt or lower max_new_tokens to {context - len(ids[longest])}"
-        )
 
 
 def generate(
@@ -94,6 +71,7 @@ def generate(
     chat_template: bool = False,
     progress: bool = False,
     settings: DecodingSettings | None = None,
+    observers: Sequence[Callable[[StepReport], None]] = (),
     **decoding: Any,
 ) -> GenerationResult:
     """Generate continuations of ``prompts``; see the package docstring for every argument.
@@ -108,11 +86,17 @@ def generate(
     exactly greedy AR at more than one token per forward.  ``decoder="ar"`` runs ``transformers``
     ``generate`` (KV cache, greedy) and ``decoder="jacobi"`` the training-free Jacobi iteration, all
     under the same stop rules and statistics.  ``full_window=True`` appends the masks even when no row
-    can accept them.
+    can accept them.  ``observers``: called after every engine step with its
+    :class:`~mars.decoding.step.StepReport` (:attr:`DecodeEngine.observers`; not with ``decoder="ar"``).
     """
     threshold = decoding.get("threshold", settings.threshold if settings is not None else 1.0)
     per_row = isinstance(threshold, (list, tuple))
     settings = _one_settings(settings, decoding, per_row)
+    if observers and settings.decoder == "ar":
+        raise ValueError(
+            "observers watch the engine's steps, and decoder='ar' runs transformers' generate without the engine; "
+            "pass decoder='mars' with threshold=1.0 for greedy AR in the engine"
+        )
     row_thresholds = threshold if per_row else settings.threshold
     ids, rows, mask_token_id, eos_ids, stops = _prepare(
         model, tokenizer, prompts, settings, row_thresholds, mask_token_id, chat_template, stop
@@ -121,7 +105,7 @@ def generate(
         raw, reasons, masks, stats = _run_ar(model, tokenizer, ids, settings, mask_token_id, eos_ids, stops)
     else:
         raw, reasons, masks, stats = _run_engine(
-            model, tokenizer, ids, rows, settings, mask_token_id, eos_ids, stops, progress
+            model, tokenizer, ids, rows, settings, mask_token_id, eos_ids, stops, progress, observers
         )
     return _result(raw, reasons, masks, stats, settings, eos_ids, stops, row_thresholds)
 
@@ -221,11 +205,14 @@ def _result(raw, reasons, masks, stats, s: DecodingSettings, eos_ids, stops, thr
     return GenerationResult(texts=texts, token_ids=token_ids, stats=stats, finish_reasons=finish, from_mask=from_mask)
 
 
-def _run_engine(model, tokenizer, ids, row_settings, s: DecodingSettings, mask_token_id, eos_ids, stops, progress):
+def _run_engine(
+    model, tokenizer, ids, row_settings, s: DecodingSettings, mask_token_id, eos_ids, stops, progress, observers
+):
     """Admit every prompt, step until all rows finished; raw ids, engine reasons and statistics."""
     runner = ModelRunner(model)
     mask = mask_token_id if mask_token_id is not None else eos_ids[0]
     engine = DecodeEngine(runner, s, mask, eos_ids, tokenizer)
+    engine.observers.extend(observers)
     start = time.perf_counter()
     requests = [engine.make_request(p, stop=stops, settings=r) for p, r in zip(ids, row_settings)]
     engine.admit(requests)

@@ -37,10 +37,39 @@ def generate_ar(
     warm_vector_math()  # as the MARS engine does: a process's first cos can round differently
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     input_ids, attention = _left_padded(prompts, pad_id)
-    width = input_ids.shape[1]
     config = _plain_generation_config(
         max_new_tokens, eos_ids, pad_id, stops, temperature, cache_implementation, suppress_ids
     )
+    out, seconds, first_token_seconds = _timed_generate(
+        model, input_ids, attention, config, device=device, tokenizer=tokenizer if stops else None
+    )
+    new = out[:, input_ids.shape[1] :].cpu()
+    raw = [row.tolist() for row in new]
+    stats = DecodeStats(
+        forwards=new.shape[1],  # one forward per generated step
+        generated_tokens=0,
+        seconds=seconds,
+        per_row_tokens=[],
+        per_row_forwards=[],
+        decoder="ar",
+        extra={"ar_cache": f"hf-{cache_implementation}"},
+        first_token_seconds=first_token_seconds,
+    )
+    return raw, stats
+
+
+def _timed_generate(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    config: GenerationConfig,
+    *,
+    device: torch.device,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> tuple[torch.Tensor, float, float | None]:
+    """``model.generate``'s output ids (prompt and new tokens), its wall-clock seconds (the device synchronised)
+    and the seconds to its first new token (``tokenizer`` serves ``config``'s stop strings).  The copy of the
+    inputs to ``device`` is timed too."""
     start = time.perf_counter()
     first_token = _FirstToken(start)
     # the same fast path and attention as the MARS engine, so that the baseline gets every speed-up
@@ -49,26 +78,12 @@ def generate_ar(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
             generation_config=config,
-            tokenizer=tokenizer if stops else None,
+            tokenizer=tokenizer,
             streamer=first_token,
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    new = out[:, width:].cpu()
-    steps = new.shape[1]
-    raw = [row.tolist() for row in new]
-    stats = DecodeStats(
-        forwards=steps,
-        generated_tokens=0,
-        seconds=seconds,
-        per_row_tokens=[],
-        per_row_forwards=[],
-        decoder="ar",
-        extra={"ar_cache": f"hf-{cache_implementation}"},
-        first_token_seconds=first_token.seconds,
-    )
-    return raw, stats
+    return out, time.perf_counter() - start, first_token.seconds
 
 
 class _FirstToken(BaseStreamer):

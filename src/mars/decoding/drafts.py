@@ -35,7 +35,7 @@ from .acceptance import gumbel_noise
 from .attention import mars_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
-from .rows import RowBatch
+from .rows import DraftProposal, RowBatch
 from .settings import DecodingSettings
 
 LogProbs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -47,10 +47,11 @@ class DraftSource:
     name = "masks"
     forwards = 0  # forwards of a draft model
 
-    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> None:
-        """Top up the drafts of the ``verifying`` rows (after those the masks carried over) to at most
-        ``room`` each, in ``rows.tensors`` (drafts, count, and for sampling rows their distributions) and
-        ``rows.host.draft_count``."""
+    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> DraftProposal | None:
+        """New drafts for the ``verifying`` rows, to follow those the masks carried over (``rows.host.drafts``,
+        ``draft_count``), at most ``room`` in all per row (the engine places them: :meth:`RowBatch.append_drafts`);
+        None for none."""
+        return None
 
     def advance(self, right_until: np.ndarray) -> None:
         """After a step's acceptance: every row's text is right up to ``right_until`` (before the step's
@@ -83,27 +84,27 @@ class PromptLookup(DraftSource):
         """The request's own n-gram size (a per-request setting), else the source's."""
         return request.settings.lookup_ngram if request.settings is not None else self.ngram
 
-    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> None:
+    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> DraftProposal | None:
         host, records = rows.host, rows.records
-        found_any = []
+        need = np.zeros(len(rows), dtype=np.int64)
+        found_by_row = {}
         for i in np.flatnonzero(verifying & (room > host.draft_count)):
             carried = int(host.draft_count[i])
             text = [records.requests[i].prompt_ids, records.outputs[i], host.drafts[i, :carried]]
             context = np.concatenate([np.asarray(part, dtype=np.int64) for part in text])
             found = lookup_continuation(context, self._ngram(records.requests[i]), int(room[i]) - carried)
             if len(found):
-                host.drafts[i, carried : carried + len(found)] = found
-                host.draft_count[i] = carried + len(found)
-                found_any.append((i, carried, found))
-        if not found_any:
-            return
-        rows.tensors.drafts = torch.tensor(host.drafts, dtype=torch.long, device=rows.device)
-        rows.tensors.draft_count = torch.tensor(host.draft_count, dtype=torch.long, device=rows.device)
+                need[i], found_by_row[i] = len(found), found
+        if not found_by_row:
+            return None
+        tokens = np.zeros((len(rows), int(need.max())), dtype=np.int64)
+        for i, found in found_by_row.items():
+            tokens[i, : len(found)] = found
+        tokens = torch.as_tensor(tokens, device=rows.device)
         log_q = rows.tensors.draft_log_q
         if log_q is not None:  # a copied draft is certain: its q is one-hot
-            for i, start, found in found_any:
-                found = torch.as_tensor(found, device=rows.device)
-                log_q[i, start : start + len(found)] = one_hot_log_q(found, log_q.shape[-1])
+            log_q = one_hot_log_q(tokens, log_q.shape[-1])
+        return DraftProposal(need, tokens, log_q)
 
 
 def one_hot_log_q(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -174,11 +175,10 @@ class DraftModel(DraftSource):
             self.cached = np.minimum(self.fed_until, right_until)
             self.fed_until = None
 
-    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> None:
-        carried = rows.host.draft_count
-        need = np.where(verifying, np.maximum(room - carried, 0), 0)
+    def propose(self, rows: RowBatch, verifying: np.ndarray, room: np.ndarray) -> DraftProposal | None:
+        need = np.where(verifying, np.maximum(room - rows.host.draft_count, 0), 0)
         if not need.any():
-            return
+            return None
         drafted = []
         with mars_attention(self.runner.model):
             logits, next_position = self._catch_up(rows, need)
@@ -187,7 +187,9 @@ class DraftModel(DraftSource):
                     logits = self._extend_drafts(drafted[-1][0], next_position + step - 1, need > step)
                 drafted.append(self._choose(rows, logits, need > step))
         self.fed_until = np.where(need > 0, next_position + need - 1, self.cached)
-        self._write(rows, carried, need, drafted)
+        tokens = torch.stack([token for token, _ in drafted], dim=1)
+        log_q = None if drafted[0][1] is None else torch.stack([q for _, q in drafted], dim=1)
+        return DraftProposal(need, tokens, log_q)
 
     def _catch_up(self, rows: RowBatch, need: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """One forward over each drafting row's accepted tokens its cache lacks, then its carried drafts;
@@ -238,24 +240,6 @@ class DraftModel(DraftSource):
         logp, sampled = self.log_probs(logits, rows.tensors.temperature)
         token = draw(logp, sampled, rows.row_generators(), drafting)
         return token, (logp if rows.tensors.draft_log_q is not None else None)
-
-    def _write(self, rows: RowBatch, carried: np.ndarray, need: np.ndarray, drafted: list) -> None:
-        """Place the new drafts after the carried ones (device) and count them (device and host)."""
-        tensors, dev = rows.tensors, rows.device
-        new = torch.stack([token for token, _ in drafted], dim=1)
-        steps = np.arange(new.shape[1])
-        slots = np.where(steps[None, :] < need[:, None], carried[:, None] + steps[None, :], rows.max_drafts)
-        padded = torch.cat([tensors.drafts, tensors.drafts[:, :1]], dim=1)  # the last column takes the unused
-        tensors.drafts = padded.scatter_(1, torch.as_tensor(slots, device=dev), new)[:, : rows.max_drafts]
-        rows.host.draft_count = carried + need
-        tensors.draft_count = torch.tensor(rows.host.draft_count, dtype=torch.long, device=dev)
-        if tensors.draft_log_q is None:
-            return
-        for i in np.flatnonzero(need > 0):
-            if rows.records.generators[i] is not None:
-                start = int(carried[i])
-                for step in range(int(need[i])):
-                    tensors.draft_log_q[i, start + step] = drafted[step][1][i]
 
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {"self:N": its first N layers}

@@ -115,6 +115,12 @@ class ModelRunner:
             picked = hidden.gather(1, columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
             with only_columns(live_columns), step_width(head_width):
                 return linear(picked, self.head.weight, self.head.bias)
+        return self._module_logits(kwargs, columns, fast, live, live_columns, width, head_width, queries)
+
+    def _module_logits(self, kwargs, columns, fast, live, live_columns, width, head_width, queries) -> torch.Tensor:
+        """:meth:`logits_at` through the model's own modules, called with ``kwargs`` (their linear layers on the
+        fast path's kernel while ``fast``): the base model and the head at ``columns`` only, where the head is a
+        plain linear layer; else the whole model, its logits gathered at ``columns``."""
         with fast_linear(self.model, fast) as fast:
             if not fast:
                 live = live_columns = None

@@ -61,6 +61,17 @@ class Finished:
 
 
 @dataclass
+class DraftProposal:
+    """New drafts a draft source proposes for a step, to follow each row's carried ones: ``need[i]`` for row ``i``
+    (``tokens[i, :need[i]]``, ``[rows, steps]`` on the rows' device) and, once a row samples (``draft_log_q``), the
+    distributions they were drawn from (``log_q``: ``[rows, steps, vocab]``)."""
+
+    need: np.ndarray
+    tokens: torch.Tensor
+    log_q: torch.Tensor | None = None
+
+
+@dataclass
 class RowTensors:
     """Per-row state on the model's device, one entry (first axis) per row."""
 
@@ -184,9 +195,23 @@ class RowBatch:
 
     def _new_rows(self, requests: list[Request], caps: list[int]) -> tuple[RowTensors, RowMirrors, RowRecords]:
         """The three groups for fresh rows (nothing accepted, nothing cached, no drafts)."""
-        dev, count = self.device, len(requests)
         prompt_length = np.array([len(r.prompt_ids) for r in requests], dtype=np.int64)
         end = prompt_length + np.array([r.max_new_tokens for r in requests], dtype=np.int64)
+        tensors = self._new_tensors(requests, caps, prompt_length, end)
+        host = self._new_mirrors(requests, caps, prompt_length, end)
+        records = RowRecords(
+            requests=list(requests),
+            generators=[_generator(r.seed, self.device) if r.temperature > 0 else None for r in requests],
+            outputs=[[] for _ in requests],
+            from_mask=[[] for _ in requests],
+        )
+        return tensors, host, records
+
+    def _new_tensors(
+        self, requests: list[Request], caps: list[int], prompt_length: np.ndarray, end: np.ndarray
+    ) -> RowTensors:
+        """Fresh rows' device state: the prompts followed by mask tokens, no drafts, Jacobi's first guesses."""
+        dev, count = self.device, len(requests)
         zeros = np.zeros(count, dtype=np.int64)
         tokens = torch.full((count, self.width), self.mask_id, dtype=torch.long, device=dev)
         for i, r in enumerate(requests):
@@ -197,7 +222,7 @@ class RowBatch:
         def on_device(values, dtype: torch.dtype) -> torch.Tensor:
             return torch.as_tensor(np.asarray(values), dtype=dtype, device=dev)
 
-        tensors = RowTensors(
+        return RowTensors(
             tokens=tokens,
             length=on_device(prompt_length, torch.long),
             cached=on_device(zeros, torch.long),
@@ -211,7 +236,14 @@ class RowBatch:
             guesses=last_prompt_token.expand(-1, self.guess_slots),  # Jacobi's first guesses: the last prompt token
             draft_log_q=None,
         )
-        host = RowMirrors(
+
+    def _new_mirrors(
+        self, requests: list[Request], caps: list[int], prompt_length: np.ndarray, end: np.ndarray
+    ) -> RowMirrors:
+        """Fresh rows' host mirrors: their lengths, caps and modes, and zero counters."""
+        count = len(requests)
+        zeros = np.zeros(count, dtype=np.int64)
+        return RowMirrors(
             length=prompt_length.copy(),
             cached=zeros.copy(),
             prompt_length=prompt_length,
@@ -226,13 +258,6 @@ class RowBatch:
             accepted=np.zeros((count, self.max_drafts), dtype=np.int64),
             draft_steps=zeros.copy(),
         )
-        records = RowRecords(
-            requests=list(requests),
-            generators=[_generator(r.seed, dev) if r.temperature > 0 else None for r in requests],
-            outputs=[[] for _ in requests],
-            from_mask=[[] for _ in requests],
-        )
-        return tensors, host, records
 
     def extend(self, other: RowBatch) -> None:
         """Append ``other``'s rows (a prefilled group joining the running batch)."""
@@ -272,9 +297,58 @@ class RowBatch:
             shape = (len(self), depth, width)
             self.tensors.candidates = torch.full(shape, self.mask_id, dtype=torch.long, device=self.device)
 
+    def append_drafts(self, proposal: DraftProposal | None) -> None:
+        """Place a draft source's new drafts after each row's carried ones (device and host) and count them, with
+        the distributions they came from once a row samples (``draft_log_q``)."""
+        if proposal is None:
+            return
+        tensors, host, need = self.tensors, self.host, proposal.need
+        carried = host.draft_count
+        steps = np.arange(proposal.tokens.shape[1])
+        slots = np.where(steps[None, :] < need[:, None], carried[:, None] + steps[None, :], self.max_drafts)
+        padded = torch.cat([tensors.drafts, tensors.drafts[:, :1]], dim=1)  # the last column takes the unused
+        slots_device = torch.as_tensor(slots, device=self.device)
+        tensors.drafts = padded.scatter_(1, slots_device, proposal.tokens)[:, : self.max_drafts]
+        host.drafts = tensors.drafts.cpu().numpy().copy()
+        host.draft_count = carried + need
+        tensors.draft_count = torch.tensor(host.draft_count, dtype=torch.long, device=self.device)
+        if tensors.draft_log_q is None or proposal.log_q is None:
+            return
+        for i in np.flatnonzero(need > 0):
+            start = int(carried[i])
+            tensors.draft_log_q[i, start : start + int(need[i])] = proposal.log_q[i, : int(need[i])]
+
     # ------------------------------------------------------------------ reading out
     def generated(self, i: int) -> list[int]:
         return self.tensors.tokens[i, self.host.prompt_length[i] : self.host.length[i]].tolist()
+
+    def cut_at_stop(self, i: int, new: list[int]) -> tuple[list[int], str | None]:
+        """Row ``i``'s new tokens cut at a stop string, and ``stop`` (or ``error``) when it ends there."""
+        outputs = self.records.outputs[i]
+        reason = "stop"
+        try:
+            keep = self.records.requests[i].stops.completion_index(outputs + new, len(new))
+        except Exception:  # a request's own failure must not stop the others
+            keep, reason = 0, "error"
+        if keep is None:
+            return new, None
+        new = new[: max(keep - len(outputs), 0)]
+        self.host.length[i] = self.host.prompt_length[i] + len(outputs) + len(new)
+        return new, reason
+
+    def finished(self, i: int, reason: str) -> Finished:
+        """Row ``i``'s record as it leaves for ``reason``: its output, forwards and draft counts."""
+        host, records = self.host, self.records
+        return Finished(
+            records.requests[i],
+            list(records.outputs[i]),
+            int(host.forwards[i]),
+            reason,
+            host.proposed[i].tolist(),
+            host.accepted[i].tolist(),
+            list(records.from_mask[i]),
+            int(host.draft_steps[i]),
+        )
 
     def row_generators(self) -> list[torch.Generator | None] | None:
         return self.records.generators if self.sampling else None

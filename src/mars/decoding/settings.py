@@ -256,11 +256,26 @@ class DecodingSettings:
     )
 
     def __post_init__(self) -> None:
+        # each check validates (and normalises) its own fields; their order is the order errors are reported in
+        self._check_decoder()
+        self._check_limits()
+        self._check_sampling()
+        self._check_window()
+        self._check_modes()
+        self._check_drafts()
+        self._check_draft_source()
+        self._check_tree()
+        if self.verify:
+            self._check_verify()
+
+    def _check_decoder(self) -> None:
         if self.decoder not in DECODERS:
             raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {list(DECODERS)}")
         validate_metric(self.metric)
         if self.cache not in CACHES:
             raise ValueError(f"unknown cache strategy {self.cache!r}; choose one of {list(CACHES)}")
+
+    def _check_limits(self) -> None:
         for name in ("block_size", "max_new_tokens", "cache_block", "lookup_ngram"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -270,12 +285,16 @@ class DecodingSettings:
             raise ValueError(f"max_accept must be None or an integer >= 1, got {self.max_accept!r}")
         if self.max_step_columns is not None and (not _is_int(self.max_step_columns) or self.max_step_columns < 1):
             raise ValueError(f"max_step_columns must be None or an integer >= 1, got {self.max_step_columns!r}")
+
+    def _check_sampling(self) -> None:
         temp = self.temperature
         if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not temp >= 0 or math.isinf(temp):
             raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")
         object.__setattr__(self, "temperature", float(temp))
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+
+    def _check_window(self) -> None:
         if self.window == "cache_block":
             if self.cache != "block":
                 raise ValueError("window='cache_block' (masks fill the rest of the cache block) needs cache='block'")
@@ -283,6 +302,8 @@ class DecodingSettings:
             raise ValueError(
                 f"window must be an integer >= 1, None (= block_size) or 'cache_block', got {self.window!r}"
             )
+
+    def _check_modes(self) -> None:
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be true or false, got {self.verify!r}")
         if self.ar_cache not in AR_CACHES:
@@ -291,6 +312,8 @@ class DecodingSettings:
             raise ValueError(f"unknown fallback {self.fallback!r}; choose one of {list(FALLBACKS)}")
         if self.chain_drafts not in CHAINING:
             raise ValueError(f"unknown chain_drafts {self.chain_drafts!r}; choose one of {list(CHAINING)}")
+
+    def _check_drafts(self) -> None:
         dt = self.draft_threshold
         if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not 0 <= dt <= 1:
             raise ValueError(f"draft_threshold must be a number in [0, 1], got {dt!r}")
@@ -305,10 +328,6 @@ class DecodingSettings:
             raise ValueError(f"verify_masks must be an integer >= 1 or one of {list(VERIFY_MASKS)}, got {vm!r}")
         if self.draft_length is not None and (not _is_int(self.draft_length) or self.draft_length < 1):
             raise ValueError(f"draft_length must be None or an integer >= 1, got {self.draft_length!r}")
-        self._check_draft_source()
-        self._check_tree()
-        if self.verify:
-            self._check_verify()
 
     def _check_draft_source(self) -> None:
         if self.draft_source not in DRAFT_SOURCES:

@@ -4,10 +4,11 @@ Chen et al. 2024, over Medusa-style product trees).
 Expected tokens of a step with ``k_d`` candidates at depth ``d``: ``1 + sum_d prod_{i<=d} a_i(k_i)``, where
 ``a_i(k)`` is the chance that the greedy token at depth ``i`` is among the top ``k`` candidates of the i-th mask
 given that every earlier depth's was (the checkpoint's acceptance per depth and rank: ``draft_acceptance`` in its
-``mars_config.json``, measured by teacher forcing on held-out prompts, or :data:`PRIOR`).  Cost of the step: the
-forward's time at its width (the root plus the template's columns, :func:`mars.decoding.tree.columns_of`), measured
-once per model and device on the model itself, relative to one column.  On a CPU, where every column costs, this
-picks a small tree; on a GPU, where a step's extra columns are nearly free, a wide one.
+``mars_config.json``, measured by teacher forcing on held-out prompts (:mod:`mars.calibration`), or :data:`PRIOR`).
+Cost of the step: the forward's time at its width (the root plus the template's columns,
+:func:`mars.decoding.tree.columns_of`), measured once per model and device on the model itself, relative to one
+column.  On a CPU, where every column costs, this picks a small tree; on a GPU, where a step's extra columns are
+nearly free, a wide one.
 
 Only shapes that fit the engine's column cap (``max_step_columns``, one row's root and template) compete.  The
 timing is made robust to a shared machine: every width is timed over several interleaved rounds and its fastest run
@@ -28,6 +29,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from mars.calibration import ACCEPTANCE_RANKS, stored_acceptance_table
+
 from .attention import mars_attention
 from .forward import ModelRunner
 from .kv import RaggedKVCache
@@ -44,7 +47,7 @@ PRIOR: tuple[tuple[float, ...], ...] = (
     (0.45, 0.52, 0.56, 0.58),
     (0.40, 0.46, 0.50, 0.52),
 )
-MAX_CANDIDATES = 4  # per depth
+MAX_CANDIDATES = ACCEPTANCE_RANKS  # per depth: the ranks a checkpoint's acceptance table measures
 MAX_COLUMNS = MAX_TREE_COLUMNS  # a step's columns after the root: beyond, the tree's columns outgrow any gain
 # widths at which a step is timed; the cost between them is interpolated (a step's cost is close to linear between)
 COST_GRID = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -117,7 +120,7 @@ def smaller_shapes(
 
 def acceptance_of(model) -> list[list[float]]:
     """The acceptance per depth and rank ``model`` was measured with (``mars_draft_acceptance``), else :data:`PRIOR`."""
-    return table_from(getattr(model, "mars_draft_acceptance", None)) or [list(row) for row in PRIOR]
+    return stored_acceptance_table(getattr(model, "mars_draft_acceptance", None)) or [list(row) for row in PRIOR]
 
 
 def non_decreasing(costs: dict[int, float]) -> dict[int, float]:
@@ -128,37 +131,6 @@ def non_decreasing(costs: dict[int, float]) -> dict[int, float]:
         highest = max(highest, costs[width])
         out[width] = highest
     return out
-
-
-def acceptance_table(ranks: np.ndarray, width: int = MAX_CANDIDATES) -> list[list[float]]:
-    """``a_d(k)`` from teacher-forced steps: ``ranks`` ``[steps, depths]``, the rank of the model's greedy token in
-    each mask's distribution (0: its argmax; -1 where the step has no such mask).  ``a_d(k)`` is the share of steps
-    whose depth-d rank is below k among those whose earlier depths' ranks all are (the chance a tree with k
-    candidates at every depth so far still holds the greedy path at depth d); 0 where no step qualifies."""
-    table = []
-    for depth in range(ranks.shape[1]):
-        row = []
-        for k in range(1, width + 1):
-            inside = ranks[:, : depth + 1] >= 0
-            held = ((ranks[:, :depth] < k) & inside[:, :depth]).all(axis=1) & inside[:, depth]
-            hit = held & (ranks[:, depth] < k)
-            row.append(round(float(hit.sum() / held.sum()), 4) if held.any() else 0.0)
-        table.append(row)
-    return table
-
-
-def table_from(meta) -> list[list[float]] | None:
-    """A checkpoint's measured acceptance per depth and rank (``draft_acceptance.conditional``), from its metadata or
-    the stored ``draft_acceptance`` object itself; None without one.  A malformed table is refused
-    (:func:`mars.calibration_store.check_acceptance_rows`), never replaced by the prior."""
-    from mars.calibration_store import check_acceptance_rows
-
-    table = meta.get("draft_acceptance", meta) if isinstance(meta, dict) else getattr(meta, "draft_acceptance", None)
-    if isinstance(table, dict):
-        table = table.get("conditional")
-    if table is None:
-        return None
-    return [list(row) for row in check_acceptance_rows(table)]
 
 
 def step_costs(runner: ModelRunner, mask_id: int, widths: Sequence[int], context: int = 128, rounds: int = 5) -> dict:
@@ -231,7 +203,7 @@ def auto_shape(
 def _auto_shape(
     runner: ModelRunner, mask_id: int, max_depth: int, masks: str, max_columns: int | None
 ) -> tuple[int, ...] | None:
-    measured = table_from(getattr(runner.model, "mars_draft_acceptance", None))
+    measured = stored_acceptance_table(getattr(runner.model, "mars_draft_acceptance", None))
     acceptance = measured or PRIOR
     fitting = [
         s for s in candidate_shapes(max_depth, masks) if max_columns is None or columns_of(s, masks) <= max_columns

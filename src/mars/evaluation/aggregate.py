@@ -239,24 +239,14 @@ def _entry_point(
     summaries = [store.read_summary(threshold, leaf) for leaf in spec.leaves]
     totals = _decoder_totals(summaries)
     rows = samples.rows(threshold, spec.leaves) or {}
-    ref_rows = samples.rows(reference, spec.leaves)
+    pairs = _pairs(rows, samples.rows(reference, spec.leaves))
     scores = samples.scores(threshold, spec.leaves, kind, reference)
     ref_scores = samples.scores(reference, spec.leaves, kind, reference)
     acc = _accuracy(kind, threshold, reference, scores, summaries, totals["n"])
     delta = _paired(scores, ref_scores) if threshold != reference else stats.Estimate(0.0, 0.0, 0.0, len(rows))
-    counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
-    tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
-    pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
+    counted, tpf = _counted_rows(rows)
     point: dict[str, Any] = {
-        "label": plan.curve_label,
-        "model": plan.model_label,
-        "block_size": plan.block_size,
-        "threshold": threshold,
-        "mode": THRESHOLD,
-        "task": spec.label,
-        "lm_eval_task": spec.name,
-        "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
-        "score": kind,
+        **_entry_identity(plan, spec, plan.curve_label, threshold, THRESHOLD, kind, reference, summaries),
         **acc.fields("accuracy"),
         "accuracy_interval": acc.method,  # Wilson | bootstrap | none (the reference against itself)
         "accuracy_delta": None,
@@ -269,8 +259,7 @@ def _entry_point(
         "verify_lossless": plan.verify_lossless(threshold),
     }
     point.update(_agreement_fields(pairs, threshold == reference))
-    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
-    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+    point["fidelity_tokens"] = _fidelity_tokens(rows)
 
     compares, compared_scores = _compare_entry(others, threshold, spec.leaves, kind, reference, scores)
     point["compare"] = compares
@@ -292,32 +281,23 @@ def _verify_entry(
     totals = _decoder_totals(summaries)
     rows = samples.rows(VERIFY, spec.leaves) or {}
     ref_rows = samples.rows(reference, spec.leaves) if ref_point is not None else None
-    pairs = [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
+    pairs = _pairs(rows, ref_rows)
     same = sum(_same_output(a, b) for a, b in pairs)
     identical = (len(pairs) == len(rows) and same == len(rows)) if ref_rows else None
     scores = samples.scores(VERIFY, spec.leaves, kind, reference)
     ref_all = samples.scores(reference, spec.leaves, kind, reference) if ref_rows else None
     ref_scores = {k: ref_all[k] for k in scores or {} if k in ref_all} if ref_all is not None else None
-    if identical:  # lossless: every document's output, hence its score, is the reference's
-        keys = ("accuracy", "accuracy_lo", "accuracy_hi", "accuracy_interval")
-        acc_fields, delta = {k: ref_point.get(k) for k in keys}, stats.Estimate(0.0, 0.0, 0.0, len(rows))
+    if identical:
+        acc_fields, delta = _reference_accuracy(ref_point), stats.Estimate(0.0, 0.0, 0.0, len(rows))
     else:
         acc = _accuracy(kind, VERIFY, reference, scores, summaries, totals["n"])
         acc_fields = {**acc.fields("accuracy"), "accuracy_interval": acc.method}
         delta = _paired(scores, ref_scores)
-    counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
-    tpf = stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
+    counted, tpf = _counted_rows(rows)
     ar_tokens, ar_seconds, basis = _reference_time(pairs, ref_point)
+    label = plan.verify_label(str(recorded.get("config") or "mars_verified"))
     point: dict[str, Any] = {
-        "label": plan.verify_label(str(recorded.get("config") or "mars_verified")),
-        "model": plan.model_label,
-        "block_size": plan.block_size,
-        "threshold": reference,
-        "mode": VERIFY_MODE,
-        "task": spec.label,
-        "lm_eval_task": spec.name,
-        "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
-        "score": kind,
+        **_entry_identity(plan, spec, label, reference, VERIFY_MODE, kind, reference, summaries),
         **acc_fields,
         "accuracy_from": "reference" if identical else "samples",
         "accuracy_delta": delta.value,
@@ -327,20 +307,70 @@ def _verify_entry(
         **_speed_fields(totals, tpf),
         "machine": machine_label(summaries),
         "is_reference": False,
-        "verify_lossless": is_lossless_verify(dict(recorded.get("settings") or {}), reference),
-        "outputs_identical": identical,
-        "n_identical": same if ref_rows else None,
-        "verify_config": recorded.get("config"),
-        "verify_limit": recorded.get("limit"),
+        **_verify_fields(recorded, reference, identical, same if ref_rows else None),
     }
     _add_verify_speedup(point, ar_tokens, ar_seconds, basis, ref_point)
     point.update(_agreement_fields(pairs, False))
-    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
-    point["fidelity_tokens"] = sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+    point["fidelity_tokens"] = _fidelity_tokens(rows)
     point["compare"] = []
     _flatten_compare(point)
     extras = {"scores": scores, "ref_scores": ref_scores, "counted": counted, "pairs": pairs, "compare": []}
     return point, {**extras, "ar_tokens": ar_tokens, "ar_seconds": ar_seconds, "basis": basis}
+
+
+# The fields and row selections the threshold and the verify points share, each built in one place so the two
+# kinds of point keep the same keys and meanings.
+
+
+def _entry_identity(
+    plan: Plan, spec, label: str, threshold: float, mode: str, kind: str, reference: float, summaries
+) -> dict[str, Any]:
+    """The fields naming a point: its curve, model, threshold, mode, task and how the task is scored."""
+    return {
+        "label": label,
+        "model": plan.model_label,
+        "block_size": plan.block_size,
+        "threshold": threshold,
+        "mode": mode,
+        "task": spec.label,
+        "lm_eval_task": spec.name,
+        "metric": summaries[0]["metric"] if kind == "metric" else f"{kind} vs τ={reference:g} output",
+        "score": kind,
+    }
+
+
+def _pairs(rows: dict, ref_rows: dict | None) -> list[tuple[dict, dict]]:
+    """Each document's row with the reference point's row of the same document (none without the reference)."""
+    return [] if ref_rows is None else [(r, ref_rows[k]) for k, r in rows.items() if k in ref_rows]
+
+
+def _counted_rows(rows: dict) -> tuple[list[dict], stats.Estimate]:
+    """The rows that record their tokens and forwards, and tokens per forward over them with its interval."""
+    counted = [r for r in rows.values() if r.get("tokens") is not None and r.get("forwards") is not None]
+    return counted, stats.ratio_interval([r["tokens"] for r in counted], [r["forwards"] for r in counted])
+
+
+def _fidelity_tokens(rows: dict) -> int | None:
+    """The mask-accepted tokens the rows' fidelity records cover (None where no row has one)."""
+    fid = [r.get("fidelity") for r in rows.values() if isinstance(r.get("fidelity"), Mapping)]
+    return sum(int(f.get("mask_tokens", 0)) for f in fid) if fid else None
+
+
+def _reference_accuracy(ref_point: dict[str, Any]) -> dict[str, Any]:
+    """A lossless verify point's accuracy: every document's output, hence its score, is the reference's."""
+    return {k: ref_point.get(k) for k in ("accuracy", "accuracy_lo", "accuracy_hi", "accuracy_interval")}
+
+
+def _verify_fields(recorded: dict, reference: float, identical: bool | None, n_identical: int | None) -> dict:
+    """What only a verify point records: its settings' losslessness, the outputs' identity to the reference's,
+    and the config and limit it was decoded with."""
+    return {
+        "verify_lossless": is_lossless_verify(dict(recorded.get("settings") or {}), reference),
+        "outputs_identical": identical,
+        "n_identical": n_identical,
+        "verify_config": recorded.get("config"),
+        "verify_limit": recorded.get("limit"),
+    }
 
 
 def _same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ Everything here is a pure function of plain lists (no files, no model):
 - :func:`agreement_figures`: for documents paired with their reference output, exact agreement,
   chrF, token F1 and the per-token fidelity recorded by the decoder (the share of mask-accepted tokens
   that equal the model's own greedy AR choice given the output's own prefix; see
-  :mod:`mars.decoding.fidelity`), each with its interval.
+  :mod:`mars.evaluation.fidelity`), each with its interval.
 
 Every bootstrap is seeded (same data, same interval) and uses ``ITERATIONS`` resamples; percentile
 intervals at ``CONFIDENCE``.  An interval of identical paired values has zero width.

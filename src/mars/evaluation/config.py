@@ -514,45 +514,23 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
     as ``check_results_dir``) checks that tasks running model-written code can run here (a sandbox, or the
     explicit opt-in), so a plan-only check of configs does not depend on this machine."""
     from mars.evaluation.store import ResultsDir
-    from mars.evaluation.tasks import check_code_execution, expand_suite, resolve_path, suite_from_config, task_manager
 
     resolved = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     resolved.pop("hydra", None)
     resolved["checkpoint"] = bundled_path(resolved.get("checkpoint"))
     checked = check_config(resolved)
-    from mars.evaluation.tasks import score_kinds
-
-    score_kinds(resolved.get("benchmarks"))  # a bad `score:` fails now, not after the model ran
-    suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
-    manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
-    expand_suite(suite, manager)
-    if check_results_dir if check_sandbox is None else check_sandbox:
-        check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
-    block = checked.block_size
+    suite, manager = _checked_suite(resolved, check_results_dir if check_sandbox is None else check_sandbox)
     label = model_label(resolved)
     if resolved.get("checkpoint"):
         label = meaningful_label(label, checked.checkpoint_meta)
-    out = resolved.get("output_dir") or "outputs/eval/" + run_name(
-        label,
-        None,
-        block,
-        suite.name,
-        checked.decoding.get("name"),
-        resolved.get("limit"),
-        checked.decoding.get("max_new_tokens"),
-    )
-    output_dir = Path(out).expanduser()
-    fingerprint = fingerprint_of(resolved, block, suite)
+    output_dir = _output_dir(resolved, label, checked, suite.name)
+    fingerprint = fingerprint_of(resolved, checked.block_size, suite)
     if check_results_dir and not resolved.get("overwrite"):  # overwrite=true: run() clears the folder first
         ResultsDir(output_dir).check_compatible(fingerprint)
-    compare = [resolve_path(p) for p in (resolved.get("compare") or [])]
-    for p in compare:
-        if not (p / "points.json").is_file():
-            raise FileNotFoundError(f"compare: {p} holds no points.json (run evaluate.py there first)")
     return Plan(
         thresholds=checked.thresholds,
         reference_added=checked.reference_added,
-        block_size=block,
+        block_size=checked.block_size,
         model_label=label,
         output_dir=output_dir,
         suite=suite,
@@ -560,7 +538,46 @@ def prepare(cfg: DictConfig | dict, check_results_dir: bool = True, check_sandbo
         fingerprint=fingerprint,
         resolved=resolved,
         checkpoint_meta=checked.checkpoint_meta,
-        compare=compare,
+        compare=_compare_folders(resolved),
         task_manager=manager,
         verify=checked.verify,
     )
+
+
+def _checked_suite(resolved: dict[str, Any], check_sandbox: bool):
+    """The benchmark suite with its groups expanded to leaf tasks, and the task index that expanded it; a bad
+    ``score:`` or (with ``check_sandbox``) code tasks that cannot run here fail now, before any model runs."""
+    from mars.evaluation.tasks import check_code_execution, expand_suite, score_kinds, suite_from_config, task_manager
+
+    score_kinds(resolved.get("benchmarks"))
+    suite = suite_from_config(dict(resolved.get("benchmarks") or {}))
+    manager = task_manager(suite)  # indexing the built-in tasks takes ~10 s: do it once per run
+    expand_suite(suite, manager)
+    if check_sandbox:
+        check_code_execution(suite, manager)  # model-written code runs sandboxed, or not at all
+    return suite, manager
+
+
+def _output_dir(resolved: dict[str, Any], label: str, checked: CheckedConfig, suite_name: str) -> Path:
+    """The results folder: ``output_dir``, else one under outputs/eval/ named after the model and the run."""
+    out = resolved.get("output_dir") or "outputs/eval/" + run_name(
+        label,
+        None,
+        checked.block_size,
+        suite_name,
+        checked.decoding.get("name"),
+        resolved.get("limit"),
+        checked.decoding.get("max_new_tokens"),
+    )
+    return Path(out).expanduser()
+
+
+def _compare_folders(resolved: dict[str, Any]) -> list[Path]:
+    """The results folders named in ``compare``, each holding the points.json the comparison reads."""
+    from mars.evaluation.tasks import resolve_path
+
+    compare = [resolve_path(p) for p in (resolved.get("compare") or [])]
+    for p in compare:
+        if not (p / "points.json").is_file():
+            raise FileNotFoundError(f"compare: {p} holds no points.json (run evaluate.py there first)")
+    return compare

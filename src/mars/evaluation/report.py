@@ -111,55 +111,81 @@ def _sample_counts(points: list[dict[str, Any]], columns: list[str], verify: boo
 def _preamble(plan: Plan, points: list[dict[str, Any]], metric: str, ref: str) -> list[str]:
     """The title, what was evaluated and how, what each row means, and which columns are scored against
     the reference output instead of a gold answer."""
-    res = plan.resolved
-    dec = plan.decoding
-    source = f"checkpoint `{res['checkpoint']}`" if res.get("checkpoint") else f"model `{res['model']['name_or_path']}`"
-    similarity_cols = sorted({p["task"] for p in points if p.get("score") not in (None, "metric")})
     lines = [
         f"# MARS evaluation — {plan.curve_label}",
         "",
+        _setup_line(plan, metric),
+        "",
+        _legend(plan, metric, ref),
+        "",
+        f"Timed on: {_machines(points)}.",
+    ]
+    lines += _typical_reference_note(plan.decoding, ref)
+    lines += _similarity_note(points, ref)
+    if plan.reference_added:
+        lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
+    lines += _verify_note([p for p in points if is_verify(p)], ref)
+    return lines
+
+
+def _setup_line(plan: Plan, metric: str) -> str:
+    """What was evaluated and how: the model or checkpoint, the decoding, the suite, dtype and limit."""
+    res, dec = plan.resolved, plan.decoding
+    source = f"checkpoint `{res['checkpoint']}`" if res.get("checkpoint") else f"model `{res['model']['name_or_path']}`"
+    return (
         f"{source}; block size {plan.block_size}; acceptance metric `{metric}`; cache `{dec.get('cache')}`; "
         f"max {dec.get('max_new_tokens')} new tokens; greedy; suite `{plan.suite.name}` "
         f"({'chat template' if plan.suite.apply_chat_template else 'no chat template'})"
         + (f"; dtype `{res['dtype']}`" if res.get("dtype") else "")
         + (f"; limit {res['limit']} samples per task" if res.get("limit") else "")
-        + ".",
-        "",
+        + "."
+    )
+
+
+def _legend(plan: Plan, metric: str, ref: str) -> str:
+    """What the reference row and each figure of the table mean."""
+    return (
         f"τ = {ref} is plain greedy AR decoding: the reference point. *acc* = accuracy in %, its change from "
         f"τ = {ref} in brackets; *95% CI* = interval of the accuracy (Wilson for right/wrong scores, else "
         f"bootstrap) and, as Δ, of its change from τ = {ref} (paired bootstrap over the same documents); "
         f"*tok/fwd* = generated tokens accepted per forward pass over all steps, with its bootstrap interval "
         f"over requests; *speed-up* = generated tokens per second over the τ = {ref} point's of the same task, "
-        f"{_speedup_reference(plan, reference_threshold(metric), ref)}, the decoder's wall clock (a busy machine moves it; – where the two points "
-        "ran on different machines); *accept. len* (verify only) = vLLM's mean acceptance length, 1 + drafts "
-        'accepted per draft step (docs/decoding.md, "Acceptance figures"); *agree* = share of outputs whose text is '
-        f"identical to the τ = {ref} output (a fidelity check the paper does not report).",
+        f"{_speedup_reference(plan, reference_threshold(metric), ref)}, the decoder's wall clock (a busy machine "
+        "moves it; – where the two points ran on different machines); *accept. len* (verify only) = vLLM's mean "
+        'acceptance length, 1 + drafts accepted per draft step (docs/decoding.md, "Acceptance figures"); *agree* = '
+        f"share of outputs whose text is identical to the τ = {ref} output (a fidelity check the paper does not "
+        "report)."
+    )
+
+
+def _typical_reference_note(decoding, ref: str) -> list[str]:
+    """Where the reference point decodes under typical acceptance, that it is lossy, so not greedy AR."""
+    if _reference_label(decoding) == "AR":
+        return []
+    return [
         "",
-        f"Timed on: {_machines(points)}.",
+        f"Here τ = {ref} decodes with verified drafts under typical acceptance (`typical_epsilon` "
+        f"{float(decoding['typical_epsilon']):g}): lossy, so it is not greedy AR; its change from the base model's "
+        "greedy output is in the comparison section (`compare=`), and *AR-equal* below counts its tokens "
+        "equal to the greedy AR choice.",
     ]
-    if _reference_label(dec) != "AR":
-        lines += [
-            "",
-            f"Here τ = {ref} decodes with verified drafts under typical acceptance (`typical_epsilon` "
-            f"{float(dec['typical_epsilon']):g}): lossy, so it is not greedy AR; its change from the base model's "
-            "greedy output is in the comparison section (`compare=`), and *AR-equal* below counts its tokens "
-            "equal to the greedy AR choice.",
-        ]
-    if similarity_cols:
-        lines += [
-            "",
-            "Columns scored against the τ = "
-            + ref
-            + " output (no gold answer; 100 at τ = "
-            + ref
-            + " by definition; left out of the Average's accuracy): "
-            + ", ".join(f"{c} ({next(p['score'] for p in points if p['task'] == c)})" for c in similarity_cols)
-            + ".",
-        ]
-    if plan.reference_added:
-        lines += ["", f"(τ = {ref} was added to the requested sweep: deltas and agreement need it.)"]
-    lines += _verify_note([p for p in points if is_verify(p)], ref)
-    return lines
+
+
+def _similarity_note(points: list[dict[str, Any]], ref: str) -> list[str]:
+    """Which columns are scored against the reference output (no gold answer), and with which similarity."""
+    similarity_cols = sorted({p["task"] for p in points if p.get("score") not in (None, "metric")})
+    if not similarity_cols:
+        return []
+    return [
+        "",
+        "Columns scored against the τ = "
+        + ref
+        + " output (no gold answer; 100 at τ = "
+        + ref
+        + " by definition; left out of the Average's accuracy): "
+        + ", ".join(f"{c} ({next(p['score'] for p in points if p['task'] == c)})" for c in similarity_cols)
+        + ".",
+    ]
 
 
 def _verify_note(verify: list[dict[str, Any]], ref: str) -> list[str]:

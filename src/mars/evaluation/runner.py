@@ -64,29 +64,16 @@ def _device(name: str | None) -> str:
     return device
 
 
-def _dtype(name: str | None, device: str) -> str:
-    """``auto``: bf16 on GPUs, fp32 on CPUs (bf16 only where it is native and the fp32 decode fast path cannot run)."""
-    from mars.decoding.fastpath import decode_dtype_name
-
-    return decode_dtype_name(name, device)
-
-
 def load_for_plan(plan: Plan):
-    """The model of the plan (a checkpoint overrides ``model.name_or_path``)."""
-    from mars.models import load_model
+    """The model of the plan (a checkpoint overrides ``model.name_or_path``) on this rank's device."""
+    from mars.decoding.loading import load_for_decoding
 
-    model_cfg = dict(plan.resolved.get("model") or {})
-    device = _device(plan.resolved.get("device"))
-    name = str(plan.resolved.get("checkpoint") or model_cfg["name_or_path"])
-    mask_token = (plan.checkpoint_meta or {}).get("mask_token") or model_cfg.get("mask_token")
-    return load_model(
-        name,
-        tiny=model_cfg.get("tiny") if not plan.resolved.get("checkpoint") else None,
-        mask_token=mask_token,
-        allow_new_row=bool(model_cfg.get("allow_new_embedding_row", False)),
-        dtype=_dtype(plan.resolved.get("dtype"), device),
-        attn_implementation=model_cfg.get("attn_implementation") or "sdpa",
-        device=device,
+    return load_for_decoding(
+        plan.resolved.get("model") or {},
+        checkpoint=plan.resolved.get("checkpoint"),
+        checkpoint_meta=plan.checkpoint_meta,
+        dtype=plan.resolved.get("dtype"),
+        device=_device(plan.resolved.get("device")),
     )
 
 
@@ -373,11 +360,23 @@ def _claim_folder(plan: Plan, store: ResultsDir) -> logging.Handler:
 
 
 def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
-    from mars.evaluation.aggregate import collect_points
-    from mars.evaluation.plots import plot_pareto
-    from mars.evaluation.report import write_reports
-    from mars.figures import plot_settings
+    """Decode every point not yet complete in ``store``, then (rank 0) aggregate and report the whole folder."""
+    todo, verify = _pending(plan, store)
+    computed: list[tuple[Point, str]] = []
+    if plan.resolved.get("threads"):
+        from mars.hardware import configure_threads
 
+        configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
+    if any(todo.values()) or verify:
+        lm, computed = _decode_points(plan, store, rank, lm, todo, verify)
+    if rank != 0:
+        return EvalOutcome(plan, store.root, [], "", [], computed, lm)
+    return _report(plan, store, computed, lm)
+
+
+def _pending(plan: Plan, store: ResultsDir) -> tuple[dict[float, list[str]], list[str]]:
+    """The leaf tasks still to decode at each threshold and at the verify point; what is complete is logged as
+    skipped."""
     todo = {thr: [leaf for leaf in plan.suite.leaves if not store.is_complete(thr, leaf)] for thr in plan.thresholds}
     verify = [leaf for leaf in plan.suite.leaves if not verify_done(plan, store, leaf)] if plan.verify else []
     for point, leaves in [*todo.items(), *([(VERIFY, verify)] if plan.verify else [])]:
@@ -390,43 +389,66 @@ def _sweep(plan: Plan, store: ResultsDir, rank: int, lm) -> EvalOutcome:
                 len(plan.suite.leaves),
                 store.root,
             )
+    return todo, verify
 
+
+def _decode_points(
+    plan: Plan,
+    store: ResultsDir,
+    rank: int,
+    lm,
+    todo: dict[float, list[str]],
+    verify: list[str],
+) -> tuple[Any, list[tuple[Point, str]]]:
+    """Decode the pending points in their running order (the model loads here unless ``lm`` is given) and write
+    each finished one on rank 0; returns the lm-eval model and the (point, task) pairs decoded."""
+    needed = sorted({x for ls in [*todo.values(), verify] for x in ls})
+    samples = _samples_per_task(plan, needed) if rank == 0 or verify else {}
+    if rank == 0:
+        log.info(plan_line(plan, todo, samples, verify))
+    if lm is None:
+        lm = build_lm(plan, load_for_plan(plan))
+    lm.fidelity = bool(plan.resolved.get("fidelity", True))
+    lm.use_results_dir(store, fingerprint_hash(plan.fingerprint))
+    running = _running_order(plan, todo, verify)
+    thresholds_left = sum(point != VERIFY for point, _ in running)
     computed: list[tuple[Point, str]] = []
-    if plan.resolved.get("threads"):
-        from mars.hardware import configure_threads
-
-        configure_threads(plan.resolved["threads"])  # clamped to the machine with a warning
-    if any(todo.values()) or verify:
-        needed = sorted({x for ls in [*todo.values(), verify] for x in ls})
-        samples = _samples_per_task(plan, needed) if rank == 0 or verify else {}
+    for point, leaves in running:
+        t0 = time.perf_counter()
+        results = _decode_point(plan, lm, point, leaves, samples, thresholds_left)
+        if point != VERIFY:
+            thresholds_left -= 1
+        _gather_records(lm)
         if rank == 0:
-            log.info(plan_line(plan, todo, samples, verify))
-        if lm is None:
-            lm = build_lm(plan, load_for_plan(plan))
-        lm.fidelity = bool(plan.resolved.get("fidelity", True))
-        lm.use_results_dir(store, fingerprint_hash(plan.fingerprint))
-        running = _running_order(plan, todo, verify)
-        thresholds_left = sum(point != VERIFY for point, _ in running)
-        for point, leaves in running:
-            t0 = time.perf_counter()
-            if point == VERIFY:
-                lm.thresholds_to_run = 1  # its own estimate: it decodes a few samples per task
-                lm.set_verify(plan.verify.settings())
-                log.info("verify point (%s): running %s", plan.verify.config, ", ".join(leaves))
-                first = {leaf: list(range(plan.verify.samples(samples[leaf]))) for leaf in leaves}
-                results = _run_lm_eval(plan, lm, leaves, samples=first)
-            else:
-                lm.thresholds_to_run = thresholds_left  # this one included: the time estimate covers them all
-                thresholds_left -= 1
-                lm.set_threshold(point)
-                log.info("threshold %s: running %s", threshold_key(point), ", ".join(leaves))
-                results = _run_lm_eval(plan, lm, leaves)
-            _gather_records(lm)
-            if rank == 0:
-                _write_points(plan, store, point, leaves, results, lm, time.perf_counter() - t0)
-            computed.extend((point, leaf) for leaf in leaves)
-    if rank != 0:
-        return EvalOutcome(plan, store.root, [], "", [], computed, lm)
+            _write_points(plan, store, point, leaves, results, lm, time.perf_counter() - t0)
+        computed.extend((point, leaf) for leaf in leaves)
+    return lm, computed
+
+
+def _decode_point(
+    plan: Plan, lm, point: Point, leaves: list[str], samples: dict[str, int], thresholds_left: int
+) -> dict:
+    """One lm-eval pass at ``point``: the verify point's settings on its first samples per task, or a threshold
+    over the sweep's samples (``thresholds_left``, this one included, feeds the time estimate)."""
+    if point == VERIFY:
+        lm.thresholds_to_run = 1  # its own estimate: it decodes a few samples per task
+        lm.set_verify(plan.verify.settings())
+        log.info("verify point (%s): running %s", plan.verify.config, ", ".join(leaves))
+        first = {leaf: list(range(plan.verify.samples(samples[leaf]))) for leaf in leaves}
+        return _run_lm_eval(plan, lm, leaves, samples=first)
+    lm.thresholds_to_run = thresholds_left  # the time estimate covers every threshold left
+    lm.set_threshold(point)
+    log.info("threshold %s: running %s", threshold_key(point), ", ".join(leaves))
+    return _run_lm_eval(plan, lm, leaves)
+
+
+def _report(plan: Plan, store: ResultsDir, computed: list[tuple[Point, str]], lm) -> EvalOutcome:
+    """Rank 0: the folder's points aggregated into points.json/csv, the table, the Pareto plots and, with
+    ``logger=wandb``, a W&B run."""
+    from mars.evaluation.aggregate import collect_points
+    from mars.evaluation.plots import plot_pareto
+    from mars.evaluation.report import write_reports
+    from mars.figures import plot_settings
 
     points = collect_points(plan, store)
     table = write_reports(plan, store, points)

@@ -32,40 +32,12 @@ def log_to_wandb(
     step in sweep order), the markdown table and the Pareto PNGs.  Returns the finished run's directory."""
     import wandb
 
-    from mars.evaluation.plots import slug
-    from mars.logs import wandb_mode, wandb_sync_hint
+    from mars.logs import wandb_sync_hint
 
-    cfg = dict(logger_cfg or {})
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(
-        project=cfg.get("project") or "mars",
-        entity=cfg.get("entity"),
-        group=cfg.get("group"),
-        tags=list(cfg.get("tags") or []) + ["evaluate"],
-        name=store.root.name,
-        dir=str(save_dir or store.root),
-        mode=wandb_mode(cfg.get("mode", "auto")),
-        config={"fingerprint": plan.fingerprint, "thresholds": plan.thresholds},
-        job_type="evaluate",
-        reinit="finish_previous",
-    )
+    run = _start_run(plan, store, dict(logger_cfg or {}), save_dir)
     columns = list(FIELDS)
     run.log({"points": wandb.Table(columns=columns, data=[[p.get(c) for c in columns] for p in points])})
-    run.define_metric("threshold")
-    # metric keys from task labels such as "Math (ASDiv)": no spaces or brackets ("math_asdiv/accuracy")
-    for task in dict.fromkeys(slug(p["task"]) for p in points):
-        run.define_metric(f"{task}/*", step_metric="threshold")  # plot every task metric against the threshold
-    for thr in sorted({p["threshold"] for p in points}, reverse=True):
-        metrics: dict[str, Any] = {"threshold": thr}
-        for p in points:
-            if p["threshold"] != thr or is_verify(p):  # the verify point's figures: in the points table
-                continue
-            # every figure with its 95% interval (``<key>_lo``/``<key>_hi``), plus throughput
-            keys = [k for base in INTERVAL_KEYS for k in (base, f"{base}_lo", f"{base}_hi")]
-            for key in keys + ["tokens_per_second", "n_paired"]:
-                if isinstance(p.get(key), (int, float)) and not isinstance(p.get(key), bool):
-                    metrics[f"{slug(p['task'])}/{key}"] = p[key]
-        run.log(metrics)
+    _log_threshold_metrics(run, points)
     run.log({"table": wandb.Html(f"<pre>{_escape(table_md)}</pre>")})
     images = [path for path in plots if path.suffix == ".png"]  # W&B shows images; pdf/svg stay in the folder
     run.log({f"pareto/{path.stem.removeprefix('pareto_')}": wandb.Image(str(path)) for path in images})
@@ -79,6 +51,48 @@ def log_to_wandb(
     if hint:
         log.info(hint)
     return run_dir
+
+
+def _start_run(plan: Plan, store: ResultsDir, cfg: dict[str, Any], save_dir: str | os.PathLike | None):
+    """The W&B run named after the results folder, offline unless credentials exist (never a prompt)."""
+    import wandb
+
+    from mars.logs import wandb_mode
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=cfg.get("project") or "mars",
+        entity=cfg.get("entity"),
+        group=cfg.get("group"),
+        tags=list(cfg.get("tags") or []) + ["evaluate"],
+        name=store.root.name,
+        dir=str(save_dir or store.root),
+        mode=wandb_mode(cfg.get("mode", "auto")),
+        config={"fingerprint": plan.fingerprint, "thresholds": plan.thresholds},
+        job_type="evaluate",
+        reinit="finish_previous",
+    )
+
+
+def _log_threshold_metrics(run, points: list[dict[str, Any]]) -> None:
+    """Every task's figures as metrics plotted against the threshold, one log step per threshold (highest first)."""
+    from mars.evaluation.plots import slug
+
+    run.define_metric("threshold")
+    # metric keys from task labels such as "Math (ASDiv)": no spaces or brackets ("math_asdiv/accuracy")
+    for task in dict.fromkeys(slug(p["task"]) for p in points):
+        run.define_metric(f"{task}/*", step_metric="threshold")  # plot every task metric against the threshold
+    # every figure with its 95% interval (``<key>_lo``/``<key>_hi``), plus throughput
+    keys = [k for base in INTERVAL_KEYS for k in (base, f"{base}_lo", f"{base}_hi")] + ["tokens_per_second", "n_paired"]
+    for thr in sorted({p["threshold"] for p in points}, reverse=True):
+        metrics: dict[str, Any] = {"threshold": thr}
+        for p in points:
+            if p["threshold"] != thr or is_verify(p):  # the verify point's figures: in the points table
+                continue
+            for key in keys:
+                if isinstance(p.get(key), (int, float)) and not isinstance(p.get(key), bool):
+                    metrics[f"{slug(p['task'])}/{key}"] = p[key]
+        run.log(metrics)
 
 
 def _escape(text: str) -> str:

@@ -4,7 +4,8 @@ A POST is checked in the order of its cost: Host and API key (:mod:`~mars.servin
 (``application/json`` only: 415), the body's size (``max_body_bytes``: 413 from the declared length before
 reading, or as soon as the read passes it), then, in a worker thread so that the event loop keeps
 answering (``/health`` included) however large the prompt, the JSON, every field (strict types), the
-number of prompts, the context length and the tokenization.  Then handlers hand
+number of prompts, the context length and the tokenization (a prompt's ids and budget pass ``generate``'s own
+checks, :mod:`mars.decoding.prompt_check`, refused with the same words).  Then handlers hand
 :class:`~mars.serving.scheduler.Job` objects to the engine loop thread and await their events on an
 asyncio queue (the loop posts them with ``call_soon_threadsafe``).  Streaming responses are server-sent
 events (sse-starlette); each event carries the text of one forward's accepted tokens for one choice, with
@@ -25,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect
 
+from mars.decoding.prompt_check import PromptTooLong, check_budget, check_prompt
 from mars.decoding.settings import DecodingSettings, tree_shape
 
 from .guard import HostRule, RequestGuard
@@ -315,8 +317,12 @@ def _prepare_completion(state: ServingState, raw: bytes) -> tuple[CompletionRequ
             "too_many_prompts",
         )
     knobs = _knobs(state, body)
-    ids = [_encode_text(state, p, "prompt") if isinstance(p, str) else _check_ids(state, p, "prompt") for p in prompts]
-    return body, _jobs(state, body, knobs, ids, body.max_tokens, "max_tokens")
+    labels = [f"prompt {i}" for i in range(len(prompts))]  # as generate names them
+    ids = [
+        _encode_text(state, p, label, "prompt") if isinstance(p, str) else _check_ids(state, p, label, "prompt")
+        for label, p in zip(labels, prompts)
+    ]
+    return body, _jobs(state, body, knobs, ids, labels, body.max_tokens, "max_tokens")
 
 
 def _prepare_chat(state: ServingState, raw: bytes) -> tuple[ChatCompletionRequest, list[Job]]:
@@ -326,8 +332,8 @@ def _prepare_chat(state: ServingState, raw: bytes) -> tuple[ChatCompletionReques
         text = state.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
     except Exception as err:
         raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
-    ids = [_encode_text(state, text, "messages", add_special_tokens=False)]
-    return body, _jobs(state, body, knobs, ids, body.budget, body.budget_field)
+    ids = [_encode_text(state, text, "messages", "messages", add_special_tokens=False)]
+    return body, _jobs(state, body, knobs, ids, ["messages"], body.budget, body.budget_field)
 
 
 def _no_constant(name: str):
@@ -367,41 +373,36 @@ def longest_token_chars(tokenizer) -> int | None:
     return max(map(len, vocab), default=0) or None
 
 
-def _encode_text(state: ServingState, text: str, param: str, **kw) -> list[int]:
+def _encode_text(state: ServingState, text: str, label: str, param: str, **kw) -> list[int]:
     """Tokenize, unless the text's length alone shows it cannot fit: then refuse without the work (seconds
     for a megabyte)."""
     if state.max_token_chars and -(-len(text) // state.max_token_chars) >= state.context_length:
         raise APIError(
             400,
-            f"{param} has {len(text)} characters, so at least {-(-len(text) // state.max_token_chars)} tokens "
+            f"{label} has {len(text)} characters, so at least {-(-len(text) // state.max_token_chars)} tokens "
             f"(a token spans at most {state.max_token_chars} characters), more than the model's context of "
             f"{state.context_length} tokens",
             param,
             "context_length_exceeded",
         )
-    return _check_ids(state, state.tokenizer(text, **kw)["input_ids"], param)
+    return _check_ids(state, state.tokenizer(text, **kw)["input_ids"], label, param)
 
 
-def _check_ids(state: ServingState, ids: list[int], param: str) -> list[int]:
-    if len(ids) >= state.context_length:  # before touching every id
-        raise _too_long(len(ids), state, param)
-    ids = [int(t) for t in ids]
-    if not ids:
-        raise APIError(400, f"{param} is empty after tokenization", param)
-    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"{param} has token id {bad}, outside the model's vocabulary of {state.vocab_size}", param)
-    return ids
+def _check_ids(state: ServingState, ids: list[int], label: str, param: str) -> list[int]:
+    with _refused_as_400(param):
+        check_prompt(ids, vocab=state.vocab_size, context=state.context_length, label=label)
+    return [int(t) for t in ids]
 
 
-def _too_long(n: int, state: ServingState, param: str) -> APIError:
-    return APIError(
-        400,
-        f"{param} has {n} tokens, longer than the model's context of "
-        f"{state.context_length} tokens (at least one position must remain for generation)",
-        param,
-        "context_length_exceeded",
-    )
+@contextmanager
+def _refused_as_400(param: str):
+    """A prompt check's ValueError as this request's 400 on ``param``, in the check's own words."""
+    try:
+        yield
+    except PromptTooLong as err:
+        raise APIError(400, str(err), param, "context_length_exceeded") from None
+    except ValueError as err:
+        raise APIError(400, str(err), param) from None
 
 
 def _knobs(state: ServingState, body: _Common) -> tuple[float | None, float, dict]:
@@ -456,25 +457,18 @@ def _jobs(
     body: _Common,
     knobs: tuple[float | None, float, dict],
     ids: list[list[int]],
+    labels: list[str],
     budget: int | None,
     budget_field: str,
 ) -> list[Job]:
     threshold, temperature, options = knobs
     jobs = []
-    for i, prompt in enumerate(ids):
-        room = state.context_length - len(prompt)
+    for i, (prompt, label) in enumerate(zip(ids, labels)):
         if budget is None:
-            n = min(state.default_max_tokens, room)
-        elif budget > room:
-            raise APIError(
-                400,
-                f"{budget_field}={budget} with a prompt of {len(prompt)} tokens would reach position "
-                f"{len(prompt) + budget}, past the model's context of {state.context_length} tokens; "
-                f"lower {budget_field} to at most {room}",
-                budget_field,
-                "context_length_exceeded",
-            )
+            n = min(state.default_max_tokens, state.context_length - len(prompt))
         else:
+            with _refused_as_400(budget_field):
+                check_budget(len(prompt), budget, state.context_length, label=label, budget=budget_field)
             n = budget
         jobs.append(
             Job(

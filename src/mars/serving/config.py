@@ -1,4 +1,5 @@
-"""``conf/serve.yaml`` -> a checked :class:`ServeConfig` (before any model loads) -> a :class:`ServingState`.
+"""``conf/serve.yaml`` -> a checked :class:`ServeConfig`, before any model loads (:mod:`~mars.serving.server`
+builds the server from it).
 
 Everything that can be wrong with the configuration fails here with a message naming the key: the
 threshold policy (tau_policy) and its bounds, the decoding settings (the server needs the step-wise engine: decoder
@@ -125,13 +126,22 @@ class ServeConfig(OpenSection):
                 stacklevel=2,
             )
         if self.checkpoint:
-            from mars.calibration_store import check_stored_records
+            from mars.calibration import check_stored_records
 
             self.checkpoint_meta = read_checkpoint(self.checkpoint)
             check_stored_records(self.checkpoint, self.checkpoint_meta)  # a bad record fails now, not at warm-up
         self._settings = serving_settings(self.decoding, self.checkpoint_meta, self.device)
-        # checks the bounds, the threshold and the adaptive settings without a model
-        policy = build_policy(
+        policy = self.threshold_policy()  # checks the bounds, the threshold and the adaptive settings
+        self._warn_if_untrained(policy)
+        if self.max_tokens is None:
+            self.max_tokens = self._settings.max_new_tokens
+        if not self.served_model_name:
+            self.served_model_name = _default_name(self.model, self.checkpoint)
+        return self
+
+    def threshold_policy(self):
+        """A new threshold policy of this config (fixed or adaptive, for the decoding metric); needs no model."""
+        return build_policy(
             self.tau_policy,
             threshold=self.threshold,
             tau_min=self.tau_min,
@@ -139,12 +149,6 @@ class ServeConfig(OpenSection):
             metric=self._settings.metric,
             adaptive=self.adaptive,
         )
-        self._warn_if_untrained(policy)
-        if self.max_tokens is None:
-            self.max_tokens = self._settings.max_new_tokens
-        if not self.served_model_name:
-            self.served_model_name = _default_name(self.model, self.checkpoint)
-        return self
 
     def _loosest(self, policy) -> tuple[str, float]:
         """The config key and value of the loosest threshold the server itself serves (requests may bring
@@ -291,110 +295,3 @@ def _default_name(model: dict, checkpoint: str | None) -> str:
     from mars.metadata import model_label
 
     return model_label({"checkpoint": checkpoint, "model": model})
-
-
-def build_state(sc: ServeConfig, loaded=None):
-    """Load the model (unless ``loaded`` is given) and build the engine loop and the routes' state."""
-    import torch
-
-    from mars.decoding.engine import DecodeEngine
-    from mars.decoding.forward import ModelRunner
-    from mars.decoding.stopping import eos_token_ids
-
-    from .app import ServingState, longest_token_chars
-    from .metrics import ServerMetrics
-    from .scheduler import EngineLoop
-
-    if sc.threads:
-        torch.set_num_threads(sc.threads)
-    if loaded is None:
-        loaded = _load_served_model(sc)
-    model, tokenizer = loaded.model.eval(), loaded.tokenizer
-    runner = ModelRunner(model)
-    context = runner.context_length or 2048
-    if sc.max_model_len is not None:
-        context = min(context, sc.max_model_len)
-    eos = eos_token_ids(model, tokenizer)
-    mask_id = loaded.mask.id
-    settings = sc.settings
-
-    def make_engine() -> DecodeEngine:
-        return DecodeEngine(ModelRunner(model), settings, mask_id, eos, tokenizer)
-
-    if sc.warmup:  # the first forward pays one-off costs; keep them out of the first request's latency
-        _warm_up(make_engine(), tokenizer)
-    policy = build_policy(
-        sc.tau_policy,
-        threshold=sc.threshold,
-        tau_min=sc.tau_min,
-        tau_max=sc.tau_max,
-        metric=settings.metric,
-        adaptive=sc.adaptive,
-    )
-    metrics = ServerMetrics(sc.metrics_window_s)
-    loop = EngineLoop(make_engine, policy, metrics, tokenizer, eos, max_batch=sc.max_batch, max_queue=sc.max_queue)
-    info = _server_info(settings, runner, context, mask_id)
-    return ServingState(
-        loop=loop,
-        tokenizer=tokenizer,
-        model_name=sc.served_model_name,
-        settings=settings,
-        context_length=context,
-        vocab_size=runner.vocab_size,
-        default_max_tokens=sc.max_tokens,
-        shutdown_grace_s=sc.shutdown_grace_s,
-        max_body_bytes=sc.max_body_bytes,
-        host=sc.host,
-        allowed_hosts=sc.allowed_hosts,
-        api_key=sc.api_key,
-        max_token_chars=longest_token_chars(tokenizer),
-        info=info,
-    )
-
-
-def _load_served_model(sc: ServeConfig):
-    """The checkpoint (or configured base model) on the configured device and dtype, with the mask token
-    the checkpoint was trained with."""
-    from mars.decoding.fastpath import decode_dtype_name
-    from mars.hardware import resolve_device
-    from mars.models import load_model
-
-    device = resolve_device(sc.device)
-    name = str(sc.checkpoint or sc.model["name_or_path"])
-    mask_token = (sc.checkpoint_meta or {}).get("mask_token") or sc.model.get("mask_token")
-    return load_model(
-        name,
-        tiny=sc.model.get("tiny") if not sc.checkpoint else None,
-        mask_token=mask_token,
-        allow_new_row=bool(sc.model.get("allow_new_embedding_row", False)),
-        dtype=decode_dtype_name(sc.dtype, device),
-        attn_implementation=sc.model.get("attn_implementation") or "sdpa",
-        device=device,
-    )
-
-
-def _warm_up(engine, tokenizer) -> None:
-    """Decodes two tokens of a throwaway request on its own engine, and of a verified one where the decoder
-    verifies (``tree=auto`` times this device's steps once per model, out of the first verified request's way)."""
-    ids = tokenizer("Hello")["input_ids"]
-    requests = [engine.make_request(ids, max_new_tokens=2)]
-    if engine.settings.decoder == "mars" and engine.max_drafts > 0:
-        requests.append(engine.make_request(ids, max_new_tokens=2, verify=True, threshold=1.0))
-    engine.admit(requests)
-    while engine.live:
-        engine.step()
-
-
-def _server_info(settings, runner, context: int, mask_id: int) -> dict:
-    """What the server reports about its decoder and model (``/v1/models`` and the UI)."""
-    return {
-        "decoder": settings.decoder,
-        "block_size": settings.block_size,
-        "metric": settings.metric,
-        "cache": settings.cache,
-        "max_step_columns": settings.max_step_columns,
-        "max_model_len": context,
-        "dtype": str(next(runner.model.parameters()).dtype),
-        "device": str(runner.device),
-        "mask_token_id": mask_id,
-    }

@@ -385,15 +385,13 @@ class EngineLoop:
         self.metrics.observe_step(seconds, tokens, forwarded, now)
 
     def _deliver(self, job: Job, ev, now: float) -> None:
+        """One engine event of ``job``'s row: its new tokens (streamed when it streams), or its end."""
         f = ev.finished
         if f is not None:  # the drafts a row verified count whatever ended it
             job.acceptance = acceptance_figures(f.draft_proposed, f.draft_accepted, f.draft_steps)
             self.metrics.observe_drafts(f.draft_proposed, f.draft_accepted, f.draft_steps)
         if f is not None and f.reason == "cancelled":
-            self.live.pop(job.id, None)
-            job.failed, job.finished = True, now
-            self.metrics.finished.labels("cancelled").inc()
-            self._send(job, JobEvent(job, done=True, finish_reason="cancelled", error="cancelled", status=499))
+            self._cancelled(job, now)
             return
         job.forwards += 1
         if ev.tokens and job.first_token is None:
@@ -405,6 +403,19 @@ class EngineLoop:
             if job.streaming and (delta or ev.tokens):
                 self._send(job, JobEvent(job, text=delta, token_ids=list(ev.tokens), forward=job.forwards))
             return
+        self._finished(job, ev, delta, now)
+
+    def _cancelled(self, job: Job, now: float) -> None:
+        """``job``'s row left the batch cancelled: it fails with status 499."""
+        self.live.pop(job.id, None)
+        job.failed, job.finished = True, now
+        self.metrics.finished.labels("cancelled").inc()
+        self._send(job, JobEvent(job, done=True, finish_reason="cancelled", error="cancelled", status=499))
+
+    def _finished(self, job: Job, ev, delta: str, now: float) -> None:
+        """``job``'s row ended (``ev.finished``): the job takes the row's record and its last event is sent, the
+        rest of the text with the finish reason, or an error (status 500) when the row itself failed."""
+        f = ev.finished
         self.live.pop(job.id, None)
         job.finished = now
         job.completion_tokens = len(f.token_ids)

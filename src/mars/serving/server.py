@@ -1,5 +1,6 @@
-"""Running the app: ``serve.py``'s body (:func:`run`) and :class:`BackgroundServer` (uvicorn in a thread on
-a free loopback port, for tests, notebooks and the load test's in-process mode).
+"""The server from a checked :class:`~mars.serving.config.ServeConfig`: its wiring (:func:`build_state`: the
+model loaded, the engine loop, the routes' state), ``serve.py``'s body (:func:`run`) and :class:`BackgroundServer`
+(uvicorn in a thread on a free loopback port, for tests, notebooks and the load test's in-process mode).
 
 Shutdown (Ctrl-C / SIGTERM, or ``BackgroundServer.stop``) drains first (:class:`DrainingServer`): the socket
 stays open, ``/health`` answers 503 ``draining`` (a load balancer's cue to send elsewhere) and new requests
@@ -22,9 +23,91 @@ import time
 
 import uvicorn
 
-from .app import ServingState, create_app
+from .app import ServingState, create_app, longest_token_chars
+from .config import ServeConfig
+from .metrics import ServerMetrics
+from .scheduler import EngineLoop
 
 log = logging.getLogger(__name__)
+
+
+def build_state(sc: ServeConfig, loaded=None) -> ServingState:
+    """Load the model (unless ``loaded`` is given: a :class:`~mars.models.LoadedModel`) and build the engine
+    loop and the routes' state."""
+    import torch
+
+    from mars.decoding.engine import DecodeEngine
+    from mars.decoding.forward import ModelRunner
+    from mars.decoding.loading import load_for_decoding
+    from mars.decoding.stopping import eos_token_ids
+
+    if sc.threads:
+        torch.set_num_threads(sc.threads)
+    if loaded is None:
+        loaded = load_for_decoding(
+            sc.model, checkpoint=sc.checkpoint, checkpoint_meta=sc.checkpoint_meta, dtype=sc.dtype, device=sc.device
+        )
+    model, tokenizer = loaded.model.eval(), loaded.tokenizer
+    runner = ModelRunner(model)
+    context = runner.context_length or 2048
+    if sc.max_model_len is not None:
+        context = min(context, sc.max_model_len)
+    eos = eos_token_ids(model, tokenizer)
+    mask_id = loaded.mask.id
+    settings = sc.settings
+
+    def make_engine() -> DecodeEngine:
+        return DecodeEngine(ModelRunner(model), settings, mask_id, eos, tokenizer)
+
+    if sc.warmup:  # the first forward pays one-off costs; keep them out of the first request's latency
+        _warm_up(make_engine(), tokenizer)
+    metrics = ServerMetrics(sc.metrics_window_s)
+    loop = EngineLoop(
+        make_engine, sc.threshold_policy(), metrics, tokenizer, eos, max_batch=sc.max_batch, max_queue=sc.max_queue
+    )
+    return ServingState(
+        loop=loop,
+        tokenizer=tokenizer,
+        model_name=sc.served_model_name,
+        settings=settings,
+        context_length=context,
+        vocab_size=runner.vocab_size,
+        default_max_tokens=sc.max_tokens,
+        shutdown_grace_s=sc.shutdown_grace_s,
+        max_body_bytes=sc.max_body_bytes,
+        host=sc.host,
+        allowed_hosts=sc.allowed_hosts,
+        api_key=sc.api_key,
+        max_token_chars=longest_token_chars(tokenizer),
+        info=_server_info(settings, runner, context, mask_id),
+    )
+
+
+def _warm_up(engine, tokenizer) -> None:
+    """Decodes two tokens of a throwaway request on its own engine, and of a verified one where the decoder
+    verifies (``tree=auto`` times this device's steps once per model, out of the first verified request's way)."""
+    ids = tokenizer("Hello")["input_ids"]
+    requests = [engine.make_request(ids, max_new_tokens=2)]
+    if engine.settings.decoder == "mars" and engine.max_drafts > 0:
+        requests.append(engine.make_request(ids, max_new_tokens=2, verify=True, threshold=1.0))
+    engine.admit(requests)
+    while engine.live:
+        engine.step()
+
+
+def _server_info(settings, runner, context: int, mask_id: int) -> dict:
+    """What the server reports about its decoder and model (``/v1/models`` and the UI)."""
+    return {
+        "decoder": settings.decoder,
+        "block_size": settings.block_size,
+        "metric": settings.metric,
+        "cache": settings.cache,
+        "max_step_columns": settings.max_step_columns,
+        "max_model_len": context,
+        "dtype": str(next(runner.model.parameters()).dtype),
+        "device": str(runner.device),
+        "mask_token_id": mask_id,
+    }
 
 
 # after the drain: how long the responses to cancelled requests (503s, the streams' last events) may take
@@ -93,8 +176,6 @@ class DrainingServer(uvicorn.Server):
 def run(cfg) -> None:
     """``python serve.py ...``: check the config (``cfg``: the composed serve.yaml, or a checked
     :class:`~mars.serving.config.ServeConfig`), load the model, serve until interrupted."""
-    from .config import ServeConfig, build_state
-
     sc = cfg if isinstance(cfg, ServeConfig) else ServeConfig.from_cfg(cfg)
     log.info("%s; loading the model", sc.describe())  # what is served, before the minutes a large model may take
     state = build_state(sc)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, get_cosine_schedule_with_warmup
 
 from mars.adapters import AdapterSettings, attach_adapter
+from mars.training.loss_terms import IGNORE, LossTerms, NoisyLayout
 from mars.training.masking import (
     attention_mask_for,
     flex_mask_mod,
@@ -26,8 +26,6 @@ from mars.training.masking import (
 from mars.training.objectives import Objective
 from mars.training.optim import build_adamw
 from mars.training.precision import wants_master_weights
-
-IGNORE = -100
 
 
 def two_stream_attention(
@@ -55,23 +53,6 @@ def two_stream_attention(
     return attention_mask_for(mask[:, queries_from:], attn_implementation, dtype)
 
 
-@dataclass
-class NoisyLayout:
-    """The noisy stream of a batch: its tokens, positions, targets and each row's block grid."""
-
-    ids: torch.Tensor  # [n, W] noisy tokens (masks at masked response positions)
-    positions: torch.Tensor  # [n, W] position ids (shared with the clean copy)
-    targets: torch.Tensor  # [n, W] the token each noisy column predicts, IGNORE where no loss
-    block_size: int | torch.Tensor  # one size, or [n] per row
-    block_offset: torch.Tensor | None  # [n] grid shifts, or None
-
-    def depth(self) -> torch.Tensor:
-        """Each column's index inside its block (0 = the block's first mask, which predicts 2 tokens ahead)."""
-        pos = self.positions + (self.block_offset[:, None] if self.block_offset is not None else 0)
-        size = self.block_size[:, None] if isinstance(self.block_size, torch.Tensor) else self.block_size
-        return pos % size
-
-
 def _check_settings(
     block_size: int, lr: float, warmup_ratio: float, objective: Objective, adapter: AdapterSettings
 ) -> None:
@@ -94,7 +75,7 @@ def _check_settings(
     objective.check_clean_teacher(adapter.gated)
 
 
-class MarsModule(L.LightningModule):
+class MarsModule(LossTerms, L.LightningModule):
     """Wraps a Hugging Face causal LM; adds no parameters (an adapter, when configured, is a separate file).
 
     ``training_step`` builds ``z = [x ; x~]`` (the noisy copy ``x~`` masks response tokens according to
@@ -108,6 +89,9 @@ class MarsModule(L.LightningModule):
     With a gated adapter (:mod:`mars.adapters`) the clean stream is the frozen base model: it runs without
     gradient and hands its keys/values to a second forward over the noisy stream alone (the same attention
     rules, as a 4D mask over ``[clean keys | noisy keys]``), so only the noisy stream is back-propagated.
+
+    The loss terms themselves (mask, certainty, unlikelihood, AR, KL and their weighted total) are
+    :class:`~mars.training.loss_terms.LossTerms`'.
     """
 
     def __init__(
@@ -178,13 +162,6 @@ class MarsModule(L.LightningModule):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden).float()
 
-    def _ce(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over positions with a target; logits only where needed."""
-        sel = targets != IGNORE
-        if not sel.any():
-            return hidden.sum() * 0.0  # keeps the graph (and DDP) happy on a batch with no target
-        return F.cross_entropy(self._logits(hidden[sel]), targets[sel])
-
     # ----------------------------------------------------------------------------------------
     def block_grid(self, n: int, generator: torch.Generator | None, device) -> tuple[int | torch.Tensor, Any]:
         """Each row's training block size and grid offset (one fixed size and no offset by default)."""
@@ -228,97 +205,6 @@ class MarsModule(L.LightningModule):
         layout = self.noisy_layout(ids, loss_mask, masked)
         positions = torch.cat([torch.arange(length, device=ids.device).expand(n, -1), layout.positions], dim=1)
         return torch.cat([ids, layout.ids], dim=1), positions, layout.targets
-
-    def mask_losses(
-        self, hidden: torch.Tensor, layout: NoisyLayout, targets: torch.Tensor, soft: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The noisy stream's loss terms: cross-entropy to ``targets``, or with ``soft`` (the teacher's
-        log-probabilities at the selected columns, ``clean_soft``) the KL divergence from it, depth-weighted if
-        configured; certainty forcing and unlikelihood of wrong choices, judged against ``targets``."""
-        sel = targets != IGNORE
-        if not sel.any():
-            zero = hidden.sum() * 0.0
-            return {"loss_mask": zero}
-        logits = self._logits(hidden[sel])
-        labels = targets[sel]
-        logq = torch.log_softmax(logits, dim=-1)
-        label_logp = logq.gather(-1, labels[:, None]).squeeze(-1)
-        # KL, not cross-entropy, to a soft target: zero where the mask already predicts the teacher's distribution
-        per_mask = -label_logp if soft is None else F.kl_div(logq, soft, log_target=True, reduction="none").sum(-1)
-        obj = self.objective
-        out: dict[str, torch.Tensor] = {}
-        if obj.depth_weighting == "none":
-            out["loss_mask"] = per_mask.mean()
-        else:
-            weights = self._depth_weights(layout, sel, label_logp.detach())
-            out["loss_mask"] = (weights * per_mask).sum() / weights.sum().clamp(min=1e-6)
-        if obj.certainty_weight == 0 and obj.unlikelihood_weight == 0:
-            return out
-        chosen = logits.detach().argmax(-1)
-        right = chosen == labels
-        if obj.certainty_weight > 0:
-            if right.any():
-                logp = torch.log_softmax(logits[right], dim=-1)
-                out["loss_certainty"] = -(logp.exp() * logp).sum(-1).mean()
-            else:
-                out["loss_certainty"] = logits.sum() * 0.0
-        if obj.unlikelihood_weight > 0:
-            if (~right).any():
-                p_wrong = torch.softmax(logits[~right], dim=-1).gather(-1, chosen[~right, None]).squeeze(-1)
-                out["loss_unlikelihood"] = -torch.log1p(-p_wrong.clamp(max=1 - 1e-6)).mean()
-            else:
-                out["loss_unlikelihood"] = logits.sum() * 0.0
-        return out
-
-    def _depth_weights(self, layout: NoisyLayout, sel: torch.Tensor, label_logp: torch.Tensor) -> torch.Tensor:
-        """Per selected column: ``decay ** depth`` or the chance that decoding reaches it (the product of the
-        probabilities the earlier masks of its block give their labels; detached)."""
-        depth = layout.depth()
-        if self.objective.depth_weighting == "decay":
-            return self.objective.depth_decay ** depth[sel].float()
-        logp = torch.zeros(sel.shape, device=sel.device)
-        logp[sel] = label_logp.float()
-        reach = torch.zeros_like(logp)  # log of the chance to reach each column
-        biggest = int(layout.block_size.max()) if isinstance(layout.block_size, torch.Tensor) else layout.block_size
-        for k in range(1, biggest):
-            prev = torch.nn.functional.pad((reach + logp)[:, :-1], (1, 0))
-            reach = torch.where(depth == k, prev, reach)
-        return reach[sel].exp()
-
-    def _mask_targets(
-        self, clean_hidden: torch.Tensor, layout: NoisyLayout
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The noisy stream's targets ``[n, W]`` under ``objective.mask_targets``: the data's tokens, or the clean
-        stream's greedy choice at each target's position; for ``clean_soft`` also the clean stream's
-        log-probabilities there (``[selected, vocab]``, at ``soft_temperature``).  Computed without gradient: under
-        full fine-tuning the clean stream is the model being trained, and the mask loss must not move the teacher
-        towards its students."""
-        kind = self.objective.mask_targets
-        targets = layout.targets
-        sel = targets != IGNORE
-        if kind == "data" or not sel.any():
-            return targets, None
-        targets = targets.clone()
-        rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[sel]
-        with torch.no_grad():
-            logits = self._logits(clean_hidden[rows, layout.positions[sel]])
-            targets[sel] = logits.argmax(-1)
-            if kind != "clean_soft":
-                return targets, None
-            return targets, torch.log_softmax(logits / self.objective.soft_temperature, dim=-1)
-
-    def _kl_to_reference(self, ids, pos, clean_hidden, ar_targets) -> torch.Tensor:
-        sel = ar_targets != IGNORE
-        if not sel.any():
-            return clean_hidden.sum() * 0.0
-        reference = self._reference[0].to(clean_hidden.device)
-        with torch.no_grad():
-            ref_hidden = getattr(reference, reference.base_model_prefix)(
-                input_ids=ids, position_ids=pos
-            ).last_hidden_state
-            ref_logp = torch.log_softmax(reference.get_output_embeddings()(ref_hidden[sel]).float(), -1)
-        logp = torch.log_softmax(self._logits(clean_hidden[sel]), -1)
-        return F.kl_div(logp, ref_logp, log_target=True, reduction="batchmean")
 
     def losses(
         self,
@@ -398,18 +284,6 @@ class MarsModule(L.LightningModule):
         layout = self.noisy_layout(ids, loss_mask, loss_mask.bool(), self.block_size, block_offset)
         _, hidden = self._noisy_over_clean(ids, pos, layout)
         return self._logits(hidden), layout
-
-    def _total(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        obj = self.objective
-        weights = {
-            "loss_mask": obj.mask_weight,
-            "loss_ar": obj.alpha,
-            "loss_certainty": obj.certainty_weight,
-            "loss_unlikelihood": obj.unlikelihood_weight,
-            "loss_kl": obj.kl_weight,
-        }
-        out["loss"] = sum(weights[k] * v for k, v in out.items())
-        return out
 
     # ----------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 import resource
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -181,11 +182,7 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
     fingerprint = run_fingerprint(cfg) if rank_zero else None
     if _already_finished(cfg, out_dir, export_dir, fingerprint, rank_zero):
         return export_dir
-    if rank_zero:
-        recover_checkpoint_folder(out_dir / "checkpoints" / "last.ckpt")  # a kill during a sharded save
-    resume_from = resolve_resume(cfg, out_dir)
-    if rank_zero:
-        verify_resume_checkpoint(resume_from)  # a corrupt checkpoint is refused before the model loads
+    resume_from = _resume_checkpoint(cfg, out_dir, rank_zero)
 
     tiny = OmegaConf.to_container(cfg.model.tiny) if cfg.model.get("tiny") else None
     data_cfg, rows = _training_data(cfg, tiny)
@@ -201,27 +198,21 @@ def _run(cfg: DictConfig, settings: TrainConfig, callbacks: Sequence[Callback]) 
 
     trainer_cfg = _trainer_options(cfg, settings.budget)
     strategy = build_strategy(trainer_cfg, loaded.model)
-    history = LossHistory(out_dir, settings.plots)
-    exporter = HFExport(export_dir, loaded.tokenizer, _export_metadata(cfg, settings, loaded, tiny, base_params))
-    budget_cb = _attach_budget(settings.budget, module, exporter)
-    stopper = GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds)
-    final = FinalCheckpoint(out_dir / "checkpoints" / "last.ckpt")  # before the export: it can finish from it
-    cost = CostEstimate()
-    own_callbacks = [history, *([budget_cb] if budget_cb else []), final, exporter, stopper, cost]
-    trainer = _build_trainer(cfg, out_dir, trainer_cfg, strategy, own_callbacks, callbacks)
+    own = _own_callbacks(cfg, settings, module, loaded, tiny, base_params)
+    trainer = _build_trainer(cfg, out_dir, trainer_cfg, strategy, own.in_order(), callbacks)
     if rank_zero:  # everything loaded: from here on the folder belongs to these settings
         record_fingerprint(out_dir, fingerprint)
         atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
 
     start = time.perf_counter()
-    finished = fit_until_sigterm(trainer, module, data, resume_from, stopper)
-    if exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
-        history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
+    finished = fit_until_sigterm(trainer, module, data, resume_from, own.stopper)
+    if own.exporter.finish_from_checkpoint(trainer, loaded.model, resume_from):
+        own.history.start_step = trainer.global_step  # the fit loop was skipped: no step ran in this process
     seconds = time.perf_counter() - start
     if trainer.is_global_zero:
-        summary = _summary(cfg, settings, trainer, module, exporter, history, budget_cb, seconds, base_params)
-        summary["cost_estimate"] = cost.estimate
-        _report(summary, exporter, out_dir, export_dir)
+        summary = _summary(cfg, settings, trainer, module, own.exporter, own.history, own.budget, seconds, base_params)
+        summary["cost_estimate"] = own.cost.estimate
+        _report(summary, own.exporter, out_dir, export_dir)
     if not finished:
         exit_after_sigterm()  # stopped by SIGTERM: exit 143 now, as a scheduler expects
     return export_dir
@@ -268,6 +259,17 @@ def _already_finished(cfg: DictConfig, out_dir: Path, export_dir: Path, fingerpr
     )
     print(f"checkpoint (already trained): {export_dir}")
     return True
+
+
+def _resume_checkpoint(cfg: DictConfig, out_dir: Path, rank_zero: bool) -> str | None:
+    """The checkpoint the fit resumes from (None: a fresh start); on rank 0 a folder a kill left mid sharded save
+    is recovered first, and a corrupt checkpoint is refused before the model loads."""
+    if rank_zero:
+        recover_checkpoint_folder(out_dir / "checkpoints" / "last.ckpt")
+    resume_from = resolve_resume(cfg, out_dir)
+    if rank_zero:
+        verify_resume_checkpoint(resume_from)
+    return resume_from
 
 
 def _training_data(cfg: DictConfig, tiny: dict | None) -> tuple[dict[str, Any], Any]:
@@ -346,6 +348,48 @@ def _export_metadata(cfg: DictConfig, settings: TrainConfig, loaded, tiny: dict 
         base_model=cfg.model.name_or_path,
         base_tiny=tiny,
         base_num_parameters=base_params,
+    )
+
+
+@dataclass
+class _OwnCallbacks:
+    """The callbacks every run adds, which the fit and the summary read afterwards."""
+
+    history: LossHistory
+    exporter: HFExport
+    budget: ComputeBudget | None
+    stopper: GracefulStop
+    final: FinalCheckpoint
+    cost: CostEstimate
+
+    def in_order(self) -> list[Callback]:
+        """The order the trainer runs them in: the final checkpoint before the export, which can finish from it."""
+        return [
+            self.history,
+            *([self.budget] if self.budget else []),
+            self.final,
+            self.exporter,
+            self.stopper,
+            self.cost,
+        ]
+
+
+def _own_callbacks(
+    cfg: DictConfig, settings: TrainConfig, module: MarsModule, loaded, tiny: dict | None, base_params: int
+) -> _OwnCallbacks:
+    """The run's own callbacks: loss history, HF export, compute budget, SIGTERM stop, final checkpoint, cost."""
+    out_dir = Path(cfg.output_dir)
+    history = LossHistory(out_dir, settings.plots)
+    exporter = HFExport(
+        Path(cfg.export_dir), loaded.tokenizer, _export_metadata(cfg, settings, loaded, tiny, base_params)
+    )
+    return _OwnCallbacks(
+        history=history,
+        exporter=exporter,
+        budget=_attach_budget(settings.budget, module, exporter),
+        stopper=GracefulStop(out_dir / "checkpoints" / "last.ckpt", settings.stop_grace_seconds),
+        final=FinalCheckpoint(out_dir / "checkpoints" / "last.ckpt"),
+        cost=CostEstimate(),
     )
 
 

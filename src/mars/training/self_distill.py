@@ -263,17 +263,8 @@ def build(
     device = resolve_device("auto")
     dtype = resolve_dtype_name(settings.dtype, device)
     fp = fingerprint(model_fingerprint(model_name, tiny), settings, dtype)
-    folder = cache_folder(fp, settings.root)
-    meta_path, rows_path = folder / "meta.json", folder / "rows.jsonl"
-    if meta_path.is_file():
-        if json.loads(meta_path.read_text()).get("fingerprint") != fp:
-            raise ValueError(
-                f"{folder} holds self-distilled data of another model or decoding setting; "
-                "delete it or choose distill.root"
-            )
-    folder.mkdir(parents=True, exist_ok=True)
-    if not meta_path.is_file():
-        atomic_write_json(meta_path, {"fingerprint": fp})
+    folder = _claim_cache(cache_folder(fp, settings.root), fp)
+    rows_path = folder / "rows.jsonl"
     set_hash = prompt_set_hash(prompts)[:16]
     set_rows, set_meta = folder / "sets" / f"{set_hash}.jsonl", folder / "sets" / f"{set_hash}.json"
     if set_meta.is_file() and json.loads(set_meta.read_text()).get("complete") and set_rows.is_file():
@@ -300,6 +291,22 @@ def build(
     return DistillResult(folder, set_rows, stats)
 
 
+def _claim_cache(folder: Path, fp: dict[str, Any]) -> Path:
+    """``folder``, created with a meta.json recording ``fp``; one recording another fingerprint is refused (its
+    answers are another model's or decoding's)."""
+    meta_path = folder / "meta.json"
+    if meta_path.is_file():
+        if json.loads(meta_path.read_text()).get("fingerprint") != fp:
+            raise ValueError(
+                f"{folder} holds self-distilled data of another model or decoding setting; "
+                "delete it or choose distill.root"
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    if not meta_path.is_file():
+        atomic_write_json(meta_path, {"fingerprint": fp})
+    return folder
+
+
 def _shipped_rows(name: str, fp: dict[str, Any]) -> dict[tuple[str, str], dict]:
     """Answers committed under data/self_distill/<name>/ for exactly this fingerprint (else none)."""
     folder = SHIPPED / name
@@ -312,6 +319,8 @@ def _shipped_rows(name: str, fp: dict[str, Any]) -> dict[tuple[str, str], dict]:
 
 
 def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress, loaded) -> tuple[int, float]:
+    """Answer ``todo`` with the model (loaded here unless ``loaded`` is given), appending each batch's rows to
+    ``rows_path`` as it finishes; returns the tokens generated and the seconds spent generating them."""
     import torch
     from tqdm.auto import tqdm
 
@@ -343,27 +352,33 @@ def _answer(model_name, todo, settings, rows_path, dtype, device, tiny, progress
             )
             seconds += time.perf_counter() - t0
             generated += out.stats.generated_tokens
-            rows = []
-            for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
-                finished = reason == "eos"
-                rows.append(
-                    {
-                        "id": p["id"],
-                        "prompt_sha": prompt_hash(p["prompt"]),
-                        **{k: p[k] for k in ("source", "category") if k in p},
-                        "messages": [
-                            {"role": "user", "content": p["prompt"]},
-                            {"role": "assistant", "content": text.strip()},
-                        ],
-                        "finished": finished,
-                        "response_tokens": len(ids) - int(finished),
-                    }
-                )
-            append_jsonl(rows_path, rows)
+            append_jsonl(rows_path, _answered_rows(batch, out))
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{generated / max(seconds, 1e-9):.1f}")
     bar.close()
     return generated, seconds
+
+
+def _answered_rows(batch: list[dict[str, Any]], out) -> list[dict[str, Any]]:
+    """One training row per prompt of ``batch`` with the model's answer from ``generate``'s result ``out``: the
+    chat turns, whether the answer ended with EOS and its length in tokens (EOS not counted)."""
+    rows = []
+    for p, text, ids, reason in zip(batch, out.texts, out.token_ids, out.finish_reasons):
+        finished = reason == "eos"
+        rows.append(
+            {
+                "id": p["id"],
+                "prompt_sha": prompt_hash(p["prompt"]),
+                **{k: p[k] for k in ("source", "category") if k in p},
+                "messages": [
+                    {"role": "user", "content": p["prompt"]},
+                    {"role": "assistant", "content": text.strip()},
+                ],
+                "finished": finished,
+                "response_tokens": len(ids) - int(finished),
+            }
+        )
+    return rows
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,15 +1,16 @@
-"""mars.decoding.calibration: the fit against known temperatures, the ECE by hand, and the stored calibration's
-round trip through mars_config.json and the model loader, with its refusals."""
+"""mars.calibration: the fit against known temperatures, the ECE by hand, the draft acceptance table from ranks, and
+the stored records' round trip through mars_config.json and the model loader, with their refusals."""
 
 import dataclasses
 import json
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from mars.decoding import calibration as cal
+from mars import calibration as cal
 from mars.metadata import MarsMetadata, read_metadata, write_metadata
 
 
@@ -113,7 +114,7 @@ def test_a_calibration_of_another_checkpoint_or_block_size_is_refused_naming_bot
 
 def test_a_checkpoint_without_calibration_decodes_uncalibrated_and_says_so_once(tmp_path, caplog):
     folder = checkpoint_folder(tmp_path / "plain")
-    with caplog.at_level(logging.INFO, logger="mars.calibration_store"):
+    with caplog.at_level(logging.INFO, logger="mars.calibration"):
         assert cal.load_calibration(folder, 4) is None
         assert cal.load_calibration(folder, 4) is None
     said = [r for r in caplog.records if "decode uncalibrated" in r.getMessage()]
@@ -217,6 +218,18 @@ def table(folder, block_size: int = 4) -> cal.DraftAcceptance:
     return cal.DraftAcceptance(rows, block_size=block_size, checkpoint=cal.checkpoint_identity(folder), prompts=6)
 
 
+def test_the_acceptance_table_conditions_each_depth_on_the_earlier_ones():
+    ranks = np.array([[0, 0], [0, 1], [1, 0], [2, -1], [0, 3]])
+    table = cal.acceptance_table(ranks, width=2)
+    assert table[0] == [3 / 5, 4 / 5]
+    # of the 3 steps whose depth 1 is top-1 (with a depth 2), 1 is top-1
+    assert table[1][0] == pytest.approx(1 / 3, abs=1e-4)
+    assert table[1][1] == pytest.approx(3 / 4, abs=1e-4)  # of the 4 whose depth 1 is top-2 with a depth 2: 3 are top-2
+    assert cal.stored_acceptance_table({"draft_acceptance": {"conditional": table}}) == table
+    assert cal.stored_acceptance_table({"conditional": table, "prompts": 5}) == table  # the stored object itself
+    assert cal.stored_acceptance_table({"draft_acceptance": None}) is None
+
+
 def test_the_calibration_and_the_draft_acceptance_are_stored_in_one_write_and_load_back(tmp_path, monkeypatch):
     import mars.metadata
 
@@ -259,10 +272,8 @@ def test_a_malformed_draft_acceptance_table_is_refused_at_load_naming_file_and_f
     with pytest.raises(ValueError, match=rf"{path}: draft_acceptance\.conditional must be a list of 3 rows"):
         cal.load_draft_acceptance(folder, 4)
     if kind != "a table for block 8":  # (a well-formed table of 7 depths, but not this checkpoint's 3)
-        from mars.decoding.tree_choice import table_from
-
         with pytest.raises(ValueError, match=r"draft_acceptance\.conditional must be"):  # never the prior instead
-            table_from(json.loads(path.read_text()))
+            cal.stored_acceptance_table(json.loads(path.read_text()))
 
 
 def test_a_draft_acceptance_table_of_another_block_size_or_checkpoint_is_refused_naming_both(tmp_path):
