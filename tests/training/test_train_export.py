@@ -125,7 +125,8 @@ def test_the_export_folder_gets_the_permissions_of_any_saved_folder(tmp_path):
 PROMPTS = ["What is 17 times 23?", "List three colours"]
 
 
-@pytest.mark.parametrize("adapter", ["none", "lora"])  # full fine-tune; a plain LoRA merged into the export
+# full fine-tune; a plain LoRA merged into the export (the same writer: slow, beside the default suite's full one)
+@pytest.mark.parametrize("adapter", ["none", pytest.param("lora", marks=pytest.mark.slow)])
 def test_a_training_export_decodes_through_custom_generate_as_plain_greedy(compose_cfg, tiny_train_overrides, adapter):
     out = run(compose_cfg("train", tiny_train_overrides + ["trainer.max_steps=2", "block=3", f"adapter={adapter}"]))
     meta = read_metadata(out)
