@@ -298,8 +298,9 @@ class RowBatch:
             self.tensors.candidates = torch.full(shape, self.mask_id, dtype=torch.long, device=self.device)
 
     def append_drafts(self, proposal: DraftProposal | None) -> None:
-        """Place a draft source's new drafts after each row's carried ones (device and host) and count them, with
-        the distributions they came from once a row samples (``draft_log_q``)."""
+        """Place a draft source's new drafts after each row's carried ones on the device (``host.drafts`` follows at
+        the step's one host sync, as every mirror does) and count them on both, with the distributions they came
+        from once a row samples (``draft_log_q``)."""
         if proposal is None:
             return
         tensors, host, need = self.tensors, self.host, proposal.need
@@ -309,7 +310,6 @@ class RowBatch:
         padded = torch.cat([tensors.drafts, tensors.drafts[:, :1]], dim=1)  # the last column takes the unused
         slots_device = torch.as_tensor(slots, device=self.device)
         tensors.drafts = padded.scatter_(1, slots_device, proposal.tokens)[:, : self.max_drafts]
-        host.drafts = tensors.drafts.cpu().numpy().copy()
         host.draft_count = carried + need
         tensors.draft_count = torch.tensor(host.draft_count, dtype=torch.long, device=self.device)
         if tensors.draft_log_q is None or proposal.log_q is None:
