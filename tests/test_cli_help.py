@@ -94,6 +94,15 @@ def test_train_py_help_lists_the_training_groups_only_and_every_key(compose_cfg)
     assert "optim.lr=1e-5" in text and "decoding." not in text
 
 
+def test_the_training_config_check_loads_no_lightning():
+    """train.py's --help and its config check read the schema alone: Lightning (seconds to load) waits for a run."""
+    import subprocess
+    import sys
+
+    code = "import sys, mars.training.config, mars.cli.help; assert 'lightning' not in sys.modules, 'lightning'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_docs_configs_lists_every_option_of_every_group():
     import re
 

@@ -141,6 +141,23 @@ def test_loss_history_draws_in_the_configured_format(tmp_path):
     assert history.png == tmp_path / "loss_curve.pdf"
 
 
+def test_the_loss_curve_is_drawn_once_per_step_it_ends_at(compose_cfg, tiny_train_overrides, monkeypatch):
+    """A checkpoint every step and the end of training: the save at the last step and the end draw one curve."""
+    from mars.training import loss_history
+    from mars.training.run import run
+
+    drawn = []
+
+    def counted(rows, path, settings):
+        drawn.append([r["step"] for r in rows])
+        return plot_losses(rows, path, settings)
+
+    plot_losses = loss_history.plot_losses
+    monkeypatch.setattr(loss_history, "plot_losses", counted)
+    run(compose_cfg("train", tiny_train_overrides + ["trainer.max_steps=2", "checkpoint_every=1"]))
+    assert drawn == [[1], [1, 2]]
+
+
 # ------------------------------------------------------------------------------------------------
 # the loss curve
 # ------------------------------------------------------------------------------------------------

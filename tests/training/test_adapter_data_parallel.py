@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 RANK_SCRIPT = textwrap.dedent(
@@ -47,7 +48,10 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_collectives_on_two_processes(tmp_path):
+    """Every collective of the lm-eval model on 2 processes; the default suite gathers through them in
+    ``torchrun evaluate.py`` (tests/evaluation/test_evaluation.py::test_data_parallel_evaluate_py_writes_one_folder)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     torchrun = Path(sys.executable).parent / "torchrun"

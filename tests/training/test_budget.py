@@ -8,7 +8,8 @@ import torch
 from test_train_resume import StopAfter
 
 from mars.models import build_tiny_random, embedded_tokenizer, load_model
-from mars.training.budget import BudgetSettings, ComputeBudget
+from mars.training.budget import BudgetSettings
+from mars.training.budget_callback import ComputeBudget
 from mars.training.module import budget_lr_factor
 from mars.training.run import run
 

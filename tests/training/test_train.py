@@ -177,7 +177,10 @@ def test_empty_dataset_after_filtering_fails_clearly(compose_cfg, tiny_train_ove
         run(cfg)
 
 
+@pytest.mark.slow
 def test_ddp_with_two_cpu_processes(tmp_path):
+    """Lightning's DDP through train.py on 2 processes; the default suite's 2-process train.py run is FSDP's
+    (tests/training/test_train_fsdp.py), the strategy this project adds code to."""
     out = tmp_path / "ddp"
     cmd = [
         sys.executable,

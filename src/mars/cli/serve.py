@@ -18,7 +18,6 @@ from mars.paths import conf_dir  # noqa: E402
 def main(cfg: DictConfig) -> None:
     from mars.cli.preflight import check_sources, check_tree_spelling, refuse
     from mars.serving.config import ServeConfig
-    from mars.serving.server import run
 
     try:  # a model that cannot be fetched, a bad setting or stored record: one message, before the model loads
         check_tree_spelling()
@@ -26,6 +25,8 @@ def main(cfg: DictConfig) -> None:
         settings = ServeConfig.from_cfg(cfg)
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         refuse(err)
+    from mars.serving.server import run  # the server and torch load once the settings hold
+
     run(settings)
 
 

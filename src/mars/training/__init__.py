@@ -2,9 +2,10 @@
 
 The path a training run takes, one module a step: :mod:`~mars.training.config` (train.yaml, checked before
 anything loads) -> :mod:`~mars.training.data` and :mod:`~mars.training.self_distill` (rows, self-distilled
-answers) -> :mod:`~mars.training.module` (the LightningModule) with :mod:`~mars.training.masking` (the
-two-stream layout), :mod:`~mars.training.loss_terms` (its losses), :mod:`~mars.training.objectives` (their settings), :mod:`~mars.training.optim` and
-:mod:`~mars.training.precision`, :mod:`~mars.training.budget` (compute budgets) ->
+answers) -> :mod:`~mars.training.datamodule` (their batches) -> :mod:`~mars.training.module` (the LightningModule)
+with :mod:`~mars.training.masking` (the two-stream layout), :mod:`~mars.training.loss_terms` (its losses),
+:mod:`~mars.training.objectives` (their settings), :mod:`~mars.training.optim` and :mod:`~mars.training.precision`,
+:mod:`~mars.training.budget` and :mod:`~mars.training.budget_callback` (compute budgets) ->
 :mod:`~mars.training.checkpointing` (resumable Lightning checkpoints), :mod:`~mars.training.fingerprint`
 (which reruns may resume) -> :mod:`~mars.training.export` (the plain Hugging Face checkpoint) and
 :mod:`~mars.training.loss_history` (``losses.csv`` and the loss curve).  :func:`mars.training.run.run` is

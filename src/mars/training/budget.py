@@ -12,22 +12,17 @@ them.  Two clocks:
   ``OMP_WAIT_POLICY=PASSIVE`` before comparing budgets across runs (scripts/recipe_search.py does for its
   training stages; train.py leaves the wait policy to the environment).
 
-The used budget is saved in every checkpoint, so a killed run resumes with what was left.
+The used budget is saved in every checkpoint, so a killed run resumes with what was left
+(:class:`mars.training.budget_callback.ComputeBudget`, the callback that keeps the clock).  This module holds the
+settings alone and loads neither torch nor Lightning, so train.py's config check and its ``--help`` do not wait for
+Lightning to load.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-from lightning.pytorch.callbacks import Callback
-
-log = logging.getLogger(__name__)
 
 CLOCKS = ("cpu", "wall")
 # an upper bound on what a CPU core reaches in fp32 (AVX2 FMA at ~3.5 GHz); only used to refuse a
@@ -70,67 +65,3 @@ def minimum_step_seconds(num_parameters: int, tokens_per_step: int, streams: int
     """A lower bound on one training step's time on a CPU: forward + backward is ~6 FLOPs per parameter and
     token, at most ``_PEAK_FLOPS_PER_CORE`` per core."""
     return 6.0 * num_parameters * tokens_per_step * streams / (_PEAK_FLOPS_PER_CORE * max(1, cores))
-
-
-class ComputeBudget(Callback):
-    """Stops training once ``settings.minutes`` of compute are used; ``progress()`` is the share used.
-    ``on_snapshot(trainer, pl_module, minutes)`` is called once per ``settings.snapshots`` entry, after the
-    first optimizer step that uses that much of the budget (also across resumes)."""
-
-    def __init__(self, settings: BudgetSettings, on_snapshot: Callable[[Any, Any, float], None] | None = None):
-        if settings.seconds is None:
-            raise ValueError("ComputeBudget needs budget.minutes")
-        self.settings = settings
-        self.on_snapshot = on_snapshot
-        self.used = 0.0  # budget seconds consumed by finished steps, across resumes
-        self.snapshots_done: list[float] = []
-        self.exhausted = False
-        self._mark: float | None = None
-
-    @property
-    def state_key(self) -> str:
-        return "ComputeBudget"
-
-    def _now(self) -> float:
-        if self.settings.clock == "wall":
-            return time.perf_counter()
-        return time.process_time() / max(1, torch.get_num_threads())
-
-    def progress(self) -> float:
-        running = self._now() - self._mark if self._mark is not None else 0.0
-        return min(1.0, (self.used + running) / self.settings.seconds)
-
-    def on_train_start(self, trainer, pl_module):
-        self._mark = self._now()
-        if self.used >= self.settings.seconds:
-            self.exhausted = True
-            trainer.should_stop = True
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        now = self._now()
-        self.used += now - self._mark
-        for minutes in self.settings.snapshots:
-            if minutes not in self.snapshots_done and self.used >= 60.0 * minutes:
-                if self.on_snapshot is not None:
-                    self.on_snapshot(trainer, pl_module, minutes)
-                self.snapshots_done.append(minutes)
-        self._mark = self._now()  # a snapshot's export is not training compute
-        if self.used >= self.settings.seconds:
-            if not self.exhausted:
-                log.info(
-                    "compute budget of %.1f min (%s clock) used: stopping", self.settings.minutes, self.settings.clock
-                )
-            self.exhausted = True
-            trainer.should_stop = True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "used": self.used,
-            "minutes": self.settings.minutes,
-            "clock": self.settings.clock,
-            "snapshots_done": list(self.snapshots_done),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.used = float(state.get("used", 0.0))
-        self.snapshots_done = [float(m) for m in state.get("snapshots_done", [])]

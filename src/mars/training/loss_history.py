@@ -100,8 +100,8 @@ def read_losses(path: Path) -> list[dict[str, float]]:
 
 class LossHistory(Callback):
     """Logs one row per optimizer step to ``losses.csv`` (the mean over its micro-batches, see the module
-    docstring) and redraws ``loss_curve.<plots.format>`` at every checkpoint and at the end, on global
-    rank 0."""
+    docstring) and redraws ``loss_curve.<plots.format>`` at every checkpoint and at the end where a step was
+    added since the last drawing, on global rank 0."""
 
     def __init__(self, out_dir: Path, plots: PlotSettings | None = None):
         self.plots = plots or PlotSettings()
@@ -112,6 +112,7 @@ class LossHistory(Callback):
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._written = 0
+        self._drawn: int | None = None  # the step the drawn curve ends at: a save at the same step redraws nothing
 
     def on_train_start(self, trainer, pl_module):
         self.start_step = self._written = trainer.global_step
@@ -139,8 +140,9 @@ class LossHistory(Callback):
         self._draw(trainer)
 
     def _draw(self, trainer) -> None:
-        if trainer.is_global_zero and self.plots.enabled:
+        if trainer.is_global_zero and self.plots.enabled and self._drawn != self._written:
             plot_losses(read_losses(self.path), self.png, self.plots)
+            self._drawn = self._written
 
 
 __all__ = ["LOSS_COLUMNS", "LossHistory", "LossesLogger", "read_losses"]

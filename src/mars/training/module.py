@@ -137,7 +137,7 @@ class MarsModule(LossTerms, L.LightningModule):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
-        self.budget_progress = None  # set by mars.training.budget.ComputeBudget: a time-driven lr schedule
+        self.budget_progress = None  # set by mars.training.budget_callback.ComputeBudget: a time-driven lr schedule
         self.tokens_seen = 0  # tokens of the training rows (prompt + response), across resumes
         self.response_tokens_seen = 0  # of which response tokens (the ones with a loss)
         self._last_batch_time: float | None = None

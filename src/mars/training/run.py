@@ -30,7 +30,7 @@ from mars.logs import quiet_library_notices, route_lightning_logs
 from mars.metadata import is_complete
 from mars.models import load_model
 from mars.persistence import atomic_write_json, atomic_write_text, folder_lock
-from mars.training.budget import ComputeBudget
+from mars.training.budget_callback import ComputeBudget
 from mars.training.checkpointing import (
     AtomicCheckpointIO,
     FinalCheckpoint,
@@ -42,7 +42,8 @@ from mars.training.checkpointing import (
     verify_resume_checkpoint,
 )
 from mars.training.config import TrainConfig, machine_problems, validate
-from mars.training.data import InstructionDataModule, check_rows, data_file, load_rows, read_jsonl
+from mars.training.data import check_rows, data_file, load_rows, read_jsonl
+from mars.training.datamodule import InstructionDataModule
 from mars.training.export import export_from_trainer, export_lightning_checkpoint
 from mars.training.fingerprint import check_run_folder, record_fingerprint, run_fingerprint, world_size
 from mars.training.loggers import build_callbacks, build_loggers
