@@ -19,14 +19,15 @@ from mars.paths import conf_dir  # noqa: E402
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="evaluate")
 def main(cfg: DictConfig) -> None:
     from mars.cli.preflight import check_sources, check_tree_spelling, refuse
-    from mars.evaluation import run
+    from mars.evaluation import prepare, run
 
-    try:
+    try:  # a bad setting, or a model that cannot be fetched: one message, before torch loads or a folder is made
         check_tree_spelling()
-        check_sources(cfg)  # a model that cannot be fetched is refused before the results folder is made
+        check_sources(cfg)
+        plan = prepare(cfg)
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         refuse(err)
-    outcome = run(cfg)
+    outcome = run(cfg, plan=plan)
     print(outcome.table)
     print(f"results: {outcome.output_dir}")
 

@@ -15,11 +15,11 @@ from mars.evaluation.config import prepare, register_resolvers, run_name
 register_resolvers()
 
 
-def run(cfg, lm=None):
+def run(cfg, lm=None, plan=None):
     """Run or resume the evaluation described by an ``evaluate.yaml`` config (see mars.evaluation.runner)."""
     from mars.evaluation.runner import run as _run
 
-    return _run(cfg, lm=lm)
+    return _run(cfg, lm=lm, plan=plan)
 
 
 def __getattr__(name):

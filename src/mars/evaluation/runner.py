@@ -320,11 +320,12 @@ def _attach_log_file(store: ResultsDir) -> logging.Handler:
     return handler
 
 
-def run(cfg: DictConfig | dict, lm=None) -> EvalOutcome:
-    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an lm-eval model (tests, notebooks).  One process
-    per results folder (rank 0 holds its lock, as train.py's run does): a second one is refused naming the
-    first one's PID, so ``overwrite=true`` never deletes what another evaluation is writing."""
-    plan = prepare(cfg)  # every check; nothing has been written yet
+def run(cfg: DictConfig | dict, lm=None, plan: Plan | None = None) -> EvalOutcome:
+    """Run (or resume) the sweep of ``cfg``; ``lm`` reuses an lm-eval model (tests, notebooks), ``plan`` the
+    one :func:`~mars.evaluation.config.prepare` made of ``cfg``.  One process per results folder (rank 0 holds its
+    lock, as train.py's run does): a second one is refused naming the first one's PID, so ``overwrite=true``
+    never deletes what another evaluation is writing."""
+    plan = plan or prepare(cfg)  # every check; nothing has been written yet
     store = ResultsDir(plan.output_dir)
     rank = _rank()
     if rank != 0:
