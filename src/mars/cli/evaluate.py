@@ -21,7 +21,7 @@ def main(cfg: DictConfig) -> None:
     from mars.cli.preflight import check_sources, check_tree_spelling, refuse
     from mars.evaluation import prepare, run
 
-    try:  # a bad setting, or a model that cannot be fetched: one message, before torch loads or a folder is made
+    try:  # a bad setting, or a model that cannot be fetched: one message, before the model loads or a folder is made
         check_tree_spelling()
         check_sources(cfg)
         plan = prepare(cfg)
