@@ -42,7 +42,7 @@ from mars.serving.config import CPU_STEP_COLUMNS, ServeConfig
 # ------------------------------------------------------------------------------------------------------
 # equivalence with offline generate
 # ------------------------------------------------------------------------------------------------------
-async def _request(c, i, prompt, delay, max_tokens, kind):
+async def _request(c, i, prompt, delay, max_tokens, kind, on_chunk=lambda: None):
     await asyncio.sleep(delay)
     extra = {"return_token_ids": True}
     if kind in ("completion", "completion-stream"):
@@ -54,6 +54,7 @@ async def _request(c, i, prompt, delay, max_tokens, kind):
         )
         text, ids, last = "", [], None
         async for ch in stream:
+            on_chunk()
             text += ch.choices[0].text
             ids += ch.model_extra["mars"]["token_ids"]
             last = ch.model_extra["mars"]
@@ -76,23 +77,38 @@ async def _request(c, i, prompt, delay, max_tokens, kind):
 
 
 def test_threshold_one_equals_offline_generate_whatever_the_arrival_pattern(loaded, server):
-    kinds = ["completion", "chat-stream", "chat", "completion-stream"]
-    # one long request first; the others arrive while it runs (and queue: 7 requests, 4 rows), with
+    kinds = ["completion-stream", "completion", "chat-stream", "chat"]
+    # one long streamed request first; the others are sent once it has streamed its first token, so
+    # they join its running batch however fast the machine is (and queue: 7 requests, 4 rows), with
     # different budgets so rows leave and join at different steps
-    plan = [(p, 0.0 if i == 0 else 0.03 * i, 80 if i == 0 else 6 + 4 * i, kinds[i % 4]) for i, p in enumerate(PROMPTS)]
+    plan = [(p, 0.0 if i == 0 else 0.01 * i, 160 if i == 0 else 6 + 4 * i, kinds[i % 4]) for i, p in enumerate(PROMPTS)]
     expected = [offline(loaded, server, p, n, chat=k.startswith("chat")) for p, _, n, k in plan]
 
     async def main():
         c = aclient(server)
-        return await asyncio.gather(*[_request(c, i, p, d, n, k) for i, (p, d, n, k) in enumerate(plan)])
+        first_token = asyncio.Event()
+        sent, chunk_times = {}, []
 
-    served = asyncio.run(main())
+        async def one(i, p, d, n, k):
+            if i:
+                await first_token.wait()
+                await asyncio.sleep(d)
+                sent[i] = time.monotonic()
+                return await _request(c, i, p, 0.0, n, k)
+            return await _request(
+                c, i, p, 0.0, n, k, on_chunk=lambda: (chunk_times.append(time.monotonic()), first_token.set())
+            )
+
+        served = await asyncio.gather(*[one(i, *step) for i, step in enumerate(plan)])
+        return served, sent, chunk_times
+
+    served, sent, chunk_times = asyncio.run(main())
     for (text, ids, mars), (ref_text, ref_ids), (p, _d, _n, k) in zip(served, expected, plan):
         assert ids == ref_ids, (p, k)
         assert text == ref_text, (p, k)
         assert mars["threshold"] == 1.0 and mars["tokens_per_forward"] == 1.0
-    # the late requests really joined a running batch: the first one was still decoding when they arrived
-    assert served[0][2]["latency_seconds"] > plan[-1][1]
+    # the late requests really joined a running batch: the first one was still streaming after the last was sent
+    assert chunk_times[-1] > max(sent.values())
 
 
 def test_streaming_reassembles_the_non_streamed_text_with_multi_token_steps(loaded):
