@@ -74,6 +74,15 @@ def test_depth_decay_and_reach_weights_follow_the_block_grid():
     w = reach._depth_weights(layout, sel, label_p.log())
     expected = [1, 0.5, 0.5 * 0.8, 0.5 * 0.8 * 0.1, 1, 0.2, 0.2 * 0.3, 0.2 * 0.3 * 0.4]
     torch.testing.assert_close(w, torch.tensor(expected))
+    # under bf16-true precision the default dtype is bf16 and the masks' log-probabilities are bf16
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        w16 = reach._depth_weights(layout, sel, label_p.log().bfloat16())
+    finally:
+        torch.set_default_dtype(default)
+    assert w16.dtype == torch.float32
+    torch.testing.assert_close(w16, torch.tensor(expected), atol=1e-2, rtol=1e-2)
 
 
 def test_row_block_sizes_and_offsets_move_the_block_boundaries_only():

@@ -91,7 +91,8 @@ class LossTerms:
         depth = layout.depth()
         if self.objective.depth_weighting == "decay":
             return self.objective.depth_decay ** depth[sel].float()
-        logp = torch.zeros(sel.shape, device=sel.device)
+        # float32 whatever the default dtype (bf16-true precision makes it bf16): a product of many probabilities
+        logp = torch.zeros(sel.shape, device=sel.device, dtype=torch.float32)
         logp[sel] = label_logp.float()
         reach = torch.zeros_like(logp)  # log of the chance to reach each column
         biggest = int(layout.block_size.max()) if isinstance(layout.block_size, torch.Tensor) else layout.block_size
