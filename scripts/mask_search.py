@@ -62,16 +62,20 @@ def load_spec(path: Path, variants: str | None, long: str | None) -> dict[str, A
     names = [v["name"] for v in spec["variants"]]
     if len(set(names)) != len(names):
         raise SystemExit(f"{path}: variant names must be unique, got {names}")
-    for key in ("steps", "long_steps", "rank"):
+    for key in ("steps", "rank"):
         if not isinstance(spec.get(key), int) or spec[key] < 1:
             raise SystemExit(f"{path}: {key} must be a positive integer, got {spec.get(key)!r}")
+    minutes = spec.get("long_minutes")
+    if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0:
+        raise SystemExit(f"{path}: long_minutes must be a positive number of CPU minutes, got {minutes!r}")
     for v in spec["variants"]:
         v["steps"] = spec["steps"]
     if long:
         if long not in names:
             raise SystemExit(f"--long {long}: not a variant of {path} ({', '.join(names)})")
         chosen = dict(next(v for v in spec["variants"] if v["name"] == long))
-        chosen.update(name=f"{long}_long", steps=spec["long_steps"], lever=f"{chosen['lever']} (longer run)")
+        lever = f"{chosen['lever']} (longer run: {spec['long_minutes']} CPU minutes)"
+        chosen.update(name=f"{long}_long", steps=None, minutes=spec["long_minutes"], lever=lever)
         spec["variants"].append(chosen)
         variants = chosen["name"]
     if variants:
@@ -86,12 +90,22 @@ def load_spec(path: Path, variants: str | None, long: str | None) -> dict[str, A
 
 
 def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
-    """The Hydra overrides of a variant's training stage (``python train.py <these>``)."""
+    """The Hydra overrides of a variant's training stage (``python train.py <these>``): a compared variant trains
+    for the search's number of steps, the longer run for a compute budget (CPU clock), so that it fits a session on
+    whatever machine it runs on."""
+    minutes = variant.get("minutes")
+    length = (
+        [f"budget.minutes={minutes}", "trainer.max_steps=-1"]
+        if minutes
+        else [
+            "budget.minutes=null",
+            f"trainer.max_steps={variant['steps']}",
+        ]
+    )
     return [
         *spec["common"],
         *variant["overrides"],
-        "budget.minutes=null",
-        f"trainer.max_steps={variant['steps']}",
+        *length,
         f"run_name=ms-{variant['name']}",
         f"output_dir={work / variant['name'] / 'train'}",
     ]
@@ -433,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(CONFIG))
     p.add_argument("--variants", help="comma-separated subset of the config's variants")
-    p.add_argument("--long", metavar="VARIANT", help="the longer run of one variant (long_steps), as <variant>_long")
+    p.add_argument("--long", metavar="VARIANT", help="the longer run of one variant (long_minutes), as <variant>_long")
     p.add_argument("--work", default=str(REPO / "outputs" / "mask_search"))
     p.add_argument("--results", default=str(REPO / "results" / "mask_search"))
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -20,19 +20,20 @@ def spec_file(tmp_path, **changes):
     return path
 
 
-def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_is_its_own_variant(tmp_path):
-    spec = search.load_spec(spec_file(tmp_path, steps=123, long_steps=456), None, None)
+def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_a_cpu_budget(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path, steps=123, long_minutes=45), None, None)
     commands = [search.train_overrides(v, tmp_path, spec) for v in spec["selected"]]
     assert len(commands) == 4 and all("trainer.max_steps=123" in c and "budget.minutes=null" in c for c in commands)
-    long = search.load_spec(spec_file(tmp_path, steps=123, long_steps=456), None, "soft")
+    long = search.load_spec(spec_file(tmp_path, steps=123, long_minutes=45), None, "soft")
     (chosen,) = long["selected"]
-    assert chosen["name"] == "soft_long" and "trainer.max_steps=456" in search.train_overrides(chosen, tmp_path, long)
+    overrides = search.train_overrides(chosen, tmp_path, long)
+    assert chosen["name"] == "soft_long" and "budget.minutes=45" in overrides and "trainer.max_steps=-1" in overrides
     assert "objective=mars_gated_soft" in chosen["overrides"]
 
 
-@pytest.mark.parametrize("changes", [{"steps": 0}, {"rank": "8"}, {"long_steps": None}])
+@pytest.mark.parametrize("changes", [{"steps": 0}, {"rank": "8"}, {"long_minutes": None}, {"long_minutes": 0}])
 def test_a_bad_length_is_refused(tmp_path, changes):
-    with pytest.raises(SystemExit, match="positive integer"):
+    with pytest.raises(SystemExit, match="positive (integer|number)"):
         search.load_spec(spec_file(tmp_path, **changes), None, None)
 
 
