@@ -51,7 +51,7 @@ lint: $(STAMP)
 # end-to-end tests do not leave one worker running alone at the end. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=8
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

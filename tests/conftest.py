@@ -1,5 +1,6 @@
 """Shared fixtures: compose the Hydra configs exactly as the entry points do."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,16 @@ from hydra import compose, initialize_config_dir
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 TINY_SFT = REPO / "tests" / "data" / "tiny_sft.jsonl"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The machine the suite ran on, beside its time (the suite's time budget is per CPU kind)."""
+    from mars.hardware import describe
+
+    d = describe()
+    terminalreporter.write_line(
+        f"machine: {d['cpu']} ({d['cpu_capability']}), {os.cpu_count()} CPUs, torch {d['torch']}"
+    )
 
 
 @pytest.fixture
