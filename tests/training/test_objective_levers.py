@@ -177,3 +177,29 @@ def test_bad_levers_fail_naming_the_field(bad, match):
 def test_gated_adapter_refuses_an_ar_term():
     with pytest.raises(ValueError, match="alpha"):
         module(Objective("mars", alpha=1.0), AdapterSettings(kind="gated_lora"))
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        {"depth_weighting": "decay"},
+        {"depth_weighting": "reach", "certainty_weight": 0.5},
+        {"unlikelihood_weight": 0.5},
+        {"block_choices": (2, 3, 5), "block_offset": "random"},
+        {"mask_targets": "clean_soft", "depth_weighting": "reach", "certainty_weight": 0.5},
+    ],
+)
+def test_every_lever_takes_a_bf16_true_step(levers):
+    """bf16-true precision (the CPU default where the CPU has bf16): bf16 weights and a bf16 default dtype."""
+    m = module(Objective("mars", alpha=0.0, **levers), AdapterSettings(kind="gated_lora", rank=4))
+    m.model.to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        out = m.losses(ragged_batch(), generator=torch.Generator().manual_seed(7))
+        out["loss"].backward()
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.isfinite(out["loss"])
+    grads = [p.grad for p in m.model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
