@@ -55,6 +55,30 @@ def test_a_checkpoint_with_a_bad_stored_record_is_refused_before_the_results_fol
         preflight.check_sources(compose_cfg("evaluate", [f"checkpoint={folder}"]))
 
 
+@pytest.mark.parametrize("entry", ["evaluate", "serve"])
+def test_a_model_named_beside_the_default_adapter_of_another_base_is_refused(compose_cfg, entry):
+    """The default checkpoint is the embedded model's adapter, which brings its base: naming another model beside
+    it would decode the embedded model under the other model's name."""
+    with pytest.raises(
+        ValueError, match="would decode embedded:smollm2-135m, not /data/other-model; set checkpoint=null"
+    ):
+        preflight.check_sources(compose_cfg(entry, ["model.name_or_path=/data/other-model"]))
+    preflight.check_default_checkpoint(compose_cfg(entry, ["model.name_or_path=/data/other-model", "checkpoint=null"]))
+    preflight.check_default_checkpoint(compose_cfg(entry, ["model=qwen2.5-0.5b"]))  # no default adapter: its own
+
+
+def test_a_model_typed_beside_an_adapter_of_another_base_is_refused_on_the_command_line(tmp_path):
+    from mars.paths import bundled_path
+
+    adapter = bundled_path("bundled:adapters/smollm2-135m-mars-rank8")
+    cmd = [sys.executable, str(REPO / "serve.py"), f"checkpoint={adapter}", "model.name_or_path=/data/other-model"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: model.name_or_path=/data/other-model beside the checkpoint "), lines[-3:]
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
 def stub(folder):
     (folder / ".hydra").mkdir(parents=True)
     for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):

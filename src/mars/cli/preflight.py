@@ -61,16 +61,52 @@ def model_sources(cfg: DictConfig | dict[str, Any]) -> list[str]:
     return sources
 
 
+def _typed(key: str) -> bool:
+    """Whether the command line set ``key`` (False outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return False
+    return any(item.lstrip("+~").partition("=")[0] == key for item in HydraConfig.get().overrides.task)
+
+
+def check_default_checkpoint(cfg: DictConfig | dict[str, Any]) -> None:
+    """Refuse (``ValueError``) a ``model.name_or_path`` that is not the base of the adapter checkpoint decoded, where
+    the checkpoint is the model's default (``model.reference_checkpoint``) or the command line named the model
+    (``model.name_or_path=``): the adapter brings its base, so the run would decode that base, not the model
+    named."""
+    from mars.adapters import read_adapter_meta
+    from mars.paths import bundled_path
+
+    cfg = _config(cfg)
+    checkpoint = OmegaConf.select(cfg, "checkpoint")
+    named = OmegaConf.select(cfg, "model.name_or_path")
+    default = checkpoint is not None and checkpoint == OmegaConf.select(cfg, "model.reference_checkpoint")
+    if not checkpoint or not named or not (default or _typed("model.name_or_path")):
+        return
+    folder = bundled_path(checkpoint)
+    base = (read_adapter_meta(folder) or {}).get("base_model") if Path(folder).is_dir() else None
+    if base and str(base) != str(named):
+        which = "the default checkpoint" if default else "the checkpoint"
+        raise ValueError(
+            f"model.name_or_path={named} beside {which} {checkpoint}, an adapter of {base}: the run would decode "
+            f"{base}, not {named}; set checkpoint=null to take {named} as it is, or checkpoint=<a MARS checkpoint "
+            f"of {named}>"
+        )
+
+
 def check_sources(cfg: DictConfig | dict[str, Any]) -> None:
     """Refuse (``ConnectionError``, ``FileNotFoundError`` or ``ValueError``, naming the model and the ways out) a
-    model of :func:`model_sources` that cannot be fetched: a hub id neither reachable nor cached, a folder that is
-    no model folder; and a checkpoint whose stored calibration or draft acceptance table the loader would refuse
+    model named beside a default checkpoint of another base (:func:`check_default_checkpoint`); a model of
+    :func:`model_sources` that cannot be fetched: a hub id neither reachable nor cached, a folder that is no model
+    folder; and a checkpoint whose stored calibration or draft acceptance table the loader would refuse
     (:func:`mars.calibration.check_stored_records`)."""
     from mars.calibration import check_stored_records
     from mars.metadata import read_metadata
     from mars.models import check_model_source
     from mars.paths import bundled_path
 
+    check_default_checkpoint(cfg)
     for name in model_sources(cfg):
         check_model_source(name)
     checkpoint = bundled_path(OmegaConf.select(_config(cfg), "checkpoint"))
@@ -155,4 +191,12 @@ def refuse(err: BaseException) -> None:
     sys.exit(REFUSED_STATUS)
 
 
-__all__ = ["check_sources", "check_tree_spelling", "is_stub", "model_sources", "refuse", "remove_stub"]
+__all__ = [
+    "check_default_checkpoint",
+    "check_sources",
+    "check_tree_spelling",
+    "is_stub",
+    "model_sources",
+    "refuse",
+    "remove_stub",
+]
