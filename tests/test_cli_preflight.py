@@ -76,6 +76,7 @@ def test_a_model_typed_beside_an_adapter_of_another_base_is_refused_on_the_comma
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: model.name_or_path=/data/other-model beside the checkpoint "), lines[-3:]
+    assert "leave model.name_or_path out to decode embedded:smollm2-135m" in lines[-1]
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
 

@@ -61,19 +61,19 @@ def model_sources(cfg: DictConfig | dict[str, Any]) -> list[str]:
     return sources
 
 
-def _typed(key: str) -> bool:
-    """Whether the command line set ``key`` (False outside a Hydra job)."""
+def _typed(*keys: str) -> bool:
+    """Whether the command line set one of ``keys`` (False outside a Hydra job)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return False
-    return any(item.lstrip("+~").partition("=")[0] == key for item in HydraConfig.get().overrides.task)
+    return any(item.lstrip("+~").partition("=")[0] in keys for item in HydraConfig.get().overrides.task)
 
 
 def check_default_checkpoint(cfg: DictConfig | dict[str, Any]) -> None:
     """Refuse (``ValueError``) a ``model.name_or_path`` that is not the base of the adapter checkpoint decoded, where
-    the checkpoint is the model's default (``model.reference_checkpoint``) or the command line named the model
-    (``model.name_or_path=``): the adapter brings its base, so the run would decode that base, not the model
+    the checkpoint is the model's default (``model.reference_checkpoint``) or the command line typed
+    ``model.name_or_path=``: the adapter brings its base, so the run would decode that base, not the model
     named."""
     from mars.adapters import read_adapter_meta
     from mars.paths import bundled_path
@@ -88,10 +88,11 @@ def check_default_checkpoint(cfg: DictConfig | dict[str, Any]) -> None:
     base = (read_adapter_meta(folder) or {}).get("base_model") if Path(folder).is_dir() else None
     if base and str(base) != str(named):
         which = "the default checkpoint" if default else "the checkpoint"
+        keep = "" if default else f"leave model.name_or_path out to decode {base} with it, "
         raise ValueError(
-            f"model.name_or_path={named} beside {which} {checkpoint}, an adapter of {base}: the run would decode "
-            f"{base}, not {named}; set checkpoint=null to take {named} as it is, or checkpoint=<a MARS checkpoint "
-            f"of {named}>"
+            f"model.name_or_path={named} beside {which} {checkpoint}, an adapter of {base}: the adapter brings its "
+            f"base, so the run would decode {base}, not {named}; {keep}set checkpoint=null to take {named} as it "
+            f"is, or checkpoint=<a MARS checkpoint of {named}>"
         )
 
 
