@@ -315,11 +315,49 @@ def _interval(p: dict | None, key: str, scale: float = 1.0, digits: int = 2) -> 
     return text if lo is None or hi is None else f"{text} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
 
 
+COMPARED_TREES = ("chain", "1")  # the layouts whose mean accepted tokens decide the winner
+REFERENCE = "reference"
+NEAR_TIE = 0.01  # winners this close on accepted tokens are told apart by quality at the lowest threshold
+
+
+def _accepted(row: dict) -> float:
+    return sum(row["verify"][t]["mean_acceptance_length"] for t in COMPARED_TREES) / len(COMPARED_TREES)
+
+
+def gains(row: dict, reference: dict | None) -> str:
+    """Mean accepted tokens with each compared layout, relative to the reference recipe's."""
+    if reference is None or row is reference:
+        return "–"
+    parts = []
+    for t in COMPARED_TREES:
+        ours, theirs = row["verify"][t]["mean_acceptance_length"], reference["verify"][t]["mean_acceptance_length"]
+        parts.append(f"{100 * (ours / theirs - 1):+.1f}%")
+    return " / ".join(parts)
+
+
+def winner(rows: list[dict], spec: dict) -> dict | None:
+    """The compared variant with the most mean accepted tokens over the compared layouts; within
+    :data:`NEAR_TIE` of it, the one that loses least quality at the lowest threshold."""
+    compared = [r for r in rows if not r["variant"].endswith("_long")]
+    if not compared:
+        return None
+    best = max(_accepted(r) for r in compared)
+    near = [r for r in compared if _accepted(r) >= best * (1 - NEAR_TIE)]
+    lowest = str(min(spec["thresholds"]))
+
+    def quality(r: dict) -> float:
+        q = r["quality"].get(lowest) or {}
+        return q.get("compare_ar_delta") if q.get("compare_ar_delta") is not None else float("-inf")
+
+    return max(near, key=lambda r: (quality(r), _accepted(r)))
+
+
 def comparison_table(rows: list[dict], spec: dict) -> str:
     trees = spec["trees"]
+    reference = next((r for r in rows if r["variant"] == REFERENCE), None)
     head = ["variant", "steps", "depth-1 top-1", "depth-1 top-2", "depth-2 top-1"]
     head += [f"verify `{t}`: accepted (tok/fwd)" for t in trees]
-    head += ["identical"]
+    head += ["identical", f"accepted vs {REFERENCE} ({' / '.join(f'`{t}`' for t in COMPARED_TREES)})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"**{r['variant']}**", str(r["steps"]), _pct(r["depth1_top1"]), _pct(r["depth1_top2"])]
@@ -329,6 +367,7 @@ def comparison_table(rows: list[dict], spec: dict) -> str:
             for t in trees
         ]
         cells.append(", ".join(f"{r['verify'][t]['identical_outputs']}/{r['verify'][t]['prompts']}" for t in trees))
+        cells.append(gains(r, reference))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -389,6 +428,25 @@ def learning_curves(results: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
+def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
+    best = winner(rows, spec)
+    if best is None:
+        return []
+    reference = next((r for r in rows if r["variant"] == REFERENCE), None)
+    name = best["variant"]
+    lines = [
+        f"**Winner at equal steps: {name}** (accepted tokens vs {REFERENCE}, "
+        f"{' / '.join(f'`{t}`' for t in COMPARED_TREES)}: {gains(best, reference)}; the most mean accepted tokens "
+        f"over those layouts, a tie within {100 * NEAR_TIE:.0f}% going to the smaller quality loss at tau "
+        f"{min(spec['thresholds'])})."
+    ]
+    if not (results / f"{name}_long" / FIGURES).is_file():
+        lines.append(
+            f"Its longer run ({spec['long_minutes']} CPU minutes): `python scripts/mask_search.py --long {name}`."
+        )
+    return [*lines, ""]
+
+
 def report(spec: dict, results: Path) -> None:
     rows = []
     for v in spec["variants"]:
@@ -439,6 +497,8 @@ def report(spec: dict, results: Path) -> None:
     ]
     if missing:
         text += [f"Not measured yet: {', '.join(missing)} (`python scripts/mask_search.py` continues).", ""]
+    else:
+        text += winner_lines(rows, spec, results)
     atomic_write_text(results / "README.md", "\n".join(text))
     print(f"report: {results / 'README.md'} ({len(rows)} variants)", flush=True)
 

@@ -52,8 +52,9 @@ def test_every_variant_composes_as_train_py_would_compose_it(tmp_path):
         search.check_variants(bad, tmp_path)
 
 
-def fake_stage_outputs(work, name, spec):
-    """The files each stage writes, as the tools write them."""
+def fake_stage_outputs(work, name, spec, lift=0.0, delta=-0.05):
+    """The files each stage writes, as the tools write them (``lift``: added to the mean accepted tokens;
+    ``delta``: the quality change from the base at every threshold)."""
     root = work / name
     (root / "train").mkdir(parents=True)
     summary = {"global_step": 400, "tokens_seen": 640000, "seconds_per_step": 6.0, "final": {"loss_mask": 2.5}}
@@ -75,7 +76,7 @@ def fake_stage_outputs(work, name, spec):
             w = csv.writer(f)
             w.writerow(["category", "prompts", "mean_acceptance_length", "tokens_per_forward", "draft_acceptance_rate"])
             w.writerow(["math", 2, 2.0, 1.9, 0.5] + [])
-            w.writerow(["overall", 16, 1.6 + i / 10, 1.5 + i / 10, 0.6])
+            w.writerow(["overall", 16, 1.6 + i / 10 + lift, 1.5 + i / 10, 0.6])
         rows = list(csv.reader((folder / "spec.csv").open()))
         with (folder / "spec.csv").open("w") as f:
             w = csv.writer(f)
@@ -86,7 +87,7 @@ def fake_stage_outputs(work, name, spec):
     (root / "probe.json").write_text(json.dumps(probe))
     (root / "eval").mkdir()
     points = [{"task": "Average", "threshold": t, "tokens_per_forward": 1.2, "tokens_per_forward_lo": 1.1,
-               "tokens_per_forward_hi": 1.3, "compare_ar_delta": -0.05, "fidelity": 0.9} for t in spec["thresholds"]]  # fmt: skip
+               "tokens_per_forward_hi": 1.3, "compare_ar_delta": delta, "fidelity": 0.9} for t in spec["thresholds"]]  # fmt: skip
     (root / "eval" / "points.json").write_text(json.dumps(points))
 
 
@@ -127,3 +128,22 @@ def test_a_trained_but_unmeasured_variant_is_measured_elsewhere_without_training
     assert search.restore_training(variant, elsewhere, results, spec)
     assert (elsewhere / "soft" / "rank8" / "mars_config.json").is_file()
     assert (elsewhere / "soft" / "train" / "losses.csv").read_text().startswith("step,loss")
+
+
+def test_with_every_variant_measured_the_report_names_the_winner_and_its_longer_run(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path), None, None)
+    work, results = tmp_path / "work", tmp_path / "results"
+    # soft and soft_reach_certainty tie on accepted tokens (within 1%); soft loses less quality
+    figures = {"reference": (0.0, -0.08), "soft_certainty": (0.05, -0.05), "soft": (0.16, -0.02)}
+    figures["soft_reach_certainty"] = (0.17, -0.04)
+    for variant in spec["selected"]:
+        lift, delta = figures[variant["name"]]
+        fake_stage_outputs(work, variant["name"], spec, lift=lift, delta=delta)
+        search.publish(variant, work, results, spec)
+    search.report(spec, results)
+    readme = (results / "README.md").read_text()
+    assert "Not measured yet" not in readme
+    # chain: 1.76 / 1.60, `1`: 1.86 / 1.70
+    assert "**Winner at equal steps: soft** (accepted tokens vs reference, `chain` / `1`: +10.0% / +9.4%" in readme
+    assert "`python scripts/mask_search.py --long soft`" in readme
+    assert "| **reference** | 400 |" in readme and readme.count("| – |") >= 1
