@@ -94,14 +94,9 @@ def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
     for the search's number of steps, the longer run for a compute budget (CPU clock), so that it fits a session on
     whatever machine it runs on."""
     minutes = variant.get("minutes")
-    length = (
-        [f"budget.minutes={minutes}", "trainer.max_steps=-1"]
-        if minutes
-        else [
-            "budget.minutes=null",
-            f"trainer.max_steps={variant['steps']}",
-        ]
-    )
+    length = [f"budget.minutes={minutes}", "trainer.max_steps=-1"]
+    if not minutes:
+        length = ["budget.minutes=null", f"trainer.max_steps={variant['steps']}"]
     return [
         *spec["common"],
         *variant["overrides"],
