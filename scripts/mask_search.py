@@ -312,6 +312,7 @@ def _interval(p: dict | None, key: str, scale: float = 1.0, digits: int = 2) -> 
 
 COMPARED_TREES = ("chain", "1")  # the layouts whose mean accepted tokens decide the winner
 REFERENCE = "reference"
+GAIN_TARGET = 0.10  # the gain in mean accepted tokens over the reference that the search looks for
 NEAR_TIE = 0.01  # winners this close on accepted tokens are told apart by quality at the lowest threshold
 
 
@@ -328,6 +329,25 @@ def gains(row: dict, reference: dict | None) -> str:
         ours, theirs = row["verify"][t]["mean_acceptance_length"], reference["verify"][t]["mean_acceptance_length"]
         parts.append(f"{100 * (ours / theirs - 1):+.1f}%")
     return " / ".join(parts)
+
+
+def _category_accepted(results: Path, variant: str, tree: str) -> dict[str, float]:
+    rows = list(csv.DictReader((results / variant / f"spec_{tree_folder(tree)}.csv").open()))
+    return {r["category"]: float(r["mean_acceptance_length"]) for r in rows[:-1]}  # the aggregate row comes last
+
+
+def gain_interval(results: Path, variant: str, tree: str, resamples: int = 4000) -> tuple[float, float, float, int]:
+    """The change of mean accepted tokens from the reference, paired by prompt category (the mean over categories
+    of each, the same prompts in both): the point, a 95% bootstrap interval over the categories, their number."""
+    import numpy as np
+
+    ours, theirs = _category_accepted(results, variant, tree), _category_accepted(results, REFERENCE, tree)
+    shared = sorted(set(ours) & set(theirs))
+    a, b = np.array([ours[c] for c in shared]), np.array([theirs[c] for c in shared])
+    picks = np.random.default_rng(0).integers(0, len(shared), size=(resamples, len(shared)))
+    ratios = a[picks].mean(1) / b[picks].mean(1) - 1
+    interval = np.quantile(ratios, [0.025, 0.975])
+    return float(a.mean() / b.mean() - 1), float(interval[0]), float(interval[1]), len(shared)
 
 
 def winner(rows: list[dict], spec: dict) -> dict | None:
@@ -435,6 +455,15 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
         f"over those layouts, a tie within {100 * NEAR_TIE:.0f}% going to the smaller quality loss at tau "
         f"{min(spec['thresholds'])})."
     ]
+    if reference is not None and best is not reference:
+        paired, categories = [], 0
+        for t in COMPARED_TREES:
+            mid, lo, hi, categories = gain_interval(results, name, t)
+            paired.append(f"`{t}` {100 * mid:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+        lines.append(
+            f"Paired by prompt category (the mean of the {categories} category means, 95% bootstrap interval over "
+            f"the categories): {'; '.join(paired)}; the target is +{100 * GAIN_TARGET:.0f}% on both."
+        )
     if not (results / f"{name}_long" / FIGURES).is_file():
         lines.append(
             f"Its longer run ({spec['long_minutes']} CPU minutes): `python scripts/mask_search.py --long {name}`."
@@ -483,7 +512,13 @@ def report(spec: dict, results: Path) -> None:
         f"(`{spec['unseen_prompts']}`). A calibrated tau keeps its word when the unseen fidelity is near tau.",
         "",
         frontier_table(rows, spec),
-        "Learning curves: learning_curves.png (and each variant's loss_curve.png).",
+        "Learning curves: learning_curves.png (and each variant's loss_curve.png)."
+        + (
+            " A depth-weighted mask loss (`depth_weighting`) counts the later depths less, so its curve lies lower by"
+            " construction: compare the curves' shapes, not their levels."
+            if any("depth_weighting" in o for r in rows for o in r["overrides"])
+            else ""
+        ),
         "",
         "## Variants",
         "",
