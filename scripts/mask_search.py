@@ -472,13 +472,10 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
 
 
 def report(spec: dict, results: Path) -> None:
-    rows = []
-    for v in spec["variants"]:
-        path = results / v["name"] / FIGURES
-        if path.is_file():
-            rows.append(json.loads(path.read_text()))
-    missing = [v["name"] for v in spec["variants"] if not (results / v["name"] / FIGURES).is_file()]
-    missing = [m for m in missing if not m.endswith("_long")]
+    compared = [v["name"] for v in spec["variants"] if not v["name"].endswith("_long")]
+    names = [*compared, *(f"{name}_long" for name in compared)]  # a published longer run, whichever command ran
+    rows = [json.loads((results / n / FIGURES).read_text()) for n in names if (results / n / FIGURES).is_file()]
+    missing = [n for n in compared if not (results / n / FIGURES).is_file()]
     if rows:
         learning_curves(results, rows)
     machines = sorted({f"{r['machine'].get('cpu')} ({r['machine'].get('cpu_capability')})" for r in rows})

@@ -150,3 +150,19 @@ def test_with_every_variant_measured_the_report_names_the_winner_and_its_longer_
     assert "the mean of the 1 category means" in readme and "`chain` +8.0% [+8.0, +8.0]" in readme
     assert "its curve lies lower by construction" in readme  # soft_reach_certainty weights its depths
     assert "| **reference** | 400 |" in readme and readme.count("| – |") >= 1
+
+
+def test_a_published_longer_run_stays_in_the_report_whichever_command_writes_it(tmp_path):
+    spec = search.load_spec(spec_file(tmp_path), None, None)
+    work, results = tmp_path / "work", tmp_path / "results"
+    for variant in spec["selected"]:
+        fake_stage_outputs(work, variant["name"], spec, lift=0.1 if variant["name"] == "soft" else 0.0)
+        search.publish(variant, work, results, spec)
+    long = search.load_spec(spec_file(tmp_path), None, "soft")
+    (chosen,) = long["selected"]
+    fake_stage_outputs(work, chosen["name"], long, lift=0.3)
+    search.publish(chosen, work, results, long)
+    search.report(spec, results)  # --report-only, without --long
+    readme = (results / "README.md").read_text()
+    assert "| **soft_long** |" in readme and "**Winner at equal steps: soft**" in readme
+    assert "--long soft`" not in readme  # its longer run is published
