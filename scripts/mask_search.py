@@ -41,6 +41,7 @@ import yaml
 from mars.hardware import WAIT_POLICY, describe, wait_policy_chosen
 from mars.persistence import atomic_write_text
 from mars.pipeline import Stages, complete_checkpoint, has_points, reuse_base_reference
+from mars.training.budget import CLOCKS
 from mars.training.config import check_train_overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,15 +68,18 @@ def load_spec(path: Path, variants: str | None, long: str | None) -> dict[str, A
             raise SystemExit(f"{path}: {key} must be a positive integer, got {spec.get(key)!r}")
     minutes = spec.get("long_minutes")
     if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0:
-        raise SystemExit(f"{path}: long_minutes must be a positive number of CPU minutes, got {minutes!r}")
+        raise SystemExit(f"{path}: long_minutes must be a positive number of minutes, got {minutes!r}")
+    if spec.get("long_clock") not in CLOCKS:
+        raise SystemExit(f"{path}: long_clock must be one of {CLOCKS}, got {spec.get('long_clock')!r}")
     for v in spec["variants"]:
         v["steps"] = spec["steps"]
     if long:
         if long not in names:
             raise SystemExit(f"--long {long}: not a variant of {path} ({', '.join(names)})")
         chosen = dict(next(v for v in spec["variants"] if v["name"] == long))
-        lever = f"{chosen['lever']} (longer run: {spec['long_minutes']} CPU minutes)"
+        lever = f"{chosen['lever']} (longer run: {spec['long_minutes']} minutes, {spec['long_clock']} clock)"
         chosen.update(name=f"{long}_long", steps=None, minutes=spec["long_minutes"], lever=lever)
+        chosen["clock"] = spec["long_clock"]
         spec["variants"].append(chosen)
         variants = chosen["name"]
     if variants:
@@ -91,10 +95,10 @@ def load_spec(path: Path, variants: str | None, long: str | None) -> dict[str, A
 
 def train_overrides(variant: dict, work: Path, spec: dict) -> list[str]:
     """The Hydra overrides of a variant's training stage (``python train.py <these>``): a compared variant trains
-    for the search's number of steps, the longer run for a compute budget (CPU clock), so that it fits a session on
-    whatever machine it runs on."""
+    for the search's number of steps, the longer run for a compute budget (``long_minutes`` on ``long_clock``), so
+    that it fits a session on whatever machine it runs on."""
     minutes = variant.get("minutes")
-    length = [f"budget.minutes={minutes}", "trainer.max_steps=-1"]
+    length = [f"budget.minutes={minutes}", f"budget.clock={variant.get('clock')}", "trainer.max_steps=-1"]
     if not minutes:
         length = ["budget.minutes=null", f"trainer.max_steps={variant['steps']}"]
     return [
@@ -466,7 +470,8 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
         )
     if not (results / f"{name}_long" / FIGURES).is_file():
         lines.append(
-            f"Its longer run ({spec['long_minutes']} CPU minutes): `python scripts/mask_search.py --long {name}`."
+            f"Its longer run ({spec['long_minutes']} minutes, {spec['long_clock']} clock): "
+            f"`python scripts/mask_search.py --long {name}`."
         )
     return [*lines, ""]
 

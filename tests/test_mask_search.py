@@ -28,12 +28,15 @@ def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_a_cpu_bu
     (chosen,) = long["selected"]
     overrides = search.train_overrides(chosen, tmp_path, long)
     assert chosen["name"] == "soft_long" and "budget.minutes=45" in overrides and "trainer.max_steps=-1" in overrides
+    assert "budget.clock=wall" in overrides  # conf/mask_search.yaml's long_clock
     assert "objective=mars_gated_soft" in chosen["overrides"]
 
 
-@pytest.mark.parametrize("changes", [{"steps": 0}, {"rank": "8"}, {"long_minutes": None}, {"long_minutes": 0}])
+@pytest.mark.parametrize(
+    "changes", [{"steps": 0}, {"rank": "8"}, {"long_minutes": None}, {"long_minutes": 0}, {"long_clock": "cpus"}]
+)
 def test_a_bad_length_is_refused(tmp_path, changes):
-    with pytest.raises(SystemExit, match="positive (integer|number)"):
+    with pytest.raises(SystemExit, match="positive (integer|number)|long_clock must be one of"):
         search.load_spec(spec_file(tmp_path, **changes), None, None)
 
 
