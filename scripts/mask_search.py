@@ -498,9 +498,10 @@ def report(spec: dict, results: Path) -> None:
         "",
         "## Lossless verify and the masks' acceptance",
         "",
-        f"Verify on {spec['spec_per_category']} held-out prompts per category (`data/prompts/heldout.jsonl`, 8 "
-        f"categories, {spec['max_new_tokens']} new tokens, batch 1, greedy): mean accepted tokens per draft step "
-        "(vLLM's mean acceptance length) and tokens per forward; *identical*: outputs equal to greedy AR. "
+        "Verify on the first held-out prompts of each category (`data/prompts/heldout.jsonl`, 8 categories, "
+        f"{spec['max_new_tokens']} new tokens, batch 1, greedy): mean accepted tokens per draft step (vLLM's mean "
+        "acceptance length) and tokens per forward; *identical*: outputs equal to greedy AR, out of the run's "
+        "prompts. "
         "Depth-k top-j: teacher-forced share of steps whose greedy token is among the depth's top j, given the "
         f"earlier depths' were (the calibration pass, {spec['calibrate_prompts']} held-out prompts).",
         "",
@@ -527,6 +528,8 @@ def report(spec: dict, results: Path) -> None:
         *[f"- **{v['name']}**: {v.get('lever', '')} (`{' '.join(v['overrides'])}`)" for v in spec["variants"]],
         "",
     ]
+    if (results / "verify48" / "README.md").is_file():
+        text += ["On three times the prompts: [verify48/README.md](verify48/README.md).", ""]
     if missing:
         text += [f"Not measured yet: {', '.join(missing)} (`python scripts/mask_search.py` continues).", ""]
     else:
