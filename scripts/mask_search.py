@@ -320,6 +320,10 @@ GAIN_TARGET = 0.10  # the gain in mean accepted tokens over the reference that t
 NEAR_TIE = 0.01  # winners this close on accepted tokens are told apart by quality at the lowest threshold
 
 
+def _reference(rows: list[dict]) -> dict | None:
+    return next((r for r in rows if r["variant"] == REFERENCE), None)
+
+
 def _accepted(row: dict) -> float:
     return sum(row["verify"][t]["mean_acceptance_length"] for t in COMPARED_TREES) / len(COMPARED_TREES)
 
@@ -373,7 +377,7 @@ def winner(rows: list[dict], spec: dict) -> dict | None:
 
 def comparison_table(rows: list[dict], spec: dict) -> str:
     trees = spec["trees"]
-    reference = next((r for r in rows if r["variant"] == REFERENCE), None)
+    reference = _reference(rows)
     head = ["variant", "steps", "depth-1 top-1", "depth-1 top-2", "depth-2 top-1"]
     head += [f"verify `{t}`: accepted (tok/fwd)" for t in trees]
     head += ["identical", f"accepted vs {REFERENCE} ({' / '.join(f'`{t}`' for t in COMPARED_TREES)})"]
@@ -451,7 +455,7 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
     best = winner(rows, spec)
     if best is None:
         return []
-    reference = next((r for r in rows if r["variant"] == REFERENCE), None)
+    reference = _reference(rows)
     name = best["variant"]
     lines = [
         f"**Winner at equal steps: {name}** (accepted tokens vs {REFERENCE}, "

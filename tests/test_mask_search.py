@@ -20,7 +20,7 @@ def spec_file(tmp_path, **changes):
     return path
 
 
-def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_a_cpu_budget(tmp_path):
+def test_every_variant_trains_the_same_number_of_steps_and_the_long_run_a_compute_budget(tmp_path):
     spec = search.load_spec(spec_file(tmp_path, steps=123, long_minutes=45), None, None)
     commands = [search.train_overrides(v, tmp_path, spec) for v in spec["selected"]]
     assert len(commands) == 4 and all("trainer.max_steps=123" in c and "budget.minutes=null" in c for c in commands)

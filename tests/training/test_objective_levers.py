@@ -1,5 +1,7 @@
 """The levers of mars.training.objectives against hand computations, and the gated step against the joint forward."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,17 @@ from mars.training.module import IGNORE, MarsModule, NoisyLayout
 from mars.training.objectives import Objective
 
 MASK_ID = 3
+
+
+@contextlib.contextmanager
+def bf16_default_dtype():
+    """The default dtype bf16-true precision sets, restored afterwards."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def module(objective: Objective, adapter: AdapterSettings | None = None, block: int = 4, seed: int = 0):
@@ -75,12 +88,8 @@ def test_depth_decay_and_reach_weights_follow_the_block_grid():
     expected = [1, 0.5, 0.5 * 0.8, 0.5 * 0.8 * 0.1, 1, 0.2, 0.2 * 0.3, 0.2 * 0.3 * 0.4]
     torch.testing.assert_close(w, torch.tensor(expected))
     # under bf16-true precision the default dtype is bf16 and the masks' log-probabilities are bf16
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    with bf16_default_dtype():
         w16 = reach._depth_weights(layout, sel, label_p.log().bfloat16())
-    finally:
-        torch.set_default_dtype(default)
     assert w16.dtype == torch.float32
     torch.testing.assert_close(w16, torch.tensor(expected), atol=1e-2, rtol=1e-2)
 
@@ -193,13 +202,9 @@ def test_every_lever_takes_a_bf16_true_step(levers):
     """bf16-true precision (the CPU default where the CPU has bf16): bf16 weights and a bf16 default dtype."""
     m = module(Objective("mars", alpha=0.0, **levers), AdapterSettings(kind="gated_lora", rank=4))
     m.model.to(torch.bfloat16)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    with bf16_default_dtype():
         out = m.losses(ragged_batch(), generator=torch.Generator().manual_seed(7))
         out["loss"].backward()
-    finally:
-        torch.set_default_dtype(default)
     assert torch.isfinite(out["loss"])
     grads = [p.grad for p in m.model.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -61,13 +61,18 @@ def model_sources(cfg: DictConfig | dict[str, Any]) -> list[str]:
     return sources
 
 
-def _typed(*keys: str) -> bool:
-    """Whether the command line set one of ``keys`` (False outside a Hydra job)."""
+def typed_overrides() -> dict[str, str]:
+    """The keys the command line set, with their values as typed (empty outside a Hydra job)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return False
-    return any(item.lstrip("+~").partition("=")[0] in keys for item in HydraConfig.get().overrides.task)
+        return {}
+    typed = {}
+    for item in HydraConfig.get().overrides.task:
+        key, sep, value = item.lstrip("+~").partition("=")
+        if sep:
+            typed[key] = value.strip().strip("'\"")
+    return typed
 
 
 def check_default_checkpoint(cfg: DictConfig | dict[str, Any]) -> None:
@@ -82,7 +87,7 @@ def check_default_checkpoint(cfg: DictConfig | dict[str, Any]) -> None:
     checkpoint = OmegaConf.select(cfg, "checkpoint")
     named = OmegaConf.select(cfg, "model.name_or_path")
     default = checkpoint is not None and checkpoint == OmegaConf.select(cfg, "model.reference_checkpoint")
-    if not checkpoint or not named or not (default or _typed("model.name_or_path")):
+    if not checkpoint or not named or not (default or "model.name_or_path" in typed_overrides()):
         return
     folder = bundled_path(checkpoint)
     base = (read_adapter_meta(folder) or {}).get("base_model") if Path(folder).is_dir() else None
@@ -119,17 +124,11 @@ def check_sources(cfg: DictConfig | dict[str, Any]) -> None:
 def check_tree_spelling() -> None:
     """``decoding.tree`` as the command line spelled it: Hydra reads ``decoding.tree=1_0`` as the integer 10 (its
     grammar, like Python's, allows digit separators), so the typed text is checked by the tree parser itself."""
-    from hydra.core.hydra_config import HydraConfig
-
     from mars.decoding.settings import tree_shape
 
-    if not HydraConfig.initialized():
-        return
-    for item in HydraConfig.get().overrides.task:
-        key, sep, value = item.lstrip("+~").partition("=")
-        value = value.strip().strip("'\"")
-        if sep and key == "decoding.tree" and not value.startswith("["):
-            tree_shape(value)
+    value = typed_overrides().get("decoding.tree")
+    if value is not None and not value.startswith("["):
+        tree_shape(value)
 
 
 def in_multirun() -> bool:
