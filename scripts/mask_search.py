@@ -328,19 +328,35 @@ def _accepted(row: dict) -> float:
     return sum(row["verify"][t]["mean_acceptance_length"] for t in COMPARED_TREES) / len(COMPARED_TREES)
 
 
-def gains(row: dict, reference: dict | None) -> str:
-    """Mean accepted tokens with each compared layout, relative to the reference recipe's."""
-    if reference is None or row is reference:
+def reference_table(results: Path, tree: str, prompts: int) -> Path | None:
+    """The reference recipe's spec table with a layout on ``prompts`` prompts: the search's own run, or its
+    re-measurement on more prompts (``verify48/``), so that a row is only ever compared on the same prompts."""
+    for path in (results / REFERENCE / f"spec_{tree_folder(tree)}.csv",
+                 results / "verify48" / f"{REFERENCE}_{tree_folder(tree)}.csv"):  # fmt: skip
+        if path.is_file() and int(list(csv.DictReader(path.open()))[-1]["prompts"]) == prompts:
+            return path
+    return None
+
+
+def _overall_accepted(table: Path) -> float:
+    return float(list(csv.DictReader(table.open()))[-1]["mean_acceptance_length"])  # the aggregate row comes last
+
+
+def gains(row: dict, results: Path) -> str:
+    """Mean accepted tokens with each compared layout, relative to the reference recipe's on the same prompts."""
+    if row["variant"] == REFERENCE:
         return "–"
     parts = []
     for t in COMPARED_TREES:
-        ours, theirs = row["verify"][t]["mean_acceptance_length"], reference["verify"][t]["mean_acceptance_length"]
-        parts.append(f"{100 * (ours / theirs - 1):+.1f}%")
+        table = reference_table(results, t, row["verify"][t]["prompts"])
+        if table is None:
+            return "–"
+        parts.append(f"{100 * (row['verify'][t]['mean_acceptance_length'] / _overall_accepted(table) - 1):+.1f}%")
     return " / ".join(parts)
 
 
-def _category_accepted(results: Path, variant: str, tree: str) -> dict[str, float]:
-    rows = list(csv.DictReader((results / variant / f"spec_{tree_folder(tree)}.csv").open()))
+def _category_accepted(table: Path) -> dict[str, float]:
+    rows = list(csv.DictReader(table.open()))
     return {r["category"]: float(r["mean_acceptance_length"]) for r in rows[:-1]}  # the aggregate row comes last
 
 
@@ -349,13 +365,24 @@ def gain_interval(results: Path, variant: str, tree: str, resamples: int = 4000)
     of each, the same prompts in both): the point, a 95% bootstrap interval over the categories, their number."""
     import numpy as np
 
-    ours, theirs = _category_accepted(results, variant, tree), _category_accepted(results, REFERENCE, tree)
+    table = results / variant / f"spec_{tree_folder(tree)}.csv"
+    prompts = int(list(csv.DictReader(table.open()))[-1]["prompts"])
+    ours, theirs = _category_accepted(table), _category_accepted(reference_table(results, tree, prompts))
     shared = sorted(set(ours) & set(theirs))
     a, b = np.array([ours[c] for c in shared]), np.array([theirs[c] for c in shared])
     picks = np.random.default_rng(0).integers(0, len(shared), size=(resamples, len(shared)))
     ratios = a[picks].mean(1) / b[picks].mean(1) - 1
     interval = np.quantile(ratios, [0.025, 0.975])
     return float(a.mean() / b.mean() - 1), float(interval[0]), float(interval[1]), len(shared)
+
+
+def paired_gains(results: Path, variant: str) -> tuple[str, int]:
+    """:func:`gain_interval` with each compared layout, as text, and the number of categories paired."""
+    parts, categories = [], 0
+    for t in COMPARED_TREES:
+        mid, lo, hi, categories = gain_interval(results, variant, t)
+        parts.append(f"`{t}` {100 * mid:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    return "; ".join(parts), categories
 
 
 def winner(rows: list[dict], spec: dict) -> dict | None:
@@ -375,9 +402,8 @@ def winner(rows: list[dict], spec: dict) -> dict | None:
     return max(near, key=lambda r: (quality(r), _accepted(r)))
 
 
-def comparison_table(rows: list[dict], spec: dict) -> str:
+def comparison_table(rows: list[dict], spec: dict, results: Path) -> str:
     trees = spec["trees"]
-    reference = _reference(rows)
     head = ["variant", "steps", "depth-1 top-1", "depth-1 top-2", "depth-2 top-1"]
     head += [f"verify `{t}`: accepted (tok/fwd)" for t in trees]
     head += ["identical", f"accepted vs {REFERENCE} ({' / '.join(f'`{t}`' for t in COMPARED_TREES)})"]
@@ -390,7 +416,7 @@ def comparison_table(rows: list[dict], spec: dict) -> str:
             for t in trees
         ]
         cells.append(", ".join(f"{r['verify'][t]['identical_outputs']}/{r['verify'][t]['prompts']}" for t in trees))
-        cells.append(gains(r, reference))
+        cells.append(gains(r, results))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -459,20 +485,24 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
     name = best["variant"]
     lines = [
         f"**Winner at equal steps: {name}** (accepted tokens vs {REFERENCE}, "
-        f"{' / '.join(f'`{t}`' for t in COMPARED_TREES)}: {gains(best, reference)}; the most mean accepted tokens "
+        f"{' / '.join(f'`{t}`' for t in COMPARED_TREES)}: {gains(best, results)}; the most mean accepted tokens "
         f"over those layouts, a tie within {100 * NEAR_TIE:.0f}% going to the smaller quality loss at tau "
         f"{min(spec['thresholds'])})."
     ]
     if reference is not None and best is not reference:
-        paired, categories = [], 0
-        for t in COMPARED_TREES:
-            mid, lo, hi, categories = gain_interval(results, name, t)
-            paired.append(f"`{t}` {100 * mid:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+        paired, categories = paired_gains(results, name)
         lines.append(
             f"Paired by prompt category (the mean of the {categories} category means, 95% bootstrap interval over "
-            f"the categories): {'; '.join(paired)}; the target is +{100 * GAIN_TARGET:.0f}% on both."
+            f"the categories): {paired}; the target is +{100 * GAIN_TARGET:.0f}% on both."
         )
-    if not (results / f"{name}_long" / FIGURES).is_file():
+    long = next((r for r in rows if r["variant"] == f"{name}_long"), None)
+    if long is not None and reference is not None and gains(long, results) != "–":
+        lines.append(
+            f"Its longer run ({long['steps']} steps, {long['steps'] / reference['steps']:.1f}x the compared "
+            f"compute) against the reference recipe on the same {long['verify'][COMPARED_TREES[0]]['prompts']} "
+            f"prompts, paired by category: {paired_gains(results, long['variant'])[0]}."
+        )
+    if long is None:
         lines.append(
             f"Its longer run ({spec['long_minutes']} minutes, {spec['long_clock']} clock): "
             f"`python scripts/mask_search.py --long {name}`."
@@ -509,7 +539,7 @@ def report(spec: dict, results: Path) -> None:
         "Depth-k top-j: teacher-forced share of steps whose greedy token is among the depth's top j, given the "
         f"earlier depths' were (the calibration pass, {spec['calibrate_prompts']} held-out prompts).",
         "",
-        comparison_table(rows, spec),
+        comparison_table(rows, spec, results),
         "## The lossy frontier at calibrated thresholds",
         "",
         f"Quality suite ({spec['quality_limit']} samples per task, fp32): tokens per forward and the paired change "

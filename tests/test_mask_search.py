@@ -169,3 +169,5 @@ def test_a_published_longer_run_stays_in_the_report_whichever_command_writes_it(
     readme = (results / "README.md").read_text()
     assert "| **soft_long** |" in readme and "**Winner at equal steps: soft**" in readme
     assert "--long soft`" not in readme  # its longer run is published
+    # compared with the reference on the same prompts only (the fake tables: 16 prompts, one category)
+    assert "Its longer run (400 steps, 1.0x the compared compute) against the reference recipe on the same 16" in readme
