@@ -333,25 +333,26 @@ def reference_table(results: Path, tree: str, prompts: int) -> Path | None:
     re-measurement on more prompts (``verify48/``), so that a row is only ever compared on the same prompts."""
     for path in (results / REFERENCE / f"spec_{tree_folder(tree)}.csv",
                  results / "verify48" / f"{REFERENCE}_{tree_folder(tree)}.csv"):  # fmt: skip
-        if path.is_file() and int(list(csv.DictReader(path.open()))[-1]["prompts"]) == prompts:
+        if path.is_file() and _overall(path)["prompts"] == prompts:
             return path
     return None
 
 
-def _overall_accepted(table: Path) -> float:
-    return float(list(csv.DictReader(table.open()))[-1]["mean_acceptance_length"])  # the aggregate row comes last
+def comparable(row: dict, results: Path) -> bool:
+    """Whether the reference was measured on the row's prompts with every compared layout (and is not the row)."""
+    return row["variant"] != REFERENCE and all(
+        reference_table(results, t, row["verify"][t]["prompts"]) is not None for t in COMPARED_TREES
+    )
 
 
 def gains(row: dict, results: Path) -> str:
     """Mean accepted tokens with each compared layout, relative to the reference recipe's on the same prompts."""
-    if row["variant"] == REFERENCE:
+    if not comparable(row, results):
         return "–"
     parts = []
     for t in COMPARED_TREES:
-        table = reference_table(results, t, row["verify"][t]["prompts"])
-        if table is None:
-            return "–"
-        parts.append(f"{100 * (row['verify'][t]['mean_acceptance_length'] / _overall_accepted(table) - 1):+.1f}%")
+        theirs = _overall(reference_table(results, t, row["verify"][t]["prompts"]))["mean_acceptance_length"]
+        parts.append(f"{100 * (row['verify'][t]['mean_acceptance_length'] / theirs - 1):+.1f}%")
     return " / ".join(parts)
 
 
@@ -366,8 +367,8 @@ def gain_interval(results: Path, variant: str, tree: str, resamples: int = 4000)
     import numpy as np
 
     table = results / variant / f"spec_{tree_folder(tree)}.csv"
-    prompts = int(list(csv.DictReader(table.open()))[-1]["prompts"])
-    ours, theirs = _category_accepted(table), _category_accepted(reference_table(results, tree, prompts))
+    ours = _category_accepted(table)
+    theirs = _category_accepted(reference_table(results, tree, _overall(table)["prompts"]))
     shared = sorted(set(ours) & set(theirs))
     a, b = np.array([ours[c] for c in shared]), np.array([theirs[c] for c in shared])
     picks = np.random.default_rng(0).integers(0, len(shared), size=(resamples, len(shared)))
@@ -496,7 +497,7 @@ def winner_lines(rows: list[dict], spec: dict, results: Path) -> list[str]:
             f"the categories): {paired}; the target is +{100 * GAIN_TARGET:.0f}% on both."
         )
     long = next((r for r in rows if r["variant"] == f"{name}_long"), None)
-    if long is not None and reference is not None and gains(long, results) != "–":
+    if long is not None and reference is not None and comparable(long, results):
         lines.append(
             f"Its longer run ({long['steps']} steps, {long['steps'] / reference['steps']:.1f}x the compared "
             f"compute) against the reference recipe on the same {long['verify'][COMPARED_TREES[0]]['prompts']} "
