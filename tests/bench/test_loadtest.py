@@ -140,3 +140,31 @@ def test_a_load_test_runs_end_to_end_from_another_folder(tmp_path, monkeypatch):
     assert levels[0]["failed"] == "0" and levels[0]["agreement_exact"] == "1.0"
     assert "Burst: 8 simultaneous requests" in (tmp_path / "lt" / "table.md").read_text()
     assert (tmp_path / "lt" / "server_logs" / "tau1.0" / "server.log").is_file()
+
+
+@pytest.mark.slow  # a real server start: about 17 s
+def test_a_load_test_killed_with_sigterm_stops_its_servers(tmp_path):
+    """``kill`` on a running load test (SIGTERM, as a job scheduler sends it) stops the ``mars-serve`` it started
+    rather than leaving it serving on a loopback port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from mars.bench.loadtest_client import ServerProcess, servers_stopped_on_exit\n"
+        "servers = {'tau1.0': ServerProcess(['model=tiny-random'], Path(sys.argv[1]))}\n"
+        "with servers_stopped_on_exit(servers):\n"
+        "    servers['tau1.0'].wait_ready(120)\n"
+        "    print(servers['tau1.0'].proc.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    client = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    server_pid = int(client.stdout.readline())
+    os.kill(server_pid, 0)  # the server is up
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(90) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)

@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 
 from mars.bench import cli_options
-from mars.bench.loadtest_client import Result, ServerProcess, burst, run_level, schedule, wait_idle
+from mars.bench.loadtest_client import (
+    Result,
+    ServerProcess,
+    burst,
+    run_level,
+    schedule,
+    servers_stopped_on_exit,
+    wait_idle,
+)
 from mars.bench.loadtest_report import fmt, pct, reference_outputs, summarise, write_outputs
 from mars.paths import data_dir
 
@@ -261,11 +269,8 @@ def main(argv=None) -> None:
     # meets the same background load.
     common = server_overrides(args)
     servers = {p: ServerProcess(common + POLICIES[p], out / "server_logs" / p) for p in args.policies}
-    try:
+    with servers_stopped_on_exit(servers, say):
         levels, traces, bursts = run_levels(servers, args, prompts, say)
-    finally:
-        for p, server in servers.items():
-            say(f"{p}: server stopped (exit {server.stop()})")
     results = [r for _, _, res in levels for r in res]  # in the order they ran
     levels.sort(key=lambda x: (args.policies.index(x[0]), x[1]))
     reference, consistency = reference_outputs(results)

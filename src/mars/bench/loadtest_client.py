@@ -6,6 +6,7 @@ statistics sampled during a level, and a burst past the queue limit.  Every wait
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import socket
@@ -102,6 +103,23 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def servers_stopped_on_exit(servers: dict[str, ServerProcess], say=lambda msg: None):
+    """Stop every server when the block ends, however it ends: a SIGTERM (``kill``, a job scheduler) exits
+    through here as it does for Ctrl-C, so no ``mars-serve`` outlives the load test that started it."""
+
+    def exit_on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield servers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for name, server in servers.items():
+            say(f"{name}: server stopped (exit {server.stop()})")
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int, r: Result, timeout: float) -> Result:
