@@ -115,7 +115,7 @@ def servers_stopped_on_exit(servers: dict[str, ServerProcess], say=lambda msg: N
 
     previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
-        yield servers
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)
         for name, server in servers.items():
