@@ -46,3 +46,10 @@ def test_each_run_is_held_against_its_own_ar_and_the_fastest_ar():
 def test_without_timing_no_speed_figure_is_shown():
     text = table(_report(), timing=False)
     assert _row(text, "project verify")[2:5] == ["-", "-", "-"]
+
+
+def test_verify_names_its_draft_layout_and_shows_only_the_depths_it_drafts():
+    report = _report()
+    report["project"][1] |= {"tree": "1", "acceptance_by_position": [0.5, 0.0, 0.0]}
+    row = _row(table(report, timing=False), "project verify (tree `1`)")
+    assert row[5:7] == ["1.50", "0.50"]

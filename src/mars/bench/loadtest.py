@@ -268,8 +268,10 @@ def main(argv=None) -> None:
     # policies, rate by rate, in rotating order: on a machine shared with other jobs, every policy then
     # meets the same background load.
     common = server_overrides(args)
-    servers = {p: ServerProcess(common + POLICIES[p], out / "server_logs" / p) for p in args.policies}
-    with servers_stopped_on_exit(servers, say):
+    servers: dict[str, ServerProcess] = {}
+    with servers_stopped_on_exit(servers, say):  # filled inside: a failed start stops the ones before it
+        for p in args.policies:
+            servers[p] = ServerProcess(common + POLICIES[p], out / "server_logs" / p)
         levels, traces, bursts = run_levels(servers, args, prompts, say)
     results = [r for _, _, res in levels for r in res]  # in the order they ran
     levels.sort(key=lambda x: (args.policies.index(x[0]), x[1]))

@@ -51,9 +51,11 @@ def project_runs(lm, prompts, max_tokens: int, ks: list[int]) -> list[dict[str, 
         # as vLLM's start-up and warm-up do
         generate(lm.model, lm.tokenizer, [prompts[0]], max_new_tokens=8, **kwargs)
         outputs, tokens, forwards, seconds, drafts, accepted, by_position = [], 0, 0, 0.0, 0, 0, []
+        layouts = set()
         for prompt in prompts:
             stats = (result := generate(lm.model, lm.tokenizer, [prompt], max_new_tokens=max_tokens, **kwargs)).stats
             outputs.append(result.token_ids[0])
+            layouts.add(stats.extra.get("tree"))
             tokens, forwards, seconds = (
                 tokens + stats.generated_tokens,
                 forwards + stats.forwards,
@@ -75,6 +77,7 @@ def project_runs(lm, prompts, max_tokens: int, ks: list[int]) -> list[dict[str, 
                 "tokens_per_forward": tokens / forwards if forwards else None,
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "acceptance_by_position": [c / drafts for c in by_position] if drafts else None,
+                "tree": " ".join(sorted(t for t in layouts if t)) or None,  # verify's draft layout (auto's choice)
             }
         )
     return runs
@@ -139,9 +142,14 @@ def table(report: dict[str, Any], timing: bool) -> str:
         )
     for run in report["project"]:
         same = sum(a == b for a, b in zip(run["outputs"], ar))
+        layout, by_position = "", run["acceptance_by_position"]
+        if run.get("tree") and run["tree"] != "chain":
+            # a tree drafts len(shape) depths; the counters hold a slot for every mask of the block
+            layout, depths = f" (tree `{run['tree']}`)", max(len(t.split(",")) for t in run["tree"].split())
+            by_position = by_position[:depths] if by_position else by_position
         lines.append(
-            f"| {run['name']} | {same}/{len(ar)} | {timed(run['name'], run)} | "
-            f"{_fmt(run['mean_acceptance_length'])} | {_fmt(run['acceptance_by_position'])} | - | - |"
+            f"| {run['name']}{layout} | {same}/{len(ar)} | {timed(run['name'], run)} | "
+            f"{_fmt(run['mean_acceptance_length'])} | {_fmt(by_position)} | - | - |"
         )
     return "\n".join(lines) + "\n"
 
