@@ -49,6 +49,8 @@ class AdapterSettings:
     # adapt only the top N decoder layers (None = all): with mask_embedding off the backward pass stops there
     top_layers: int | None = None
     mask_embedding: bool = True  # learn a delta for the mask token's input embedding
+    # training only: start from a saved adapter's weights (warm_start_adapter), not from a fresh LoRA init
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ADAPTER_KINDS:
@@ -66,6 +68,12 @@ class AdapterSettings:
         if self.top_layers is not None and (not _is_int(self.top_layers) or self.top_layers < 1):
             raise ValueError(
                 f"adapter.top_layers must be null (all layers) or an integer >= 1, got {self.top_layers!r}"
+            )
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from.strip()):
+            raise ValueError(f"adapter.init_from must be null or an adapter folder, got {self.init_from!r}")
+        if self.init_from is not None and self.kind == "none":
+            raise ValueError(
+                "adapter.init_from starts an adapter from a saved one: it needs adapter.kind gated_lora or lora"
             )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
@@ -408,6 +416,62 @@ def load_adapter(
     return gate
 
 
+def _scaling(settings: AdapterSettings) -> float:
+    """peft's LoRA scale: alpha / rank (alpha null: 1)."""
+    return (settings.alpha if settings.alpha is not None else settings.rank) / settings.rank
+
+
+def warm_start_adapter(model: nn.Module, folder: str | os.PathLike, block_size: int | None = None) -> None:
+    """Set the fresh adapter attached to ``model`` to the one saved in ``folder``: the same kind, targets and
+    layers, at the same or a higher rank.  Each layer keeps the saved product at the saved scale (``B[:, :r0]``
+    rescaled to the new alpha / rank); the extra directions start as fresh LoRA ones do (A random, B zero), so
+    the model predicts exactly what the saved adapter does and every direction can still learn.  What it is
+    for: a long training run continued, piece by piece, on machines that keep only committed files (the small
+    adapter), not its optimizer states."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    settings: AdapterSettings | None = getattr(model, "mars_adapter", None)
+    if settings is None:
+        raise AdapterError("warm_start_adapter: attach an adapter first")
+    meta = read_adapter_meta(folder)
+    if meta is None:
+        raise AdapterError(f"adapter.init_from={folder} holds no {ADAPTER_META}: not a MARS adapter")
+    saved = AdapterSettings.from_dict(meta["settings"])
+    differ = [
+        f"{k}: {getattr(saved, k)!r} there, {getattr(settings, k)!r} here"
+        for k in ("kind", "target_modules", "top_layers", "mask_embedding")
+        if getattr(saved, k) != getattr(settings, k)
+    ]
+    if saved.rank > settings.rank:
+        differ.append(f"rank: {saved.rank} there, above {settings.rank} here")
+    if differ:
+        raise AdapterError(f"adapter.init_from={folder} does not fit this run's adapter ({'; '.join(differ)})")
+    weights = check_adapter_files(folder, meta)
+    if meta["base_digest"] != recorded_base_digest(model):
+        raise AdapterError(f"adapter.init_from={folder} was trained on another base model ({meta.get('base_model')})")
+    if block_size is not None and meta.get("block_size") not in (None, block_size):
+        raise AdapterError(f"adapter.init_from={folder} was trained with block size {meta.get('block_size')}")
+    state = load_file(str(weights))
+    delta = state.pop(MASK_DELTA_KEY, None)
+    fresh = get_peft_model_state_dict(model)
+    missing = sorted(set(fresh) - set(state))
+    if missing:
+        raise AdapterError(f"adapter.init_from={folder} lacks {len(missing)} of the adapter's tensors: {missing[:4]}")
+    start = {}
+    for key, new in fresh.items():
+        old = state[key].to(new.dtype)
+        new = new.detach().clone()
+        if ".lora_A." in key:
+            new[: old.shape[0]] = old
+        else:  # lora_B: the saved product at the saved scale
+            new.zero_()[:, : old.shape[1]] = old * (_scaling(saved) / _scaling(settings))
+        start[key] = new
+    set_peft_model_state_dict(model, start)
+    if delta is not None:
+        model.mars_gate.delta.data.copy_(delta.to(model.mars_gate.delta.dtype))
+
+
 def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
     """Replace each gated LoRA layer's factors by the best rank-``rank`` approximation of their product
     (its top singular directions), for decoding: a step with masks then reads and multiplies ``rank`` instead
@@ -442,8 +506,7 @@ def truncate_adapter_rank(model: nn.Module, rank: int) -> float:
             down.weight = nn.Parameter((root[:, None] * (vh[:rank] @ qa.T)).to(dtype).contiguous(), requires_grad=False)
             up.in_features = down.out_features = rank
             layer.r["default"] = rank
-    scaling = (settings.alpha if settings.alpha is not None else settings.rank) / settings.rank
-    model.mars_adapter = replace(settings, rank=rank, alpha=scaling * rank)
+    model.mars_adapter = replace(settings, rank=rank, alpha=_scaling(settings) * rank)
     return kept
 
 

@@ -18,6 +18,7 @@ from mars.adapters import (
     recorded_base_digest,
     save_adapter,
     truncate_adapter_rank,
+    warm_start_adapter,
 )
 from mars.models import build_tiny_random
 
@@ -320,3 +321,43 @@ def test_saving_at_a_lower_rank_refuses_before_loading_a_model(tmp_path, capsys,
         main([str(source), str(out), *flags])
     assert match in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_warm_start_predicts_as_the_saved_adapter_at_a_higher_rank_and_every_direction_learns(tmp_path):
+    """Training continued from a committed adapter (``adapter.init_from``): rank 4 at scale 2 into rank 8 at
+    scale 1 gives the saved adapter's mask-column logits; the new directions start with B at zero and A random,
+    so the first backward reaches them."""
+    saved = tiny()
+    attach_adapter(saved, AdapterSettings(kind="gated_lora", rank=4, alpha=8), MASK_ID)
+    give_adapter_weights(saved, seed=3)
+    folder = save(saved, tmp_path / "rank4")
+    _, masked = ids_with_masks()
+    model = tiny()
+    attach_adapter(model, AdapterSettings(kind="gated_lora", rank=8, alpha=8, init_from=str(folder)), MASK_ID)
+    fresh = logits(model, masked)
+    warm_start_adapter(model, folder, block_size=4)
+    out = logits(model, masked)
+    assert (fresh[:, 8:] - out[:, 8:]).abs().amax() > 1e-2  # the start moved off the fresh init
+    torch.testing.assert_close(out, logits(saved, masked), atol=1e-5, rtol=1e-5)
+    model(masked).logits[:, 8:].square().sum().backward()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            assert p.grad[:, 4:].abs().amax() > 0, name  # the four new directions train
+
+
+def test_a_warm_start_refuses_an_adapter_that_does_not_fit(tmp_path):
+    saved = tiny()
+    attach_adapter(saved, AdapterSettings(kind="gated_lora", rank=4), MASK_ID)
+    folder = save(saved, tmp_path / "rank4")
+    cases = [
+        (tiny(), AdapterSettings(kind="gated_lora", rank=2), 4, "rank: 4 there, above 2 here"),
+        (tiny(), AdapterSettings(kind="lora", rank=4), 4, "kind: 'gated_lora' there"),
+        (tiny(seed=5), AdapterSettings(kind="gated_lora", rank=4), 4, "another base model"),
+        (tiny(), AdapterSettings(kind="gated_lora", rank=4), 8, "block size 4"),
+    ]
+    for model, settings, block, message in cases:
+        attach_adapter(model, settings, MASK_ID)
+        with pytest.raises(AdapterError, match=message):
+            warm_start_adapter(model, folder, block_size=block)
+    with pytest.raises(ValueError, match="needs adapter.kind"):
+        AdapterSettings(kind="none", init_from=str(folder))

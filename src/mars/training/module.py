@@ -11,7 +11,8 @@ import lightning as L
 import torch
 from transformers import DynamicCache, PreTrainedModel, get_cosine_schedule_with_warmup
 
-from mars.adapters import AdapterSettings, attach_adapter
+from mars.adapters import AdapterSettings, attach_adapter, warm_start_adapter
+from mars.paths import bundled_path
 from mars.training.loss_terms import IGNORE, LossTerms, NoisyLayout
 from mars.training.masking import (
     attention_mask_for,
@@ -133,6 +134,8 @@ class MarsModule(LossTerms, L.LightningModule):
             self._reference.append(copy.deepcopy(model).eval().requires_grad_(False))
         if adapter.enabled:
             attach_adapter(model, adapter, self.mask_token_id)
+            if adapter.init_from:
+                warm_start_adapter(model, bundled_path(adapter.init_from), block_size)
             self.strict_loading = False  # adapter checkpoints hold the trainable tensors only
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
