@@ -359,8 +359,22 @@ def _check_adapter_fits(
             f"the model already carries an adapter; {folder} must be applied to its base model "
             f"({meta.get('base_model')}), not to a checkpoint that already has it"
         )
-    want = meta["base_digest"]
     have = base_digest(model)
+    _check_same_base(folder, meta, have, mask_token_id, block_size, model_label)
+    return have
+
+
+def _check_same_base(
+    folder: str | os.PathLike,
+    meta: dict[str, Any],
+    have: str,
+    mask_token_id: int,
+    block_size: int | None,
+    model_label: str,
+) -> None:
+    """Refuse the adapter recorded by ``meta`` for a base of weights digest ``have`` that is not its own, or whose
+    block size or mask token id differ from the adapter's."""
+    want = meta["base_digest"]
     if want != have:
         raise AdapterError(
             f"{folder} was trained on base model {meta.get('base_model')!r} (weights digest {want}); "
@@ -372,7 +386,6 @@ def _check_adapter_fits(
         raise AdapterError(
             f"{folder} uses mask token id {meta.get('mask_token_id')}; this tokenizer's is {mask_token_id}"
         )
-    return have
 
 
 def _load_adapter_weights(model: nn.Module, folder: str | os.PathLike, weights: Path, gate: MaskGate) -> None:
@@ -448,16 +461,12 @@ def warm_start_adapter(model: nn.Module, folder: str | os.PathLike, block_size: 
     if differ:
         raise AdapterError(f"adapter.init_from={folder} does not fit this run's adapter ({'; '.join(differ)})")
     weights = check_adapter_files(folder, meta)
-    if meta["base_digest"] != recorded_base_digest(model):
-        raise AdapterError(f"adapter.init_from={folder} was trained on another base model ({meta.get('base_model')})")
-    if block_size is not None and meta.get("block_size") not in (None, block_size):
-        raise AdapterError(f"adapter.init_from={folder} was trained with block size {meta.get('block_size')}")
+    gate: MaskGate = model.mars_gate
+    _check_same_base(folder, meta, recorded_base_digest(model), gate.mask_token_id, block_size, "the run's model")
     state = load_file(str(weights))
+    _check_complete(folder, model, state)
     delta = state.pop(MASK_DELTA_KEY, None)
     fresh = get_peft_model_state_dict(model)
-    missing = sorted(set(fresh) - set(state))
-    if missing:
-        raise AdapterError(f"adapter.init_from={folder} lacks {len(missing)} of the adapter's tensors: {missing[:4]}")
     start = {}
     for key, new in fresh.items():
         old = state[key].to(new.dtype)
@@ -469,7 +478,7 @@ def warm_start_adapter(model: nn.Module, folder: str | os.PathLike, block_size: 
         start[key] = new
     set_peft_model_state_dict(model, start)
     if delta is not None:
-        model.mars_gate.delta.data.copy_(delta.to(model.mars_gate.delta.dtype))
+        gate.delta.data.copy_(delta.to(gate.delta.dtype))
 
 
 def truncate_adapter_rank(model: nn.Module, rank: int) -> float:

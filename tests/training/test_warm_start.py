@@ -27,6 +27,4 @@ def test_a_run_started_from_a_saved_adapter_trains_on_from_its_predictions(
     ids = started.tokenizer("the moon is", add_special_tokens=False)["input_ids"]
     fresh = load_model("tiny-random")
     torch.testing.assert_close(_mask_logits(started, ids), _mask_logits(saved, ids), atol=1e-4, rtol=1e-4)
-    with torch.no_grad():
-        base = fresh.model(torch.tensor([ids + [fresh.mask.id] * 3])).logits[0, -3:]
-    assert (base - _mask_logits(saved, ids)).abs().amax() > 1e-2  # the saved adapter does move the masks
+    assert (_mask_logits(fresh, ids) - _mask_logits(saved, ids)).abs().amax() > 1e-2  # the saved adapter moves them
